@@ -1,0 +1,1 @@
+"""Attention kernels: torch for the CPU (attention.py), Triton for GPUs."""

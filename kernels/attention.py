@@ -1,0 +1,167 @@
+"""Attention over a KV cache in torch (the CPU path), in the two arithmetics of DESIGN.md section 2.
+
+`rows`: one pass over the stream's keys in KEY_TILE-row tiles, online softmax in fp32 (running max m,
+sum l, accumulator), one division by l at the end. `partial`: the same tile loop restarted at every
+SPLIT_ROWS-row split, splits merged in index order by log-sum-exp.
+
+Why it is batch-invariant: every dot product runs as a `bmm` item with exactly one query row (M = 1) and
+operands in one fixed layout; measured on this build, such items give the same bits whatever the number of
+items, the number of keys, or whether the operand is shared (stride 0) or copied. Everything else is
+elementwise or a reduction over one tile. A row at position p therefore sees the same arithmetic in a
+one-row decode, a prompt chunk or a draft verify, next to any other streams. Keys past p are masked to
+-inf, so they add exact zeros and a tile past p is an exact no-op (alpha = 1).
+
+The cache is read only through `rows` indices (physical cache row of every key position), which the
+cache module derives from a lane's base or a stream's page table: paged and contiguous run the same code.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tfq.tiles import KEY_TILE, SPLIT_ROWS
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class DecodeGroup:
+    """Streams that each bring one query row to this forward."""
+
+    q_rows: torch.Tensor  # [B] rows of the forward's q holding each stream's query
+    cache_rows: torch.Tensor  # [B, Lpad] physical cache row of each key position (Lpad: tiles of the longest)
+    lengths: torch.Tensor  # [B] keys each stream attends to (its query sits at position length - 1)
+
+
+@dataclass
+class Chunk:
+    """One stream bringing R >= 1 consecutive query rows (a prompt chunk, a draft verify)."""
+
+    q_start: int  # first row of the forward's q
+    count: int  # R
+    first_pos: int  # position of the first query row
+    cache_rows: torch.Tensor  # [Lpad] physical cache row of each key position up to first_pos + R
+
+
+@dataclass
+class AttentionBatch:
+    decode: DecodeGroup | None
+    chunks: list[Chunk]
+    partial: bool  # which arithmetic this forward runs
+
+
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
+           scale: float) -> torch.Tensor:
+    """q: [N, H, D] fp32, already written to the cache (cache first). Returns [N, H, D] fp32."""
+    out = torch.empty_like(q)
+    if batch.decode is not None:
+        d = batch.decode
+        out[d.q_rows] = _decode(q[d.q_rows] * scale, k_cache, v_cache, d, batch.partial)
+    for c in batch.chunks:
+        rows = slice(c.q_start, c.q_start + c.count)
+        out[rows] = _chunk(q[rows] * scale, k_cache, v_cache, c, batch.partial)
+    return out
+
+
+def tile_count(length: int) -> int:
+    return -(-length // KEY_TILE)
+
+
+def _gather(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Cache rows -> fp32 [..., Hkv, D] (one code path for lanes and pages)."""
+    return cache[rows].float()
+
+
+def _decode(q: torch.Tensor, k_cache, v_cache, d: DecodeGroup, partial: bool) -> torch.Tensor:
+    b, h, dim = q.shape
+    hkv = k_cache.shape[1]
+    group = h // hkv
+    lpad = d.cache_rows.shape[1]
+    # [B, Lpad, Hkv, D] -> one copy per query head: [B*H, Lpad, D] contiguous (the fixed operand layout)
+    k = _gather(k_cache, d.cache_rows).permute(0, 2, 1, 3)[:, :, None].expand(b, hkv, group, lpad, dim)
+    v = _gather(v_cache, d.cache_rows).permute(0, 2, 1, 3)[:, :, None].expand(b, hkv, group, lpad, dim)
+    k = k.reshape(b * h, lpad, dim)
+    v = v.reshape(b * h, lpad, dim)
+    s = torch.bmm(q.reshape(b * h, 1, dim), k.transpose(1, 2)).view(b * h, lpad)
+    qpos = (d.lengths - 1).repeat_interleave(h)
+    s = s.masked_fill(torch.arange(lpad)[None, :] > qpos[:, None], NEG_INF)
+    nt = lpad // KEY_TILE
+
+    def pv(p: torch.Tensor) -> torch.Tensor:  # p [B*H, nt, T] -> [B*H, nt, D]
+        return torch.bmm(p.reshape(b * h * nt, 1, KEY_TILE), v.view(b * h * nt, KEY_TILE, dim)).view(b * h, nt, dim)
+
+    return _softmax_pass(s.view(b * h, nt, KEY_TILE), pv, partial).view(b, h, dim)
+
+
+def _chunk(q: torch.Tensor, k_cache, v_cache, c: Chunk, partial: bool) -> torch.Tensor:
+    r, h, dim = q.shape
+    hkv = k_cache.shape[1]
+    group = h // hkv
+    lpad = c.cache_rows.shape[0]
+    nt = lpad // KEY_TILE
+    k = _gather(k_cache, c.cache_rows).transpose(0, 1).contiguous()  # [Hkv, Lpad, D]
+    v = _gather(v_cache, c.cache_rows).transpose(0, 1).contiguous()
+    qpos = torch.arange(c.first_pos, c.first_pos + r)
+    masked = torch.arange(lpad)[None, :] > qpos[:, None]  # [R, Lpad]
+    out = torch.empty(r, h, dim)
+    for kv in range(hkv):
+        # items (row, head of this KV group): each an M = 1 product against the shared K (stride 0)
+        n = r * group
+        qh = q[:, kv * group:(kv + 1) * group].reshape(n, 1, dim)
+        s = torch.bmm(qh, k[kv].T.expand(n, dim, lpad)).view(r, group, lpad)
+        s = s.masked_fill(masked[:, None, :], NEG_INF).view(n, nt, KEY_TILE)
+        vk = v[kv]
+
+        def pv(p: torch.Tensor) -> torch.Tensor:  # p [n, nt, T] -> [n, nt, D]
+            return torch.stack([
+                torch.bmm(p[:, j, None, :], vk[j * KEY_TILE:(j + 1) * KEY_TILE].expand(n, KEY_TILE, dim))[:, 0]
+                for j in range(nt)
+            ], 1)
+
+        out[:, kv * group:(kv + 1) * group] = _softmax_pass(s, pv, partial).view(r, group, dim)
+    return out
+
+
+def _softmax_pass(s: torch.Tensor, pv, partial: bool) -> torch.Tensor:
+    """Online softmax over tiles. s: [n, nt, T] scores, -inf where masked. Returns [n, D]."""
+    n, nt, _ = s.shape
+    per_split = SPLIT_ROWS // KEY_TILE if partial else nt
+    tile_max = s.amax(-1)  # [n, nt]
+    # running max, restarted at every split; m_prev is the max before a tile (-inf at a split's start)
+    pad = (-nt) % per_split
+    tm = torch.cat([tile_max, tile_max.new_full((n, pad), NEG_INF)], 1).view(n, -1, per_split)
+    m = tm.cummax(-1).values
+    m_prev = torch.cat([m.new_full(m.shape[:2] + (1,), NEG_INF), m[..., :-1]], -1)
+    m = m.reshape(n, -1)[:, :nt]
+    m_prev = m_prev.reshape(n, -1)[:, :nt]
+    m_safe = torch.where(m == NEG_INF, 0.0, m)  # a split with no key yet: p = 0, not NaN
+    p = torch.exp(s - m_safe[..., None])
+    alpha = torch.exp(m_prev - m_safe)  # 0 at a split's start, 1 for a tile that raised nothing
+    tile_sum = p.sum(-1)
+    tile_pv = pv(p)
+    l = torch.zeros(n)
+    acc = torch.zeros(n, tile_pv.shape[-1])
+    states = []
+    for j in range(nt):
+        a = alpha[:, j]
+        l = l * a + tile_sum[:, j]
+        acc = acc * a[:, None] + tile_pv[:, j]
+        if partial and (j % per_split == per_split - 1 or j == nt - 1):
+            states.append((m[:, j], l, acc))
+    if not partial:
+        return acc / l[:, None]
+    return _merge(states)
+
+
+def _merge(states: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Log-sum-exp merge of split states (m, l, acc), in split index order."""
+    big = torch.stack([m for m, _, _ in states]).amax(0)
+    big = torch.where(big == NEG_INF, 0.0, big)
+    l = torch.zeros_like(states[0][1])
+    acc = torch.zeros_like(states[0][2])
+    for m, ls, accs in states:
+        w = torch.exp(m - big)  # an empty split: exp(-inf) = 0
+        l = l + ls * w
+        acc = acc + accs * w[:, None]
+    return acc / l[:, None]

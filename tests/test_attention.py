@@ -1,0 +1,82 @@
+"""The torch attention kernels: right (against float64) and batch-invariant (bits)."""
+import math
+
+import pytest
+import torch
+
+from kernels.attention import AttentionBatch, Chunk, DecodeGroup, attend, tile_count
+from tfq.tiles import KEY_TILE
+
+H, HKV, D = 8, 2, 64
+
+
+def reference(q, k, v, first_pos):
+    """float64 causal attention of rows at first_pos.. over keys 0..L-1 ([L, Hkv, D])."""
+    r = q.shape[0]
+    g = H // HKV
+    kk = k.double().repeat_interleave(g, 1).transpose(0, 1)  # [H, L, D]
+    vv = v.double().repeat_interleave(g, 1).transpose(0, 1)
+    s = torch.einsum("rhd,hld->hrl", q.double(), kk) / math.sqrt(D)
+    pos = torch.arange(first_pos, first_pos + r)
+    s = s.masked_fill(torch.arange(k.shape[0])[None, None, :] > pos[None, :, None], float("-inf"))
+    return torch.einsum("hrl,hld->rhd", s.softmax(-1), vv)
+
+
+def rows_for(base, length):
+    return torch.arange(base, base + tile_count(length) * KEY_TILE)
+
+
+def run_chunk(q, cache_k, cache_v, base, first_pos, partial=False):
+    r = q.shape[0]
+    c = Chunk(0, r, first_pos, rows_for(base, first_pos + r))
+    return attend(q, cache_k, cache_v, AttentionBatch(None, [c], partial), 1 / math.sqrt(D))
+
+
+def run_decode(qs, cache_k, cache_v, bases, lengths, partial=False):
+    lpad = tile_count(max(lengths)) * KEY_TILE
+    rows = torch.stack([torch.arange(b, b + lpad) for b in bases])
+    d = DecodeGroup(torch.arange(len(qs)), rows, torch.tensor(lengths))
+    return attend(torch.stack(qs), cache_k, cache_v, AttentionBatch(d, [], partial), 1 / math.sqrt(D))
+
+
+@pytest.fixture
+def cache():
+    g = torch.Generator().manual_seed(0)
+    rows = 4 * 1024
+    return torch.randn(rows, HKV, D, generator=g), torch.randn(rows, HKV, D, generator=g), g
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_matches_float64(cache, partial):
+    k, v, g = cache
+    q = torch.randn(300, H, D, generator=g)
+    out = run_chunk(q, k, v, base=0, first_pos=0, partial=partial)
+    ref = reference(q, k[:300], v[:300], 0)
+    assert (out.double() - ref).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_rows_equal_in_chunk_decode_and_batch(cache, partial):
+    k, v, g = cache
+    length = 333
+    q = torch.randn(length, H, D, generator=g)
+    whole = run_chunk(q, k, v, 0, 0, partial)
+    # chunks of uneven sizes
+    start, parts = 0, []
+    for size in (1, 63, 64, 100, 105):
+        parts.append(run_chunk(q[start:start + size], k, v, 0, start, partial))
+        start += size
+    assert torch.equal(torch.cat(parts), whole)
+    # each row as a lone decode, and batched beside streams of other lengths (other lanes of the cache)
+    other = torch.randn(H, D, generator=g)
+    for pos in (0, 1, 63, 64, 200, 332):
+        alone = run_decode([q[pos]], k, v, [0], [pos + 1], partial)
+        assert torch.equal(alone[0], whole[pos])
+        batched = run_decode([other, q[pos], other], k, v, [1024, 0, 2048], [700, pos + 1, 5], partial)
+        assert torch.equal(batched[1], whole[pos])
+
+
+def test_partial_differs_from_rows(cache):
+    k, v, g = cache
+    q = torch.randn(600, H, D, generator=g)
+    assert not torch.equal(run_chunk(q, k, v, 0, 0, False), run_chunk(q, k, v, 0, 0, True))

@@ -1,0 +1,76 @@
+"""Linear layers whose rows do not depend on how many rows the matmul has.
+
+On this CPU plain fp32 `F.linear` gives a row different bits for M = 1, 2-3 and >= 4 (MKL picks other
+kernels). oneDNN's pre-packed fp32 inner product was measured invariant for M = 1..512 and is the fastest
+fp32 path here. It is a private op, so `check_linear` proves it on the running build before tfq trusts it.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from tfq.errors import TfqError
+
+LinearFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class Linear:
+    """y = x W^T + b in fp32, row-invariant. Weights are packed once for oneDNN when it is there."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.out_features, self.in_features = weight.shape
+        weight = weight.detach().float().contiguous()
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.packed = _onednn_available()
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.packed else weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return _rowwise_linear(x, self.weight, self.bias)
+
+
+def _rowwise_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    # Fallback without oneDNN: one matrix-vector product per row is invariant by construction (slow).
+    return torch.stack([F.linear(row[None], w, b)[0] for row in x]) if len(x) else F.linear(x, w, b)
+
+
+CHECK_ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 33, 48, 63)
+
+
+def check_linear(make: Callable[[torch.Tensor, torch.Tensor], LinearFn] = Linear, rows: int = 64) -> None:
+    """Refuse to run if a linear row's bits change with the number of rows in the matmul.
+
+    Checks a few shapes like the model's (square, wide, tall) at the row counts where MKL and oneDNN switch
+    kernels, against one call of `rows` rows. The full sweep M = 1..512 lives in the tests.
+    """
+    g = torch.Generator().manual_seed(1234)
+    for n_in, n_out in ((96, 96), (64, 352), (352, 64), (896, 128)):
+        w = torch.randn(n_out, n_in, generator=g)
+        b = torch.randn(n_out, generator=g)
+        x = torch.randn(rows, n_in, generator=g)
+        f = make(w, b)
+        full = f(x)
+        for m in CHECK_ROWS:
+            if not torch.equal(f(x[:m]), full[:m]):
+                raise TfqError(
+                    f"this torch build's linear layer is not batch-invariant (a row's bits change at {m} rows, "
+                    f"shape {n_in}->{n_out}); exact mode cannot run here: use a torch build with oneDNN (mkldnn)"
+                )
+
+
+_checked = False
+
+
+def ensure_exact_linear() -> None:
+    """Run `check_linear` once per process."""
+    global _checked
+    if not _checked:
+        check_linear()
+        _checked = True

@@ -1,0 +1,230 @@
+"""The engine: continuous batching of streams over lanes and pages, one forward per step.
+
+Each step admits waiting streams into free lanes, gives every running stream its rows (a prompt chunk of at
+most `prefill_chunk` rows, or the one token it drew last), runs them all in one forward, and draws the next
+token of every stream whose rows reached its end. The batch's shape never chooses the arithmetic: only the
+plan does (and the `TFQ_PAGED_PARTIAL` control, which reproduces the field report's fault on purpose).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from kernels.attention import AttentionBatch, Chunk, DecodeGroup
+from tfq.cache import KVCache
+from tfq.model.qwen import Qwen
+from tfq.sampling import digest, sample
+from tfq.stream import Request, Result, Stream
+
+OnToken = Callable[[int, int, str], None]  # (request index, token id, newly completed text)
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What the engine takes from a plan (tfq.plan.Plan + its Layout)."""
+
+    window: int
+    lanes: int
+    prefill_chunk: int = 512
+    kv_dtype: str = "fp32"
+    page_rows: int = 0
+    paged_all: bool = False
+    pool_pages: int = 0
+    partial: bool = False
+    paged_partial: bool = False
+
+    @property
+    def contiguous_lanes(self) -> int:
+        if self.page_rows == 0:
+            return self.lanes
+        return 0 if self.paged_all else 1
+
+    @classmethod
+    def from_plan(cls, plan, layout) -> "EngineSettings":
+        return cls(window=plan.window, lanes=plan.lanes, prefill_chunk=plan.prefill_chunk, kv_dtype=plan.kv.dtype,
+                   page_rows=plan.kv.pages, paged_all=plan.kv.paged == "all", pool_pages=layout.pool_pages,
+                   partial=plan.attention == "partial", paged_partial=plan.paged_partial)
+
+
+class Engine:
+    def __init__(self, model: Qwen, settings: EngineSettings, tokenizer=None, eos_ids: Sequence[int] = (),
+                 page_order_seed: int | None = None, keep_logits: bool = False):
+        self.model = model
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.eos_ids = frozenset(eos_ids or (tokenizer.eos_ids if tokenizer is not None else ()))
+        self.keep_logits = keep_logits
+        s = settings
+        self.cache = KVCache(model.config, lanes=s.contiguous_lanes, window=s.window, page_rows=s.page_rows,
+                             pool_pages=s.pool_pages, dtype=s.kv_dtype, page_order_seed=page_order_seed)
+        self.forwards = 0
+
+    # -- public -------------------------------------------------------------------------------------------
+    def generate(self, requests: Sequence[Request], on_token: OnToken | None = None) -> list[Result]:
+        for r in requests:
+            r.validate()
+        streams = [Stream(i, r, list(r.prompt)) for i, r in enumerate(requests)]
+        start = time.perf_counter()
+        waiting: deque[Stream] = deque()
+        for st in streams:
+            if len(st.tokens) >= self.settings.window:
+                self._fail(st, f"prompt of {len(st.tokens)} tokens does not fit the window of "
+                               f"{self.settings.window} rows; raise window (TFQ_WINDOW) or shorten the prompt")
+            else:
+                waiting.append(st)
+        lanes: list[Stream | None] = [None] * self.settings.lanes
+        admitted = 0
+        try:
+            while waiting or any(lanes):
+                for i in range(len(lanes)):
+                    if lanes[i] is None and waiting:
+                        st = waiting.popleft()
+                        st.lane, st.order, admitted = i, admitted, admitted + 1
+                        st.placement = self.cache.lane(i) if i < self.settings.contiguous_lanes else self.cache.paged()
+                        lanes[i] = st
+                running = self._reserve([st for st in lanes if st is not None], lanes, waiting)
+                if running:
+                    self._step(running, start, on_token)
+                for i, st in enumerate(lanes):
+                    if st is not None and st.finish is not None:
+                        self._leave(st, lanes)
+        finally:
+            for st in lanes:  # an interrupted run gives every page back
+                if st is not None:
+                    self._leave(st, lanes)
+        total = time.perf_counter() - start
+        return [self._result(st, total) for st in streams]
+
+    # -- one step -----------------------------------------------------------------------------------------
+    def _reserve(self, running: list[Stream], lanes, waiting: deque) -> list[Stream]:
+        """Give each stream room for this step's rows, oldest first; when the pool is dry, preempt the newest."""
+        ready: list[Stream] = []
+        for st in sorted(running, key=lambda s: s.order):
+            if st.finish is not None or st.placement is None:
+                continue
+            while not self.cache.grow(st.placement, st.cached + self._rows(st)):
+                newer = [s for s in running if s.order > st.order and s.placement is not None and s.placement.pages]
+                if newer:
+                    self._preempt(max(newer, key=lambda s: s.order), lanes, waiting)
+                    continue
+                if not any(s.placement is not None and s.placement.pages for s in running if s is not st):
+                    self._fail(st, f"the page pool ({self.cache.pool_pages} pages of {self.cache.page_rows} rows) "
+                                   f"cannot hold this stream's {st.cached + self._rows(st)} rows; raise kv.pool "
+                                   f"(TFQ_KV_POOL) or the budget")
+                else:  # older streams hold the pages: wait for them
+                    self._preempt(st, lanes, waiting)
+                break
+            else:
+                ready.append(st)
+        return ready
+
+    def _rows(self, st: Stream) -> int:
+        return min(st.pending, self.settings.prefill_chunk)
+
+    def _step(self, running: list[Stream], start: float, on_token: OnToken | None) -> None:
+        ids, positions, write_rows, logit_rows, producers = [], [], [], [], []
+        decode, chunks = [], []
+        row = 0
+        counts = [self._rows(st) for st in running]
+        for st, n in zip(running, counts):
+            ids.extend(st.tokens[st.cached:st.cached + n])
+            positions.extend(range(st.cached, st.cached + n))
+            write_rows.append(self.cache.rows(st.placement, st.cached, n))
+            if n == 1:
+                decode.append((row, st))
+            else:
+                chunks.append(Chunk(row, n, st.cached, self.cache.key_rows(st.placement, st.cached + n)))
+            if st.cached + n == len(st.tokens):
+                logit_rows.append(row + n - 1)
+                producers.append(st)
+            row += n
+        batch = AttentionBatch(self._decode_group(decode), chunks, self._partial(running))
+        logits = self.model.forward(torch.tensor(ids), torch.tensor(positions), self.cache, torch.cat(write_rows),
+                                    batch, torch.tensor(logit_rows, dtype=torch.long))
+        self.forwards += 1
+        for st, n in zip(running, counts):
+            st.cached += n
+        for st, row_logits in zip(producers, logits):
+            self._draw(st, row_logits, start, on_token)
+
+    def _partial(self, running: list[Stream]) -> bool:
+        s = self.settings
+        return s.partial or (s.paged_partial and any(st.placement.paged for st in running))
+
+    def _decode_group(self, decode: list[tuple[int, Stream]]) -> DecodeGroup | None:
+        if not decode:
+            return None
+        lengths = [st.cached + 1 for _, st in decode]
+        keys = [self.cache.key_rows(st.placement, n) for (_, st), n in zip(decode, lengths)]
+        lpad = max(len(k) for k in keys)
+        rows = torch.zeros(len(keys), lpad, dtype=torch.long)
+        for i, k in enumerate(keys):
+            rows[i, :len(k)] = k  # beyond a stream's own tiles: row 0, masked
+        return DecodeGroup(torch.tensor([r for r, _ in decode]), rows, torch.tensor(lengths))
+
+    def _draw(self, st: Stream, logits: torch.Tensor, start: float, on_token: OnToken | None) -> None:
+        req = st.request
+        st.digests.append(digest(logits))
+        if self.keep_logits:
+            st.logits.append(logits.clone())
+        token = sample(logits, req.temperature, req.top_p, req.seed, len(st.tokens))
+        st.tokens.append(token)
+        if len(st.digests) == 1:
+            st.first_token_s = time.perf_counter() - start
+        piece = ""
+        if token in self.eos_ids:
+            st.finish = "eos"
+        else:
+            piece = self._text(st)
+        if st.finish is None:
+            stop = next((s for s in req.stop if s in st.text), None)
+            if stop is not None:
+                st.text = st.text[:st.text.index(stop)]
+                st.finish = "stop"
+            elif len(st.digests) >= req.max_tokens:
+                st.finish = "length"
+            elif len(st.tokens) >= self.settings.window:
+                st.finish = "window"
+        if on_token is not None:
+            on_token(st.index, token, piece)
+
+    def _text(self, st: Stream) -> str:
+        """Update st.text from the reply and return what is newly complete (held back at a partial UTF-8)."""
+        if self.tokenizer is None:
+            return ""
+        full = self.tokenizer.decode([t for t in st.reply if t not in self.eos_ids])
+        done = full.rstrip("\ufffd")
+        piece = done[len(st.text):] if done.startswith(st.text) else ""
+        st.text = done if done.startswith(st.text) else st.text
+        return piece
+
+    # -- leaving ------------------------------------------------------------------------------------------
+    def _preempt(self, st: Stream, lanes, waiting: deque) -> None:
+        """Free a stream's pages and requeue it; it recomputes its cache (prompt and reply) when readmitted."""
+        self.cache.release(st.placement)
+        lanes[st.lane] = None
+        st.lane, st.placement, st.cached = None, None, 0
+        st.preempted += 1
+        waiting.appendleft(st)
+
+    def _leave(self, st: Stream, lanes) -> None:
+        if st.placement is not None:
+            self.cache.release(st.placement)
+        if st.lane is not None:
+            lanes[st.lane] = None
+        st.lane, st.placement = None, None
+
+    def _fail(self, st: Stream, message: str) -> None:
+        st.finish, st.error = "error", message
+
+    def _result(self, st: Stream, total: float) -> Result:
+        text = st.text
+        if self.tokenizer is not None and st.finish not in ("stop",):
+            text = self.tokenizer.decode([t for t in st.reply if t not in self.eos_ids])
+        return Result(label=st.request.label, ids=st.reply, text=text, digests=st.digests, finish=st.finish or "error",
+                      error=st.error, prompt_tokens=len(st.request.prompt), first_token_s=st.first_token_s,
+                      total_s=total, preempted=st.preempted, logits=st.logits if self.keep_logits else None)

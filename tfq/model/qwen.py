@@ -1,0 +1,135 @@
+"""The Qwen2 / Qwen3 decoder forward in fp32, built from row-invariant pieces only.
+
+Rows of every stream in a forward are concatenated: linear layers, norms and activations treat each row on
+its own (tfq.arithmetic), attention reads each stream's keys from the cache (kernels.attention), so no
+row's bits depend on which other rows share the forward.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention import AttentionBatch, attend
+from tfq.arithmetic import Linear, ensure_exact_linear
+from tfq.errors import TfqError
+from tfq.model.config import ModelConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, half-split (neox) layout as in HF Qwen. x [N, heads, D]; cos, sin [N, 1, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), -1)
+    return x * cos + rotated * sin
+
+
+@dataclass
+class Layer:
+    input_norm: torch.Tensor
+    qkv: Linear
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: Linear
+    post_norm: torch.Tensor
+    gate_up: Linear
+    down: Linear
+
+
+class Qwen:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
+        ensure_exact_linear()
+        self.config = config
+        c = config
+        take = _Taker(weights)
+        self.embed = take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
+        self.layers: list[Layer] = []
+        q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            qkv_w = torch.cat([take(a + "q_proj.weight", (q_out, c.hidden_size)),
+                               take(a + "k_proj.weight", (kv_out, c.hidden_size)),
+                               take(a + "v_proj.weight", (kv_out, c.hidden_size))])
+            qkv_b = None
+            if c.qkv_bias:
+                qkv_b = torch.cat([take(a + "q_proj.bias", (q_out,)), take(a + "k_proj.bias", (kv_out,)),
+                                   take(a + "v_proj.bias", (kv_out,))])
+            m = p + "mlp."
+            gate_up = torch.cat([take(m + "gate_proj.weight", (c.intermediate_size, c.hidden_size)),
+                                 take(m + "up_proj.weight", (c.intermediate_size, c.hidden_size))])
+            self.layers.append(Layer(
+                input_norm=take(p + "input_layernorm.weight", (c.hidden_size,)),
+                qkv=Linear(qkv_w, qkv_b),
+                q_norm=take(a + "q_norm.weight", (c.head_dim,)) if c.qk_norm else None,
+                k_norm=take(a + "k_norm.weight", (c.head_dim,)) if c.qk_norm else None,
+                o=Linear(take(a + "o_proj.weight", (c.hidden_size, q_out))),
+                post_norm=take(p + "post_attention_layernorm.weight", (c.hidden_size,)),
+                gate_up=Linear(gate_up),
+                down=Linear(take(m + "down_proj.weight", (c.hidden_size, c.intermediate_size))),
+            ))
+        self.norm = take("model.norm.weight", (c.hidden_size,))
+        head = self.embed if c.tie_embeddings else take("lm_head.weight", (c.vocab_size, c.hidden_size))
+        self.lm_head = Linear(head)
+        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64).float() / c.head_dim))
+        self.inv_freq = inv_freq
+        self._rope_rows = 0
+        self.scale = 1.0 / math.sqrt(c.head_dim)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        need = int(positions.max()) + 1
+        if need > self._rope_rows:  # one table for every position: a row's angles never depend on the batch
+            rows = max(need, 2 * self._rope_rows, 4096)
+            freqs = torch.outer(torch.arange(rows, dtype=torch.float32), self.inv_freq)
+            emb = torch.cat((freqs, freqs), -1)
+            self._cos, self._sin, self._rope_rows = emb.cos(), emb.sin(), rows
+        return self._cos[positions][:, None, :], self._sin[positions][:, None, :]
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache, cache_rows: torch.Tensor,
+                batch: AttentionBatch, logit_rows: torch.Tensor) -> torch.Tensor:
+        """ids, positions, cache_rows: [N] (cache_rows: where each row's key and value are stored).
+        Returns fp32 logits [len(logit_rows), vocab]."""
+        c = self.config
+        n = ids.shape[0]
+        q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        cos, sin = self._rope(positions)
+        x = self.embed[ids]
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.input_norm, c.rms_eps)
+            q, k, v = layer.qkv(h).split((q_out, kv_out, kv_out), -1)
+            q = q.reshape(n, c.num_heads, c.head_dim)
+            k = k.reshape(n, c.num_kv_heads, c.head_dim)
+            v = v.reshape(n, c.num_kv_heads, c.head_dim)
+            if layer.q_norm is not None:
+                q = rms_norm(q, layer.q_norm, c.rms_eps)
+                k = rms_norm(k, layer.k_norm, c.rms_eps)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            cache.write(i, cache_rows, k, v)  # cache first: new keys are read back like old ones
+            a = attend(q, cache.k[i], cache.v[i], batch, self.scale)
+            x = x + layer.o(a.reshape(n, q_out))
+            h = rms_norm(x, layer.post_norm, c.rms_eps)
+            gate, up = layer.gate_up(h).split((c.intermediate_size, c.intermediate_size), -1)
+            x = x + layer.down(F.silu(gate) * up)
+        x = rms_norm(x[logit_rows], self.norm, c.rms_eps)
+        return self.lm_head(x)
+
+
+class _Taker:
+    """Pulls named tensors out of a state dict, checking shapes, so a wrong checkpoint fails in one line."""
+
+    def __init__(self, weights: dict[str, torch.Tensor]):
+        self.weights = weights
+
+    def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        t = self.weights.get(name)
+        if t is None:
+            raise TfqError(f"checkpoint has no tensor {name}; is it a complete {shape} Qwen checkpoint?")
+        if tuple(t.shape) != shape:
+            raise TfqError(f"checkpoint tensor {name} has shape {tuple(t.shape)}, config says {shape}")
+        return t.float().contiguous()
