@@ -54,6 +54,9 @@ class AttentionBatch:
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
            scale: float) -> torch.Tensor:
     """q: [N, H, D] fp32, already written to the cache (cache first). Returns [N, H, D] fp32."""
+    if q.is_cuda:  # the same arithmetic in Triton (kernels/triton_attention.py)
+        from kernels.triton_attention import attend as triton_attend
+        return triton_attend(q, k_cache, v_cache, batch, scale)
     out = torch.empty_like(q)
     if batch.decode is not None:
         d = batch.decode
@@ -70,7 +73,7 @@ def tile_count(length: int) -> int:
 
 def _gather(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """Cache rows -> fp32 [..., Hkv, D] (one code path for lanes and pages)."""
-    return cache[rows].float()
+    return cache.index_select(0, rows.reshape(-1)).view(*rows.shape, *cache.shape[1:]).float()
 
 
 def _decode(q: torch.Tensor, k_cache, v_cache, d: DecodeGroup, partial: bool) -> torch.Tensor:

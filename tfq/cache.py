@@ -94,6 +94,9 @@ class KVCache:
         return self.rows(p, 0, padded)  # page rows are a multiple of the tile: a tile never straddles pages
 
     def write(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.k[layer].is_cuda:  # the Triton store: same clamping and rounding (kernels/triton_attention.py)
+            from kernels.triton_attention import write
+            return write(self.k[layer], self.v[layer], rows, k, v, self.dtype_name)
         limit = SATURATE.get(self.dtype_name)
         if limit is not None:
             k, v = k.clamp(-limit, limit), v.clamp(-limit, limit)

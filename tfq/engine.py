@@ -63,11 +63,17 @@ class Engine:
                              pool_pages=s.pool_pages, dtype=s.kv_dtype, page_order_seed=page_order_seed)
         self.forwards = 0
 
+    @classmethod
+    def from_plan(cls, plan, layout, loaded, **kw) -> "Engine":
+        """plan: tfq.plan.Plan, layout: its Layout, loaded: tfq.model.load.LoadedModel."""
+        return cls(loaded.model, EngineSettings.from_plan(plan, layout), loaded.tokenizer, **kw)
+
     # -- public -------------------------------------------------------------------------------------------
     def generate(self, requests: Sequence[Request], on_token: OnToken | None = None) -> list[Result]:
         for r in requests:
             r.validate()
-        streams = [Stream(i, r, list(r.prompt)) for i, r in enumerate(requests)]
+        streams = [Stream(i, r, list(r.prompt), decoder=self.tokenizer.stream() if self.tokenizer else None)
+                   for i, r in enumerate(requests)]
         start = time.perf_counter()
         waiting: deque[Stream] = deque()
         for st in streams:
@@ -175,32 +181,23 @@ class Engine:
         st.tokens.append(token)
         if len(st.digests) == 1:
             st.first_token_s = time.perf_counter() - start
-        piece = ""
+        before = len(st.text)
         if token in self.eos_ids:
             st.finish = "eos"
-        else:
-            piece = self._text(st)
-        if st.finish is None:
-            stop = next((s for s in req.stop if s in st.text), None)
-            if stop is not None:
-                st.text = st.text[:st.text.index(stop)]
-                st.finish = "stop"
-            elif len(st.digests) >= req.max_tokens:
-                st.finish = "length"
-            elif len(st.tokens) >= self.settings.window:
-                st.finish = "window"
+        elif st.decoder is not None:
+            st.text += st.decoder.feed(token)
+        stop = next((s for s in req.stop if s in st.text), None)
+        if stop is not None:
+            st.text = st.text[:st.text.index(stop)]
+            st.finish = "stop"
+        elif st.finish is None and len(st.digests) >= req.max_tokens:
+            st.finish = "length"
+        elif st.finish is None and len(st.tokens) >= self.settings.window:
+            st.finish = "window"
+        if st.finish not in (None, "stop") and st.decoder is not None:
+            st.text += st.decoder.flush()  # a character cut at the very end still shows
         if on_token is not None:
-            on_token(st.index, token, piece)
-
-    def _text(self, st: Stream) -> str:
-        """Update st.text from the reply and return what is newly complete (held back at a partial UTF-8)."""
-        if self.tokenizer is None:
-            return ""
-        full = self.tokenizer.decode([t for t in st.reply if t not in self.eos_ids])
-        done = full.rstrip("\ufffd")
-        piece = done[len(st.text):] if done.startswith(st.text) else ""
-        st.text = done if done.startswith(st.text) else st.text
-        return piece
+            on_token(st.index, token, st.text[before:])
 
     # -- leaving ------------------------------------------------------------------------------------------
     def _preempt(self, st: Stream, lanes, waiting: deque) -> None:
@@ -222,9 +219,6 @@ class Engine:
         st.finish, st.error = "error", message
 
     def _result(self, st: Stream, total: float) -> Result:
-        text = st.text
-        if self.tokenizer is not None and st.finish not in ("stop",):
-            text = self.tokenizer.decode([t for t in st.reply if t not in self.eos_ids])
-        return Result(label=st.request.label, ids=st.reply, text=text, digests=st.digests, finish=st.finish or "error",
+        return Result(label=st.request.label, ids=st.reply, text=st.text, digests=st.digests, finish=st.finish or "error",
                       error=st.error, prompt_tokens=len(st.request.prompt), first_token_s=st.first_token_s,
                       total_s=total, preempted=st.preempted, logits=st.logits if self.keep_logits else None)

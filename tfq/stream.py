@@ -58,6 +58,7 @@ class Stream:
     cached: int = 0  # positions whose keys and values are in the cache
     digests: list[str] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
+    decoder: object | None = None  # tfq.model.tokenizer.StreamDecoder: text as whole characters
     text: str = ""
     finish: str | None = None
     error: str | None = None

@@ -1,0 +1,532 @@
+"""The kernel check: paged == contiguous in bits, within a float64 bound, repeatable, guarded, with controls.
+
+For every backend (torch; Triton on a GPU or under the interpreter), cache dtype and attention kernel
+(`rows`, `partial`) it runs a few streams of ragged lengths through one KVCache twice: once in contiguous
+lanes, once in shuffled pages, and checks
+- stores:  the cache contents after the writes (prompt chunk, middle chunk, single-row decodes) are equal
+           in bits in the lane and in the pages, and within the dtype's rounding of the written values;
+- keep:    rows written earlier are unchanged by later writes, of the same or other streams;
+- queries: a one-row decode group (ragged lengths) reads the same bits through the pages as through the
+           lanes, within a float64 bound;
+- rows:    multi-row causal chunks beside a decode group, likewise, and each chunk row equal in bits to
+           the one-row decode at its position.
+Each runs `repeats` times (identical bits every time). Every row of the store that belongs to no stream
+(a guard lane between lanes, a guard page between pages, the tail of a lane or a last page) holds a
+canary, checked untouched after every kernel call. Controls prove each check can fail: they must be RED.
+
+The float64 reference is computed from the stored (already rounded) K/V, so the bound is the fp32
+arithmetic's alone; it is derived in `attention_bound`.
+"""
+from __future__ import annotations
+
+import math
+import os
+import random
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from kernels.attention import AttentionBatch, Chunk, DecodeGroup, tile_count
+from kernels.attention import attend as torch_attend
+from tfq.cache import DTYPES, SATURATE, KVCache, Placement
+from tfq.errors import TfqError
+from tfq.model.config import ModelConfig
+from tfq.tiles import KEY_TILE, SPLIT_ROWS
+
+U32 = 2.0 ** -24  # fp32 unit roundoff
+EXP_ULPS = 4  # error of one exp (GPU ex2.approx: 2 ulp) plus the rounding of its argument's scaling
+STORE_ROUNDOFF = {"fp32": 0.0, "bf16": 2.0 ** -8, "fp16": 2.0 ** -11, "fp8": 2.0 ** -4}
+MIN_NORMAL = {"fp32": 2.0 ** -126, "bf16": 2.0 ** -126, "fp16": 2.0 ** -14, "fp8": 2.0 ** -6}
+CANARY_K, CANARY_V = 240.0, -208.0  # exact in every cache dtype, far from the data: a leak shows
+EDGE_ROWS = 16  # a stream written with rounding edge cases (ties, subnormals, overflow), stores only
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+@dataclass
+class CheckConfig:
+    heads: int = 8
+    kv_heads: int = 2
+    head_dim: int = 64
+    lengths: tuple[int, ...] = (5, 130, 290)
+    page_rows: int = KEY_TILE
+    chunk_rows: int = 12
+    repeats: int = 5
+    seed: int = 0
+    dtypes: tuple[str, ...] = tuple(DTYPES)
+    kernels: tuple[str, ...] = ("rows", "partial")
+
+    def validate(self) -> None:
+        if self.heads < 1 or self.kv_heads < 1 or self.heads % self.kv_heads:
+            raise TfqError(f"--heads {self.heads} must be a positive multiple of --kv-heads {self.kv_heads}")
+        if self.head_dim < 16 or self.head_dim & (self.head_dim - 1):
+            raise TfqError(f"--head-dim {self.head_dim} must be a power of two, at least 16")
+        if self.page_rows < KEY_TILE or self.page_rows % KEY_TILE:
+            raise TfqError(f"--page-rows {self.page_rows} must be a multiple of the key tile ({KEY_TILE})")
+        if not self.lengths or min(self.lengths) < 1:
+            raise TfqError("--lengths needs positive stream lengths, e.g. 5,130,290")
+        if max(self.lengths) <= max(SPLIT_ROWS, self.page_rows):
+            raise TfqError(f"--lengths needs one stream longer than {max(SPLIT_ROWS, self.page_rows)} rows (two "
+                           "splits and two pages, for the controls), e.g. 5,130,290")
+        if self.chunk_rows < 2 or self.repeats < 1:
+            raise TfqError("--chunk-rows must be at least 2 and --repeats at least 1")
+        for d in self.dtypes:
+            if d not in DTYPES:
+                raise TfqError(f"unknown cache dtype {d!r}; choose from {', '.join(DTYPES)}")
+        for k in self.kernels:
+            if k not in ("rows", "partial"):
+                raise TfqError(f"unknown kernel {k!r}; choose rows or partial")
+
+
+@dataclass
+class Case:
+    check: str
+    kernel: str
+    backend: str
+    dtype: str
+    ok: bool  # a check passed, or a control came out RED
+    worst: float | None = None
+    bound: float | None = None
+    note: str = ""
+    control: bool = False
+
+    @property
+    def result(self) -> str:
+        if self.control:
+            return "RED" if self.ok else "GREEN (control did not fail)"
+        return "PASS" if self.ok else "FAIL"
+
+
+@dataclass
+class Backend:
+    name: str
+    device: torch.device
+    attend: Callable[..., torch.Tensor]
+    write: Callable[[KVCache, torch.Tensor, torch.Tensor, torch.Tensor], None]
+    where: str = ""
+
+
+def torch_backend() -> Backend:
+    return Backend("torch", torch.device("cpu"), torch_attend, lambda c, rows, k, v: c.write(0, rows, k, v), "CPU")
+
+
+def triton_backend() -> tuple[Backend | None, str]:
+    """The Triton kernels on CUDA, or under the interpreter on a machine without it; (None, why) if neither."""
+    cuda = torch.cuda.is_available()
+    if not cuda and "kernels.triton_attention" not in sys.modules:
+        os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, i.e. at import
+    try:
+        import kernels.triton_attention as ta
+    except ImportError as e:
+        return None, f"triton is not importable ({e})"
+    interpreted = type(ta._rows_kernel).__name__ == "InterpretedFunction"
+    if not cuda and not interpreted:
+        return None, ("kernels.triton_attention was imported without TRITON_INTERPRET=1 on a machine without "
+                      "CUDA; run the check in a fresh process")
+    device = torch.device("cpu" if interpreted else "cuda")
+    where = "interpreter (CPU)" if interpreted else torch.cuda.get_device_name()
+    return Backend("triton", device, ta.attend,
+                   lambda c, rows, k, v: ta.write(c.k[0], c.v[0], rows, k, v, c.dtype_name), where), where
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(_INT_VIEW[t.element_size()])
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(_bits(a), _bits(b))
+
+
+def edge_values(dtype: str, count: int, g: torch.Generator) -> torch.Tensor:
+    """fp32 values that test a store's rounding: every value of the dtype (or a sample), the midpoints
+    between neighbours (ties to even), values just off the midpoints, fp32 subnormals, overflow."""
+    if dtype == "fp32":
+        bits = torch.randint(-2**31, 2**31 - 1, (4 * count,), generator=g, dtype=torch.int64).to(torch.int32)
+        v = bits.view(torch.float32)
+        return v[torch.isfinite(v)][:count]
+    dt = DTYPES[dtype]
+    n = 256 if dt.itemsize == 1 else 65536
+    bits = torch.arange(n, dtype=torch.int32)
+    grid = (bits.to(torch.uint8) if n == 256 else bits.to(torch.int16)).view(dt).float()
+    grid = grid[torch.isfinite(grid)].unique()  # sorted
+    mids = ((grid[1:].double() + grid[:-1].double()) / 2).float()
+    near = torch.cat([mids * (1 - 2.0 ** -20), mids * (1 + 2.0 ** -20)])
+    special = torch.tensor([0.0, -0.0, 1e-40, -1e-45, 2.0 ** -126])
+    limit = SATURATE.get(dtype)
+    if limit is not None:
+        special = torch.cat([special, torch.tensor([limit * 1.01, -limit * 1.5, 1e30, float("inf"), -float("inf")])])
+    pool = torch.cat([grid, mids, near])
+    pool = pool[torch.isfinite(pool) & (pool.abs() <= grid.abs().max())]  # unsaturated overflow would be inf
+    pick = pool[torch.randperm(len(pool), generator=g)[:count - len(special)]]
+    out = torch.cat([special, pick])
+    return torch.cat([out, torch.zeros(count - len(out))])
+
+
+def attention_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, partial: bool) -> torch.Tensor:
+    """Bound on |fp32 attention - float64 attention| for one query row. q [Hkv, G, D], k/v [L, Hkv, D] float64.
+
+    With u the fp32 roundoff, S = scale * max_j sum_d |q_d k_jd| and V = max |v|, to first order:
+    - a score's error is at most (D + 2) u S (the scaling and a D-term dot), and the softmax average moves
+      by at most 2 V per unit of score error: 2 (D + 2) u S V;
+    - every weight p_j = exp(s_j - m) carries its exp error and those of the rescalings alpha after it:
+      (c + 2S) u for itself and sum (c + |dm|) u over the <= nt rescalings, where sum |dm| <= 2S; with the
+      acc rescale roundings that is ((c + 1) nt + c + 4S) u, moving the average by at most twice that, times V;
+    - sums: a tile's T terms, then nt rescale-and-add steps, in l and in acc, and the final division:
+      (2T + 4 nt + 2) u V;
+    - `partial` adds the merge: one more exp per split (c + 2S + 1) u, weighted twice, and ns additions.
+    """
+    length, dim = k.shape[0], k.shape[-1]
+    s_abs = torch.einsum("hgd,lhd->hgl", q.abs(), k.abs()).amax(-1) * scale  # [Hkv, G]
+    big_v = v.abs().amax((0, 2))[:, None]  # [Hkv, 1]
+    nt = tile_count(length)
+    c = EXP_ULPS
+    terms = 2 * (dim + 2) * s_abs + 2 * ((c + 1) * nt + c + 4 * s_abs) + (2 * KEY_TILE + 4 * nt + 2)
+    if partial:
+        terms = terms + 2 * (c + 2 * s_abs + 1) + 2 * (-(-length // SPLIT_ROWS))
+    return (U32 * big_v * terms).reshape(-1)
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """float64 attention of one query row over all of k, v. q [Hkv, G, D] -> [H, D]."""
+    s = torch.einsum("hgd,lhd->hgl", q, k) * scale
+    return torch.einsum("hgl,lhd->hgd", s.softmax(-1), v).reshape(-1, q.shape[-1])
+
+
+@dataclass
+class Stream:
+    length: int
+    k: torch.Tensor  # [L, Hkv, D] fp32, the keys a model would write
+    v: torch.Tensor
+    q: torch.Tensor | None  # [L, H, D] fp32 (None: a stores-only stream)
+    lane: Placement
+    paged: Placement
+    stored: tuple[torch.Tensor, torch.Tensor] | None = None  # float64 K, V as read back from the cache
+
+
+@dataclass
+class Measure:
+    """What one kernel run gave: outputs of every repeat (on the CPU) for the lanes and the pages."""
+
+    lane: list[torch.Tensor] = field(default_factory=list)
+    paged: list[torch.Tensor] = field(default_factory=list)
+    guards_ok: bool = True
+
+
+class Bench:
+    """One backend and cache dtype: a KVCache with guard lanes and pages around the streams' own."""
+
+    def __init__(self, cfg: CheckConfig, backend: Backend, dtype: str):
+        self.cfg, self.backend, self.dtype = cfg, backend, dtype
+        g = torch.Generator().manual_seed(cfg.seed)
+        lengths = list(cfg.lengths) + [EDGE_ROWS]
+        window = tile_count(max(lengths) + 1) * KEY_TILE  # room for the off-by-one control's key
+        need = sum(-(-n // cfg.page_rows) for n in lengths)
+        config = ModelConfig(family="qwen3", vocab_size=1, hidden_size=cfg.heads * cfg.head_dim, intermediate_size=1,
+                             num_layers=1, num_heads=cfg.heads, num_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
+                             rope_theta=1e6, rms_eps=1e-6, max_positions=window, tie_embeddings=True,
+                             weights_dtype="float32")
+        self.cache = KVCache(config, lanes=2 * len(lengths) + 1, window=window, page_rows=cfg.page_rows,
+                             pool_pages=2 * need + 1, dtype=dtype)
+        # streams get the odd lanes and odd pages (in shuffled order): every lane and page sits between guards
+        pages = list(range(1, 2 * need + 1, 2))
+        random.Random(cfg.seed).shuffle(pages)
+        self.cache.free_pages = pages
+        shape = (cfg.kv_heads, cfg.head_dim)
+        self.streams: list[Stream] = []
+        for i, n in enumerate(lengths):
+            paged = self.cache.paged()
+            self.cache.grow(paged, n)
+            if i < len(cfg.lengths):
+                k, v = torch.randn(n, *shape, generator=g), torch.randn(n, *shape, generator=g)
+                q = torch.randn(n, cfg.heads, cfg.head_dim, generator=g)
+            else:
+                k = edge_values(dtype, n * cfg.kv_heads * cfg.head_dim, g).view(n, *shape)
+                v, q = -k.flip(0), None
+            self.streams.append(Stream(n, k, v, q, self.cache.lane(2 * i + 1), paged))
+        dev = backend.device
+        self.cache.k[0], self.cache.v[0] = self.cache.k[0].to(dev), self.cache.v[0].to(dev)
+        owned = torch.zeros(self.cache.rows_total, dtype=torch.bool)
+        for s in self.streams:
+            owned[self.cache.rows(s.lane, 0, s.length)] = True
+            owned[self.cache.rows(s.paged, 0, s.length)] = True
+        self.guard_rows = (~owned).nonzero()[:, 0].to(dev)
+        self.canary_k = torch.full((len(self.guard_rows), *shape), CANARY_K, dtype=self.cache.dtype, device=dev)
+        self.canary_v = torch.full_like(self.canary_k, CANARY_V)
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self.reset()
+
+    # -- the store --------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        self.cache.k[0].fill_(CANARY_K)
+        self.cache.v[0].fill_(CANARY_V)
+
+    def snapshot(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cache.k[0].clone(), self.cache.v[0].clone()
+
+    def guards_ok(self) -> bool:
+        k, v = self.cache.k[0][self.guard_rows], self.cache.v[0][self.guard_rows]
+        return same_bits(k, self.canary_k) and same_bits(v, self.canary_v)
+
+    def placement(self, s: Stream, kind: str) -> Placement:
+        return s.lane if kind == "lane" else s.paged
+
+    def rounds(self) -> list[list[tuple[Stream, int, int]]]:
+        """The writes of a short life: a prompt chunk, a middle chunk, then three one-row decode steps,
+        each round writing every stream's next rows in one call."""
+        segments = []
+        for s in self.streams:
+            a = max(1, math.ceil(0.6 * s.length))
+            b = max(a, s.length - 3)
+            segments.append([(0, a), (a, b - a), (b, 1), (b + 1, 1), (b + 2, 1)])
+        return [[(s, start, count) for s, seg in zip(self.streams, segments)
+                 for start, count in [seg[r]] if count > 0 and start < s.length] for r in range(5)]
+
+    def write(self, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        dev = self.backend.device
+        self.backend.write(self.cache, rows.to(dev), k.to(dev), v.to(dev))
+
+    def write_round(self, kind: str, segs: list[tuple[Stream, int, int]]) -> torch.Tensor:
+        rows = torch.cat([self.cache.rows(self.placement(s, kind), a, n) for s, a, n in segs])
+        self.write(rows, torch.cat([s.k[a:a + n] for s, a, n in segs]), torch.cat([s.v[a:a + n] for s, a, n in segs]))
+        return rows
+
+    def check_stores(self) -> list[Case]:
+        rounds = self.rounds()
+        finals, keep_ok, guards_ok = [], True, True
+        for _ in range(self.cfg.repeats):
+            self.reset()
+            written = torch.zeros(self.cache.rows_total, dtype=torch.bool)
+            for kind in ("lane", "paged"):
+                for segs in rounds:
+                    before = self.snapshot()
+                    rows = self.write_round(kind, segs)
+                    guards_ok &= self.guards_ok()
+                    keep_ok &= self.kept(before, written)
+                    written[rows] = True
+            finals.append(self.snapshot())
+        repeat_ok = all(same_bits(f[0], finals[0][0]) and same_bits(f[1], finals[0][1]) for f in finals)
+        paged_eq, worst = True, 0.0
+        limit = SATURATE.get(self.dtype)
+        for s in self.streams:
+            lane_rows = self.cache.rows(s.lane, 0, s.length)
+            page_rows = self.cache.rows(s.paged, 0, s.length)
+            for store, x in ((self.cache.k[0], s.k), (self.cache.v[0], s.v)):
+                got = store[lane_rows.to(store.device)].cpu()
+                paged_eq &= same_bits(got, store[page_rows.to(store.device)].cpu())
+                want = (x.clamp(-limit, limit) if limit else x).double()
+                err = (got.double() - want).abs() / (want.abs() + MIN_NORMAL[self.dtype])
+                worst = max(worst, float(err.max()))
+            if s.q is not None:
+                s.stored = tuple(t[lane_rows.to(t.device)].cpu().double() for t in (self.cache.k[0], self.cache.v[0]))
+        bound = STORE_ROUNDOFF[self.dtype]
+        stores_ok = repeat_ok and paged_eq and guards_ok and worst <= bound
+        notes = _notes(repeats=repeat_ok, paged=paged_eq, guards=guards_ok, bound=worst <= bound)
+        return [Case("stores", "store", self.backend.name, self.dtype, stores_ok, worst, bound, notes),
+                Case("keep", "store", self.backend.name, self.dtype, keep_ok and guards_ok and repeat_ok, None, None,
+                     _notes(keep=keep_ok, guards=guards_ok, repeats=repeat_ok))]
+
+    def kept(self, before: tuple[torch.Tensor, torch.Tensor], written: torch.Tensor) -> bool:
+        idx = written.nonzero()[:, 0].to(self.backend.device)
+        return all(same_bits(now[idx], old[idx]) for now, old in zip((self.cache.k[0], self.cache.v[0]), before))
+
+    # -- attention --------------------------------------------------------------------------------------
+    def attended(self) -> list[Stream]:
+        return [s for s in self.streams if s.q is not None]
+
+    def decode_items(self) -> list[tuple[Stream, int]]:
+        """Positions at the tile and split edges, and each stream's last."""
+        marks = (0, KEY_TILE - 1, KEY_TILE, SPLIT_ROWS - 1, SPLIT_ROWS)
+        return [(s, p) for s in self.attended() for p in sorted({m for m in marks if m < s.length} | {s.length - 1})]
+
+    def chunk_spans(self) -> list[tuple[Stream, int, int]]:
+        """Per stream, a chunk of chunk_rows rows across its last split (or tile) edge: causal inside it."""
+        spans = []
+        r = self.cfg.chunk_rows
+        for s in self.attended():
+            edge = SPLIT_ROWS if s.length > SPLIT_ROWS else KEY_TILE if s.length > KEY_TILE else 0
+            start = max(0, min(edge - r // 2, s.length - r))
+            spans.append((s, start, min(r, s.length - start)))
+        return spans
+
+    def decode_group(self, items, kind: str, q_row0: int = 0, extra: int = 0,
+                     override: Placement | None = None) -> tuple[torch.Tensor, DecodeGroup]:
+        lengths = [p + 1 + extra for _, p in items]
+        lpad = tile_count(max(lengths)) * KEY_TILE
+        table = torch.zeros(len(items), lpad, dtype=torch.long)  # padding points at row 0, a guard
+        for i, ((s, _), n) in enumerate(zip(items, lengths)):
+            rows = self.cache.key_rows(override or self.placement(s, kind), n)
+            table[i, :len(rows)] = rows
+        q = torch.stack([s.q[p] for s, p in items])
+        return q, DecodeGroup(torch.arange(q_row0, q_row0 + len(items)), table, torch.tensor(lengths))
+
+    def run(self, q: torch.Tensor, batch: AttentionBatch, m: Measure | None = None) -> torch.Tensor:
+        dev = self.backend.device
+        out = self.backend.attend(q.to(dev), self.cache.k[0], self.cache.v[0], batch, self.scale).cpu()
+        if m is not None:
+            m.guards_ok &= self.guards_ok()
+        return out
+
+    def measure(self, build: Callable[[str], tuple[torch.Tensor, AttentionBatch]]) -> Measure:
+        m = Measure()
+        for kind in ("lane", "paged"):
+            q, batch = build(kind)
+            getattr(m, kind).extend(self.run(q, batch, m) for _ in range(self.cfg.repeats))
+        return m
+
+    def errors(self, rows: list[tuple[Stream, int]], out: torch.Tensor, partial: bool) -> tuple[float, float]:
+        """(error, bound) of the row/head with the largest error-to-bound ratio."""
+        g = self.cfg.heads // self.cfg.kv_heads
+        worst = (-1.0, 0.0, 1.0)
+        for (s, p), o in zip(rows, out):
+            k, v = s.stored[0][:p + 1], s.stored[1][:p + 1]
+            q = s.q[p].double().view(self.cfg.kv_heads, g, -1)
+            err = (o.double() - reference(q, k, v, self.scale)).abs().amax(-1)
+            bound = attention_bound(q, k, v, self.scale, partial)
+            i = int((err / bound).argmax())
+            if float(err[i] / bound[i]) > worst[0]:
+                worst = (float(err[i] / bound[i]), float(err[i]), float(bound[i]))
+        return worst[1], worst[2]
+
+    def check_queries(self, kernel: str) -> tuple[Case, Measure]:
+        partial = kernel == "partial"
+        items = self.decode_items()
+
+        def build(kind):
+            q, d = self.decode_group(items, kind)
+            return q, AttentionBatch(d, [], partial)
+
+        m = self.measure(build)
+        worst, bound = self.errors(items, m.lane[0], partial)
+        flags = dict(repeats=_same(m.lane) and _same(m.paged), paged=same_bits(m.lane[0], m.paged[0]),
+                     guards=m.guards_ok, bound=worst <= bound)
+        return Case("queries", kernel, self.backend.name, self.dtype, all(flags.values()), worst, bound,
+                    _notes(**flags)), m
+
+    def check_rows(self, kernel: str, queries: Measure) -> Case:
+        partial = kernel == "partial"
+        items, spans = self.decode_items(), self.chunk_spans()
+
+        def build(kind):
+            qd, d = self.decode_group(items, kind)
+            chunks, qs, at = [], [qd], len(items)
+            for s, a, n in spans:
+                chunks.append(Chunk(at, n, a, self.cache.key_rows(self.placement(s, kind), a + n)))
+                qs.append(s.q[a:a + n])
+                at += n
+            return torch.cat(qs), AttentionBatch(d, chunks, partial)
+
+        m = self.measure(build)
+        out = m.lane[0]
+        chunk_rows = [(s, a + i) for s, a, n in spans for i in range(n)]
+        chunk_out = out[len(items):]
+        worst, bound = self.errors(chunk_rows, chunk_out, partial)
+        # a chunk row equals the one-row decode at its position; the decode rows equal the decode-only batch
+        decoded = {(id(s), p): o for (s, p), o in zip(items, queries.lane[0])}
+        shared = [(o, decoded[(id(s), p)]) for (s, p), o in zip(chunk_rows, chunk_out) if (id(s), p) in decoded]
+        as_decode = all(same_bits(a, b) for a, b in shared) and same_bits(out[:len(items)], queries.lane[0])
+        flags = dict(repeats=_same(m.lane) and _same(m.paged), paged=same_bits(m.lane[0], m.paged[0]),
+                     guards=m.guards_ok, bound=worst <= bound, decode=as_decode)
+        return Case("rows", kernel, self.backend.name, self.dtype, all(flags.values()), worst, bound,
+                    _notes(**flags) or f"{len(shared)} chunk rows = decode rows")
+
+    # -- controls ---------------------------------------------------------------------------------------
+    def controls(self, queries: dict[str, Measure]) -> list[Case]:
+        name, dtype = self.backend.name, self.dtype
+        kernel = "rows" if "rows" in queries else next(iter(queries))
+        partial = kernel == "partial"
+        longest = max(self.attended(), key=lambda s: s.length)
+        last = [(longest, longest.length - 1)]
+        cases = []
+
+        # a page table with its first and last entries swapped: the paged read must differ from the lane's
+        swapped = Placement(longest.paged.block_rows, list(longest.paged.blocks), True, list(longest.paged.pages))
+        swapped.blocks[0], swapped.blocks[-1] = swapped.blocks[-1], swapped.blocks[0]
+        q, d = self.decode_group(last, "paged", override=swapped)
+        bad = self.run(q, AttentionBatch(d, [], partial))
+        q, d = self.decode_group(last, "lane")
+        good = self.run(q, AttentionBatch(d, [], partial))
+        cases.append(Case("control: pages swapped", kernel, name, dtype, not same_bits(bad, good),
+                          note="must fail paged == contiguous"))
+
+        # a length off by one: the extra key (a canary) must break the float64 bound
+        q, d = self.decode_group(last, "lane", extra=1)
+        worst, bound = self.errors(last, self.run(q, AttentionBatch(d, [], partial)), partial)
+        cases.append(Case("control: length + 1", kernel, name, dtype, worst > bound, worst, bound,
+                          note="must fail the float64 bound"))
+
+        # a store into a neighbour's page: the keep check must see the neighbour's rows change
+        first = self.attended()[0]
+        before = self.snapshot()
+        written = torch.zeros(self.cache.rows_total, dtype=torch.bool)
+        written[self.cache.rows(longest.paged, 0, longest.length)] = True
+        self.write(self.cache.rows(longest.paged, 0, 1), first.k[:1] + 1, first.v[:1] + 1)
+        cases.append(Case("control: neighbour's page", "store", name, dtype, not self.kept(before, written),
+                          note="must fail keep"))
+        self.restore(before)
+
+        # a store one row past a lane's end: the guard canaries must see it
+        before = self.snapshot()
+        self.write(torch.tensor([first.lane.blocks[0] + self.cache.window]), first.k[:1], first.v[:1])
+        cases.append(Case("control: past a lane", "store", name, dtype, not self.guards_ok(), note="must fail guards"))
+        self.restore(before)
+
+        if "rows" in queries and "partial" in queries:
+            same = same_bits(queries["partial"].lane[0], queries["rows"].lane[0])
+            cases.append(Case("control: partial as rows", "partial", name, dtype, not same,
+                              note="must fail rows == partial bits"))
+        return cases
+
+    def restore(self, snap: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.cache.k[0].copy_(snap[0])
+        self.cache.v[0].copy_(snap[1])
+
+
+def _same(outs: list[torch.Tensor]) -> bool:
+    return all(same_bits(o, outs[0]) for o in outs)
+
+
+def _notes(**flags: bool) -> str:
+    words = {"repeats": "repeats differ", "paged": "paged != contiguous", "guards": "canary changed",
+             "bound": "over the bound", "keep": "earlier rows changed", "decode": "chunk row != decode row"}
+    return "; ".join(words[k] for k, ok in flags.items() if not ok)
+
+
+def steps(cfg: CheckConfig) -> int:
+    """Progress steps per backend: per dtype, stores, queries and rows per kernel, controls."""
+    return len(cfg.dtypes) * (2 + 2 * len(cfg.kernels))
+
+
+def run_check(cfg: CheckConfig, backends: list[Backend],
+              progress: Callable[[str], None] = lambda what: None) -> list[Case]:
+    cfg.validate()
+    cases: list[Case] = []
+    for backend in backends:
+        for dtype in cfg.dtypes:
+            label = f"{backend.name} {dtype}"
+            progress(f"{label}: stores")
+            bench = Bench(cfg, backend, dtype)
+            cases += bench.check_stores()
+            queries = {}
+            for kernel in cfg.kernels:
+                progress(f"{label}: {kernel} queries")
+                case, queries[kernel] = bench.check_queries(kernel)
+                cases.append(case)
+                progress(f"{label}: {kernel} rows")
+                cases.append(bench.check_rows(kernel, queries[kernel]))
+            progress(f"{label}: controls")
+            cases += bench.controls(queries)
+    return cases
+
+
+def passed(cases: list[Case]) -> bool:
+    return bool(cases) and all(c.ok for c in cases)
+
+
+def report_json(cfg: CheckConfig, backends: list[Backend], cases: list[Case]) -> dict:
+    return {
+        "config": asdict(cfg),
+        "backends": {b.name: b.where for b in backends},
+        "passed": passed(cases),
+        "cases": [dict(asdict(c), result=c.result) for c in cases],
+    }

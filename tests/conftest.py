@@ -1,0 +1,23 @@
+"""Shared fixtures: tiny random checkpoints written by the tests and loaded through tfq's own loader."""
+from __future__ import annotations
+
+import pytest
+
+from tiny import write_tiny_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """family -> an HF folder with a tiny random model (qwen2: q/k/v bias, untied; qwen3: q/k norms, tied)."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {
+        "qwen2": write_tiny_checkpoint(root / "qwen2", family="qwen2", tie=False, seed=1),
+        "qwen3": write_tiny_checkpoint(root / "qwen3", family="qwen3", tie=True, seed=2, heads=8, kv_heads=2),
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tiny_dirs):
+    from tfq.model.load import load_model
+
+    return {family: load_model(str(folder), progress=False) for family, folder in tiny_dirs.items()}

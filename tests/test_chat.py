@@ -1,0 +1,92 @@
+"""`tfq chat` as a user runs it: streamed replies, several prompts together, bad input in one line."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY_PLAN = str(ROOT / "plans" / "tiny.yaml")
+
+
+def tfq(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tfq", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})}, cwd=ROOT)
+
+
+def replies(stdout: str) -> dict[str, str]:
+    out, label = {}, None
+    for line in stdout.splitlines():
+        if line.startswith("=== "):
+            label = line[4:]
+            out[label] = ""
+        elif label is not None:
+            out[label] += line + "\n"
+    return out
+
+
+def test_one_prompt_streams_a_reply(tiny_dirs):
+    r = tfq("chat", "def add(a, b):", "--model", str(tiny_dirs["qwen2"]), "--plan", TINY_PLAN, "--max-tokens", "12")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()  # the tiny model's words are noise, but there are words
+    assert "tokens/s" in r.stderr
+    assert "stream 0" in r.stderr  # plan lines first
+
+
+def test_several_prompts_equal_their_runs_alone(tiny_dirs):
+    prompts = ["hello there", "def fibonacci(n):", "你好，世界", "The quick brown fox"]
+    common = ["--model", str(tiny_dirs["qwen3"]), "--plan", TINY_PLAN, "--max-tokens", "16", "--quiet"]
+    together = tfq("chat", *[a for p in prompts for a in ("-p", p)], *common, env={"TFQ_KV_POOL": "10"})
+    assert together.returncode == 0, together.stderr
+    got = replies(together.stdout)
+    assert list(got) == ["p1", "p2", "p3", "p4"]
+    for i, p in enumerate(prompts):
+        alone = tfq("chat", p, *common, "--set", "kv.pages=0")
+        assert alone.returncode == 0, alone.stderr
+        assert got[f"p{i + 1}"] == alone.stdout
+
+
+def test_prompts_file(tiny_dirs, tmp_path):
+    f = tmp_path / "prompts.txt"
+    f.write_text("first prompt\n\nsecond prompt\n")
+    r = tfq("chat", "--prompts", str(f), "--model", str(tiny_dirs["qwen2"]), "--plan", TINY_PLAN, "--max-tokens", "4",
+            "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert list(replies(r.stdout)) == ["p1", "p2"]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--max-tokens", "-3"], "max_tokens"),
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "0"], "top_p"),
+    (["--model", "/nonexistent/model"], "/nonexistent/model"),
+    (["--prompts", "/nonexistent/prompts.txt"], "prompts"),
+])
+def test_bad_input_is_one_line_exit_2(tiny_dirs, args, words):
+    base = {"--model": str(tiny_dirs["qwen2"])}
+    extra = [] if "--model" in args else ["--model", base["--model"]]
+    r = tfq("chat", "hi", "--plan", TINY_PLAN, "--quiet", *extra, *args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0] and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_default_model_four_prompts_paged_equal_alone():
+    """The field report's case on the real model: four chats on plans/paged.yaml equal their runs alone."""
+    prompts = ["Write a Python function that reverses a linked list.",
+               "Explain what a mutex is in two sentences.",
+               "Write a SQL query that counts orders per customer.",
+               "用一句话解释什么是递归。"]
+    common = ["--max-tokens", "24", "--quiet", "--set", "window=1024"]
+    together = tfq("chat", *[a for p in prompts for a in ("-p", p)], "--plan", str(ROOT / "plans" / "paged.yaml"),
+                   *common)
+    assert together.returncode == 0, together.stderr
+    got = replies(together.stdout)
+    for i, p in enumerate(prompts):
+        alone = tfq("chat", p, *common)
+        assert alone.returncode == 0, alone.stderr
+        assert alone.stdout == got[f"p{i + 1}"]

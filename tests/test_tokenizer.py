@@ -1,0 +1,223 @@
+"""The tokenizer: round trips, GGUF-built equals transformers', chat template as HF renders it, streaming."""
+from __future__ import annotations
+
+import json
+import unicodedata
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from tfq.errors import TfqError
+from tfq.model import default
+from tfq.model.source import resolve_model
+from tfq.model.tokenizer import Tokenizer
+from tiny import SPECIALS, tiny_gguf, tiny_model_dir
+
+TEXTS = [
+    "Hello, world!",
+    "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n",
+    "    \t  \n\n\n   trailing   spaces   ",
+    "中文测试：你好，世界！日本語のテキスト。한국어 텍스트.",
+    "emoji 😀👍🏽🇯🇵 👨‍👩‍👧‍👦 and ✨ done",
+    "mixed: x = {'a': [1, 2, 3]}  # 注释 🚀\r\n\tindent",
+    "numbers 1234567890 3.14159 1e-6 0xFF",
+    "I'm sure they'll say it's 'fine'—isn't it?",
+    "Ünïcödé àccents façade naïve",
+    "<|im_start|>user\nhi<|im_end|>\n",
+    "",
+    " ",
+    "\n\n",
+]
+CHATS = [
+    [{"role": "user", "content": "Write a Python function that reverses a list."}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Say hi 👋"},
+        {"role": "assistant", "content": "hi"},
+        {"role": "user", "content": "再来一次\n  with spaces  "},
+    ],
+]
+
+
+def hf_ids(tok, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False)
+
+
+def hf_chat_ids(tok, messages, gen: bool) -> list[int]:
+    out = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=gen)
+    return list(out["input_ids"] if not isinstance(out, list) else out)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    return tiny_model_dir(tmp_path_factory, "qwen2")
+
+
+@pytest.fixture(scope="module")
+def tiny_tok(tiny_dir) -> Tokenizer:
+    return Tokenizer.from_folder(tiny_dir)
+
+
+def stream(tok: Tokenizer, ids) -> list[str]:
+    dec = tok.stream()
+    pieces = [dec.feed(i) for i in ids]
+    return pieces + [dec.flush()]
+
+
+# --- tiny checkpoint ------------------------------------------------------------------------------------
+
+
+def test_round_trip(tiny_tok):
+    for text in TEXTS:
+        ids = tiny_tok.encode(text)
+        assert all(0 <= i < tiny_tok.vocab_size for i in ids)
+        assert tiny_tok.decode(ids) == text
+
+
+def test_specials_and_stop_tokens(tiny_tok):
+    ids = {s: tiny_tok.backend.token_to_id(s) for s in SPECIALS}
+    assert tiny_tok.encode("<|im_end|>") == [ids["<|im_end|>"]]
+    assert tiny_tok.encode("a<|im_start|>b")[1] == ids["<|im_start|>"]
+    assert tiny_tok.eos_ids[0] == ids["<|im_end|>"]
+    assert set(tiny_tok.eos_ids) == {ids["<|im_end|>"], ids["<|endoftext|>"]}
+    assert tiny_tok.vocab_size == 512
+    assert tiny_tok.decode([ids["<|im_end|>"]], skip_special=True) == ""
+
+
+def test_nfc_like_qwen(tiny_tok):
+    # Qwen's tokenizer.json normalizes to NFC; a decomposed accent encodes as the composed one
+    assert tiny_tok.encode("cafe\u0301") == tiny_tok.encode(unicodedata.normalize("NFC", "cafe\u0301"))
+
+
+def test_ids_equal_transformers(tiny_dir, tiny_tok):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tiny_dir)
+    for text in TEXTS + ["cafe\u0301"]:
+        assert tiny_tok.encode(text) == hf_ids(hf, text), text
+
+
+def test_chat_template_as_transformers(tiny_dir, tiny_tok):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tiny_dir)
+    for messages in CHATS:
+        for gen in (True, False):
+            assert tiny_tok.render_chat(messages, gen) == hf.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=gen
+            )
+            assert tiny_tok.chat_ids(messages, gen) == hf_chat_ids(hf, messages, gen)
+    ids = tiny_tok.chat_ids(CHATS[0])
+    assert tiny_tok.decode(ids).endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_gguf_tokenizer_equals_transformers(tmp_path_factory, family, monkeypatch, tmp_path):
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("TFQ_CACHE", str(tmp_path / "cache"))
+    path = tiny_gguf(tmp_path_factory, family)
+    ours = Tokenizer.from_folder(resolve_model(str(path), progress=False))
+    original = Tokenizer.from_folder(path.with_suffix(".hf"))  # the tokenizer.json the GGUF was made from
+    theirs = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    for text in TEXTS:  # all NFC: transformers' GGUF tokenizer does not normalize
+        assert ours.encode(text) == original.encode(text) == hf_ids(theirs, text), text
+    assert ours.vocab_size == original.vocab_size
+    assert ours.eos_ids == original.eos_ids
+    assert ours.chat_ids(CHATS[1]) == original.chat_ids(CHATS[1])
+
+
+def test_stream_holds_back_split_characters(tiny_tok):
+    text = "中文 😀 👨‍👩‍👧 done"
+    ids = tiny_tok.encode(text)
+    pieces = stream(tiny_tok, ids)
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)
+    assert len(ids) > sum(1 for p in pieces if p)  # some ids completed no character on their own
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=511), max_size=40))
+def test_stream_joins_to_decode(tiny_tok, ids):
+    # any ids at all, including byte sequences that are never valid UTF-8
+    assert "".join(stream(tiny_tok, ids)) == tiny_tok.decode(ids)
+
+
+def test_missing_tokenizer(tmp_path, tiny_dir):
+    with pytest.raises(TfqError, match="no tokenizer.json"):
+        Tokenizer.from_folder(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(TfqError, match="not a readable tokenizer.json"):
+        Tokenizer.from_folder(tmp_path)
+
+
+def test_chat_template_errors(tmp_path, tiny_dir):
+    import shutil
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_dir, folder)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template")
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(TfqError, match="no chat_template"):
+        Tokenizer.from_folder(folder).chat_ids(CHATS[0])
+    cfg["chat_template"] = "{% if messages[0].role != 'system' %}{{ raise_exception('system first') }}{% endif %}"
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(TfqError, match="refused these messages: system first"):
+        Tokenizer.from_folder(folder).chat_ids(CHATS[0])
+
+
+def test_template_is_sandboxed(tmp_path, tiny_dir):
+    import shutil
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_dir, folder)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "{{ messages.__class__.__mro__ }}"
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(TfqError, match="unsafe"):
+        Tokenizer.from_folder(folder).render_chat(CHATS[0])
+
+
+# --- the real default model (slow) ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def default_tok() -> Tokenizer:
+    return Tokenizer.from_folder(resolve_model("default"))
+
+
+@pytest.fixture(scope="module")
+def default_gguf(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("default") / "default.gguf"
+    default.join_parts(path, progress=False)
+    return path
+
+
+@pytest.mark.slow
+def test_default_round_trip(default_tok):
+    for text in TEXTS:
+        ids = default_tok.encode(text)
+        assert default_tok.decode(ids) == text
+        assert "".join(stream(default_tok, ids)) == text
+    assert default_tok.eos_ids == (151645, 151643)
+    assert default_tok.vocab_size == 151936
+    assert default_tok.encode("def hello():") == default_tok.encode("def") + default_tok.encode(" hello():")
+
+
+@pytest.mark.slow
+def test_default_ids_equal_transformers(default_tok, default_gguf):
+    from transformers import AutoTokenizer
+
+    from_gguf = AutoTokenizer.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
+    from_folder = AutoTokenizer.from_pretrained(resolve_model("default"))
+    for text in TEXTS:
+        ours = default_tok.encode(text)
+        assert ours == hf_ids(from_gguf, text) == hf_ids(from_folder, text), text
+    for messages in CHATS:
+        for gen in (True, False):
+            assert default_tok.render_chat(messages, gen) == from_folder.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=gen
+            )
+            assert default_tok.chat_ids(messages, gen) == hf_chat_ids(from_folder, messages, gen)

@@ -1,0 +1,314 @@
+"""Tiny random Qwen checkpoints (HF folders and GGUF files) for the test suite.
+
+The weights come from HF transformers' own model classes (so HF can load them back as a reference),
+drawn from a seeded generator at scales that keep logits spread out; the tokenizer is a small
+byte-level BPE trained here, with Qwen's pre-tokenizer, special tokens and a Qwen-style chat template.
+"""
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHAT_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>system\\nYou are a tiny test model.<|im_end|>\\n' }}"
+    "{%- endif %}\n"
+    "{%- for message in messages %}\n"
+    "    {%- if not (message['role'] == 'system' and loop.first) %}\n"
+    "        {{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}\n"
+    "    {%- endif %}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "    {{- '<|im_start|>assistant\\n' }}\n"
+    "{%- endif %}\n"
+)
+CORPUS = """\
+def fibonacci(n: int) -> int:
+    if n < 2:
+        return n
+    return fibonacci(n - 1) + fibonacci(n - 2)
+
+class Stack:
+    def __init__(self):
+        self.items = []
+
+    def push(self, item):
+        self.items.append(item)
+
+for i in range(10):
+    print(f"value {i}: {i * i}")
+
+The quick brown fox jumps over the lazy dog. The model reads the prompt and writes a reply.
+Hello, world! How are you today? I am fine, thank you. What is the answer? It is 42.
+你好，世界！今天天气很好。我们一起写代码吧。
+こんにちは世界。日本語のテキストです。
+안녕하세요 세계. 한국어 텍스트입니다.
+Emoji: 😀 👍 🚀 ✨ 🐍 🎉
+import numpy as np
+x = np.arange(12).reshape(3, 4)
+while True:
+    break
+"""
+
+
+def _train_tokenizer(vocab: int):
+    """A byte-level BPE with exactly `vocab` ids: bytes, trained merges, unreachable fillers, then the specials."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    from tfq.model.gguf_file import QWEN2_SPLIT
+
+    if vocab < 256 + len(SPECIALS):
+        raise ValueError(f"vocab must hold the 256 bytes and {len(SPECIALS)} specials")
+    tok = Tokenizer(models.BPE(unk_token=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+    ])
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab - len(SPECIALS), min_frequency=2, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[],
+    )
+    tok.train_from_iterator([CORPUS] * 4, trainer=trainer)
+    spec = json.loads(tok.to_str())
+    model_vocab = spec["model"]["vocab"]
+    for i in range(len(model_vocab), vocab - len(SPECIALS)):
+        model_vocab[f"[PAD{i}]"] = i  # as llama.cpp pads a vocabulary: ids no text ever reaches
+    tok = Tokenizer.from_str(json.dumps(spec))
+    tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
+    assert tok.get_vocab_size(with_added_tokens=True) == vocab
+    return tok
+
+
+@lru_cache(maxsize=None)
+def _tokenizer_json(vocab: int) -> str:
+    return _train_tokenizer(vocab).to_str()
+
+
+def tiny_tokenizer(vocab: int = 512):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(_tokenizer_json(vocab))
+
+
+def _init_weights(model: torch.nn.Module, seed: int) -> None:
+    """Seeded weights at scales that keep activations near 1 and logits a few units wide."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1 and "norm" in name:
+                val = 1.0 + 0.2 * torch.randn(p.shape, generator=g)
+            elif p.ndim == 1:  # biases
+                val = 0.5 * torch.randn(p.shape, generator=g)
+            elif "embed_tokens" in name or "lm_head" in name:
+                val = 0.3 * torch.randn(p.shape, generator=g)
+            else:
+                val = torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5
+            p.copy_(val)
+
+
+def write_tiny_checkpoint(
+    folder: Path,
+    family: str = "qwen2",
+    tie: bool = False,
+    seed: int = 0,
+    layers: int = 2,
+    hidden: int = 128,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 64,
+    intermediate: int = 256,
+    vocab: int = 512,
+    shards: int = 1,
+    max_positions: int = 4096,
+    rope_theta: float = 10000.0,
+) -> Path:
+    """Write a random `family` checkpoint (HF folder, fp32 safetensors, optionally in `shards` files)."""
+    from safetensors.torch import save_file
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    if head_dim < 32:
+        raise ValueError("head_dim must be >= 32 (the attention kernels need it)")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = tiny_tokenizer(vocab)
+    ids = {s: tok.token_to_id(s) for s in SPECIALS}
+    config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[family]
+    config = config_cls(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        max_position_embeddings=max_positions, rope_theta=rope_theta, rms_norm_eps=1e-6,
+        tie_word_embeddings=tie, bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"], use_sliding_window=False,
+    )
+    torch.manual_seed(seed)  # HF's own init runs first; every parameter is then overwritten from `seed`
+    model = model_cls(config).to(torch.float32).eval()
+    _init_weights(model, seed)
+    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    if tie:
+        state.pop("lm_head.weight")
+    config.architectures = [model_cls.__name__]
+    config.save_pretrained(folder)
+
+    names = sorted(state)
+    if shards <= 1:
+        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        groups = [names[i::shards] for i in range(shards)]
+        weight_map = {}
+        for k, group in enumerate(groups, start=1):
+            fname = f"model-{k:05d}-of-{shards:05d}.safetensors"
+            save_file({n: state[n] for n in group}, str(folder / fname), metadata={"format": "pt"})
+            weight_map.update({n: fname for n in group})
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+    tok.save(str(folder / "tokenizer.json"))
+    tok_config = {
+        "tokenizer_class": "Qwen2Tokenizer",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_positions,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
+    gen = {"eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]], "pad_token_id": ids["<|endoftext|>"]}
+    (folder / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    return folder
+
+
+# HF parameter name (layer part) -> GGUF tensor name, the inverse of llama.cpp's conversion.
+_GGUF_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+
+
+def gguf_name(hf: str) -> str:
+    if hf in _GGUF_TOP:
+        return _GGUF_TOP[hf]
+    _, _, n, rest = hf.split(".", 3)
+    return f"blk.{n}.{_GGUF_LAYER[rest]}"
+
+
+def _qtype(gguf: str, quantized: bool):
+    """A mix of the types real files use, so several dequantizers are exercised."""
+    from gguf import GGMLQuantizationType as Q
+
+    if not quantized or gguf.endswith(".bias") or "norm" in gguf:
+        return Q.F32
+    for part, q in (("token_embd", Q.Q8_0), ("output", Q.F16), ("attn_q", Q.Q5_0), ("attn_k", Q.Q4_1),
+                    ("attn_v", Q.Q8_0), ("attn_output", Q.BF16), ("ffn_gate", Q.Q4_0), ("ffn_up", Q.Q5_1)):
+        if gguf.split(".")[-2] == part:
+            return q
+    return Q.Q8_0
+
+
+def write_tiny_gguf(path: Path, family: str = "qwen2", tie: bool = False, seed: int = 0, quantized: bool = True,
+                    **shape) -> Path:
+    """Write a tiny random GGUF file laid out as llama.cpp writes qwen2/qwen3 models.
+
+    Shapes default to hidden 128, 2 heads of 64 (HF's GGUF loader assumes head_dim = hidden / heads).
+    """
+    import gguf
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    shape = {"heads": 2, "kv_heads": 1, "head_dim": 64, "hidden": 128, **shape}
+    src = write_tiny_checkpoint(path.with_suffix(".hf"), family, tie, seed, **shape)
+    cfg = json.loads((src / "config.json").read_text())
+    state = load_file(str(src / "model.safetensors"))
+    tok = json.loads((src / "tokenizer.json").read_text())
+    vocab = {t: i for t, i in tok["model"]["vocab"].items()}
+    for added in tok["added_tokens"]:
+        vocab[added["content"]] = added["id"]
+    tokens = [None] * len(vocab)
+    for t, i in vocab.items():
+        tokens[i] = t
+    types = [3 if t in SPECIALS else 5 if t.startswith("[PAD") else 1 for t in tokens]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+
+    w = gguf.GGUFWriter(str(path), family)
+    w.add_name(f"tiny {family}")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    if family == "qwen3":
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+    w.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if quantized else gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_eos_token_id(vocab["<|im_end|>"])
+    w.add_pad_token_id(vocab["<|endoftext|>"])
+    w.add_bos_token_id(vocab["<|endoftext|>"])
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+    for hf in sorted(state, key=gguf_name):
+        name = gguf_name(hf)
+        arr = state[hf].numpy().astype(np.float32)
+        q = _qtype(name, quantized)
+        data = gguf.quants.quantize(arr, q)
+        w.add_tensor(name, data, raw_dtype=None if q in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) else q)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+_MADE: dict[tuple, Path] = {}
+
+
+def tiny_model_dir(tmp_path_factory, family: str = "qwen2", tie: bool = False, **kwargs) -> Path:
+    """A tiny checkpoint folder, written once per test session for each set of arguments."""
+    key = (id(tmp_path_factory), family, tie, tuple(sorted(kwargs.items())))
+    if key not in _MADE:
+        folder = tmp_path_factory.mktemp(f"tiny-{family}-{'tied' if tie else 'untied'}")
+        _MADE[key] = write_tiny_checkpoint(folder, family, tie, **kwargs)
+    return _MADE[key]
+
+
+def tiny_gguf(tmp_path_factory, family: str = "qwen2", tie: bool = False, **kwargs) -> Path:
+    """A tiny GGUF file, written once per test session for each set of arguments."""
+    key = ("gguf", id(tmp_path_factory), family, tie, tuple(sorted(kwargs.items())))
+    if key not in _MADE:
+        folder = tmp_path_factory.mktemp(f"tiny-gguf-{family}")
+        _MADE[key] = write_tiny_gguf(folder / f"tiny-{family}.gguf", family, tie, **kwargs)
+    return _MADE[key]

@@ -1,0 +1,3 @@
+from tfq.cli import main
+
+main()

@@ -1,0 +1,129 @@
+"""`tfq chat`: one prompt streamed, several prompts run together, or an interactive multi-turn chat."""
+from __future__ import annotations
+
+import sys
+import time
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+
+from tfq.cli import app
+from tfq.errors import TfqError
+from tfq.stream import Request
+from tfq.suite import Chat, chat_from_prompt, load_prompts
+
+
+def requests_for(chats: list[Chat], tokenizer, max_tokens: int, temperature: float, top_p: float,
+                 seed: int) -> list[Request]:
+    """Chats -> engine requests; a chat's own settings win over the command line's."""
+    return [Request(prompt=tuple(tokenizer.chat_ids(list(c.messages))),
+                    max_tokens=c.max_tokens or max_tokens,
+                    temperature=c.temperature if c.temperature else temperature,
+                    top_p=c.top_p if c.top_p != 1.0 else top_p,
+                    seed=c.seed or seed, label=c.name) for c in chats]
+
+
+@app.command()
+def chat(
+    prompt: Optional[str] = typer.Argument(None, help="Prompt; leave out for an interactive chat."),
+    prompts: List[str] = typer.Option([], "-p", "--prompt", help="A prompt; repeat to run several together."),
+    prompts_file: Optional[str] = typer.Option(None, "--prompts", help="One prompt per line, or a YAML suite."),
+    plan: Optional[str] = typer.Option(None, "--plan", help="Plan YAML (default: plans/default.yaml values)."),
+    model: Optional[str] = typer.Option(None, "--model", help="default, an HF folder or a .gguf file."),
+    system: Optional[str] = typer.Option(None, "--system", help="System message."),
+    max_tokens: int = typer.Option(512, "--max-tokens", help="Most tokens in a reply."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 is greedy."),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    seed: int = typer.Option(0, "--seed", help="Seed of the per-position draws (temperature > 0)."),
+    sets: List[str] = typer.Option([], "--set", help="Plan override key=value (after TFQ_* variables)."),
+    quiet: bool = typer.Option(False, "--quiet", help="Hide the plan lines."),
+) -> None:
+    """Chat with the model; replies stream as they are generated."""
+    from tfq.cli.plan import resolve_plan
+    from tfq.engine import Engine
+    from tfq.model.load import load_model
+
+    err = Console(stderr=True)
+    chats = [chat_from_prompt(p, f"p{i + 1}", system) for i, p in enumerate(([prompt] if prompt else []) + prompts)]
+    if prompts_file:
+        chats += load_prompts(prompts_file)
+    settings = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
+    Request((0,), **{k: v for k, v in settings.items() if k != "seed"}).validate()
+    the_plan, _, layout = resolve_plan(plan, model, sets, quiet, err)
+    with err.status("loading the model"):
+        loaded = load_model(the_plan.model)
+    engine = Engine.from_plan(the_plan, layout, loaded)
+    tok = loaded.tokenizer
+    if not chats:
+        _interactive(engine, tok, system, settings, err)
+    elif len(chats) == 1:
+        _stream_one(engine, requests_for(chats, tok, **settings)[0], err)
+    else:
+        _together(engine, requests_for(chats, tok, **settings), err)
+
+
+def _stream_one(engine, request: Request, err: Console) -> str:
+    """Print the reply as it comes; Ctrl-C ends it cleanly. Returns the text printed."""
+    printed: list[str] = []
+
+    def on_token(_: int, __: int, piece: str) -> None:
+        printed.append(piece)
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    t0 = time.perf_counter()
+    try:
+        result = engine.generate([request], on_token)[0]
+    except KeyboardInterrupt:
+        sys.stdout.write("\n")
+        err.print("[yellow](stopped)[/]")
+        return "".join(printed)
+    sys.stdout.write("\n")
+    if result.error:
+        raise TfqError(result.error)
+    _speed(err, len(result.ids), result.first_token_s, time.perf_counter() - t0, 1)
+    return result.text
+
+
+def _together(engine, requests: list[Request], err: Console) -> None:
+    t0 = time.perf_counter()
+    with err.status(f"running {len(requests)} chats together"):
+        results = engine.generate(requests)
+    failed = 0
+    for r in results:
+        print(f"=== {r.label}")
+        if r.error:
+            failed += 1
+            print(f"(failed: {r.error})")
+        else:
+            print(r.text)
+    wall = time.perf_counter() - t0
+    _speed(err, sum(len(r.ids) for r in results), min(r.first_token_s for r in results), wall, len(results))
+    if failed:
+        raise typer.Exit(1)
+
+
+def _speed(err: Console, tokens: int, first: float, wall: float, streams: int) -> None:
+    decode = max(wall - first, 1e-9)
+    err.print(f"[dim]{tokens} tokens in {wall:.1f} s; first token after {first:.2f} s; "
+              f"{max(tokens - streams, 0) / decode:.1f} tokens/s decoding[/]")
+
+
+def _interactive(engine, tok, system: str | None, settings: dict, err: Console) -> None:
+    err.print("[dim]Interactive chat: type a message; /exit or Ctrl-D ends it.[/]")
+    history: list[dict] = [{"role": "system", "content": system}] if system else []
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return
+        if line.strip() in ("/exit", "/quit"):
+            return
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        request = requests_for([Chat("you", tuple(history))], tok, **settings)[0]
+        reply = _stream_one(engine, request, err)
+        history.append({"role": "assistant", "content": reply})

@@ -1,0 +1,185 @@
+"""`tfq together`: run a suite alone and together under every arm; show, chat by chat, that nothing changed."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from tfq.cli import app
+from tfq.errors import TfqError
+from tfq.together import EXACT, RED, ArmRun, Check, Listener, arm_names, check_options, select_arms
+
+# About ten minutes for the whole default check on 2 CPU cores; `--tokens 300` is the field report's length.
+DEFAULT_TOKENS = 64
+DEFAULT_GROUP = 4
+SHOWN_PARTINGS = 3
+
+
+def default_suite() -> Path:
+    """examples/chats.yaml beside the package (a source checkout or an editable install), from any cwd."""
+    import tfq
+
+    path = Path(tfq.__file__).resolve().parent.parent / "examples" / "chats.yaml"
+    if not path.is_file():
+        raise TfqError(f"the shipped suite {path} is not there (tfq is installed without its examples); "
+                       f"pass --suite SUITE.yaml")
+    return path
+
+
+@app.command()
+def together(
+    suite: Optional[str] = typer.Option(None, "--suite", help="Suite YAML: a list of chats (default: examples/chats.yaml)."),
+    plan: Optional[str] = typer.Option(None, "--plan", help="Plan YAML the arms are derived from (default plan if left out)."),
+    model: Optional[str] = typer.Option(None, "--model", help="default, an HF folder or a .gguf file."),
+    group: int = typer.Option(DEFAULT_GROUP, "--group", help="K: streams together in the together arms."),
+    tokens: int = typer.Option(DEFAULT_TOKENS, "--tokens",
+                               help="Reply tokens a chat (a chat's own smaller max_tokens wins). 300 for the full check."),
+    arms: Optional[str] = typer.Option(None, "--arms", help=f"Comma-separated arms (default all): {','.join(arm_names())}."),
+    evidence: Optional[str] = typer.Option(None, "--evidence", help="Evidence folder (default evidence/together-<time>)."),
+    json_file: Optional[str] = typer.Option(None, "--json", help="Also write the summary JSON here ('-': stdout)."),
+    sets: List[str] = typer.Option([], "--set", help="Plan override key=value (after TFQ_* variables)."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress and no plan lines: the table only."),
+) -> None:
+    """The exactness check: every arm must equal the chats alone, token ids and logits bits; controls must differ."""
+    from tfq.cli.chat import requests_for
+    from tfq.cli.plan import resolve_plan
+    from tfq.model.load import load_model
+    from tfq.suite import load_suite
+
+    err = Console(stderr=True)
+    if tokens < 1:
+        raise TfqError(f"--tokens must be at least 1, got {tokens}")
+    chosen = select_arms(arms)
+    suite_path = Path(suite) if suite else default_suite()
+    chats = load_suite(suite_path)
+    the_plan, config, _ = resolve_plan(plan, model, sets, True, None)
+    check_options(the_plan, group, tokens)
+    folder = Path(evidence) if evidence else Path("evidence") / f"together-{time.strftime('%Y%m%d-%H%M%S')}"
+    t0 = time.perf_counter()
+    try:
+        with err.status("loading the model"):
+            loaded = load_model(the_plan.model, progress=not quiet)
+    except KeyboardInterrupt:
+        err.print("[yellow](stopped before the check began)[/]")
+        raise typer.Exit(130)
+    requests = [dataclasses.replace(r, max_tokens=min(r.max_tokens, tokens))
+                for r in requests_for(chats, loaded.tokenizer, tokens, 0.0, 1.0, 0)]
+    check = Check(the_plan, config, loaded, chats, requests, chosen, group, folder, suite_path=suite_path,
+                  tokens=tokens)
+    if quiet:
+        check.run()
+    else:
+        with _Progress(err, requests, loaded.tokenizer.eos_ids, len(check.runs)) as listener:
+            check.listener = listener
+            check.run()
+    total = time.perf_counter() - t0
+    out = Console()
+    out.print(_table(check))
+    for run in check.arms:
+        if run.note:
+            out.print(f"[bold]{run.arm.name}[/]: {run.note}", highlight=False)
+    if not quiet:
+        _print_plans(out, check)
+    state = "complete" if check.complete else f"[yellow]interrupted in {check.interrupted_in}[/]"
+    out.print(f"{state}; {total:.0f} s in all ({check.seconds:.0f} s running the suite); evidence in {folder}",
+              highlight=False)
+    if json_file:
+        text = json.dumps(check.summary(), indent=1, ensure_ascii=False)
+        if json_file == "-":
+            print(text)
+        else:
+            Path(json_file).write_text(text + "\n", encoding="utf-8")
+    raise typer.Exit(check.exit_code)
+
+
+def _table(check: Check) -> Table:
+    n = len(check.requests)
+    table = Table(title=f"tfq together: {n} chats, {check.tokens} tokens, K = {check.group}")
+    for name in ("arm", "mode", "equal ids", "equal logits", "where replies part", "verdict", "time"):
+        table.add_column(name, justify="right" if name == "time" else "left")
+    ref = check.reference
+    table.add_row("reference", "alone", "", "", "", "reference" if ref.complete else "incomplete", f"{ref.seconds:.0f} s")
+    for run in check.arms:
+        if not run.complete:
+            table.add_row(run.arm.name, run.arm.mode(check.group), "", "", "", "[yellow]not run[/]", "")
+            continue
+        color = {EXACT: "green", RED: "red"}.get(run.verdict, "bold magenta")
+        parts = [c.where() for c in run.comparisons if not c.equal]
+        where = "; ".join(parts[:SHOWN_PARTINGS]) + (f"; +{len(parts) - SHOWN_PARTINGS} more" if len(parts) > SHOWN_PARTINGS else "")
+        mode = run.arm.mode(check.group) + (f", {run.preemptions} preempted" if run.preemptions else "")
+        table.add_row(run.arm.name + (" (control)" if run.arm.control else ""), mode, f"{run.equal_ids}/{n}",
+                      f"{run.equal_logits}/{n}", where or "-", f"[{color}]{run.verdict}[/]", f"{run.seconds:.0f} s")
+    return table
+
+
+def _print_plans(out: Console, check: Check) -> None:
+    """The reference's plan lines in full, then for each arm only the lines that differ from them."""
+    ref_lines = check.plan_lines(check.reference)
+    out.print("[bold]plan, reference[/]:", highlight=False)
+    for line in ref_lines:
+        out.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
+    for run in check.arms:
+        own = [line for line in check.plan_lines(run) if line not in ref_lines]
+        out.print(f"[bold]plan, {run.arm.name}[/] ({run.arm.about}):", highlight=False)
+        for line in own or ["(same as the reference)"]:
+            out.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
+
+
+class _Progress(Listener):
+    """One bar for the arms, one for the tokens of the arm running now, naming the chat(s) it is on."""
+
+    def __init__(self, console: Console, requests, eos_ids, arms: int):
+        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), console=console, transient=False)
+        self.labels = [r.label for r in requests]
+        self.max_tokens = [r.max_tokens for r in requests]
+        self.chats, self.tokens, self.eos = len(requests), sum(self.max_tokens), frozenset(eos_ids)
+        self.overall = self.progress.add_task("arms", total=arms)
+        self.task = None
+        self.counts: list[int] = []
+        self.done = 0
+        self.run: ArmRun | None = None
+        self.group = 1
+
+    def __enter__(self) -> "_Progress":
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.__exit__(*exc)
+
+    def arm_started(self, run: ArmRun, group: int) -> None:
+        self.run, self.group, self.counts, self.done = run, group, [0] * self.chats, 0
+        self.task = self.progress.add_task(self._describe(), total=self.tokens)
+
+    def chat_started(self, run: ArmRun, index: int) -> None:
+        self.progress.update(self.task, description=self._describe(index))
+
+    def token(self, run: ArmRun, index: int, token_id: int) -> None:
+        self.counts[index] += 1
+        if token_id in self.eos or self.counts[index] >= self.max_tokens[index]:
+            self.done += 1
+            if run.arm.together:
+                self.progress.update(self.task, description=self._describe())
+        self.progress.advance(self.task)
+
+    def arm_finished(self, run: ArmRun) -> None:
+        verdict = run.verdict or "done"
+        self.progress.update(self.task, description=f"{run.arm.name}: {verdict} ({run.seconds:.0f} s)",
+                             completed=self.tokens)
+        self.progress.advance(self.overall)
+
+    def _describe(self, index: int | None = None) -> str:
+        run = self.run
+        name = f"{run.arm.name} ({run.arm.mode(self.group)})"
+        if index is not None:
+            return f"{name}: chat {index + 1}/{self.chats} {self.labels[index]}"
+        return f"{name}: {self.done}/{self.chats} chats done"
+

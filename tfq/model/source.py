@@ -1,0 +1,173 @@
+"""Where a model comes from: `default`, an HF checkpoint folder, or a .gguf file (converted once, cached)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+from tfq.errors import TfqError
+from tfq.model import default, gguf_file
+from tfq.model.config import ModelConfig
+
+# Bump when a conversion's output changes, so stale cached folders are not reused.
+CONVERTER_VERSION = 1
+SHIPPED_DEFAULT_CONFIG = Path(__file__).with_name("default_config.json")
+_HASHES = "sha256.json"
+
+
+def cache_dir() -> Path:
+    """$TFQ_CACHE, else $XDG_CACHE_HOME/tfq, else ~/.cache/tfq."""
+    if os.environ.get("TFQ_CACHE"):
+        return Path(os.environ["TFQ_CACHE"]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "tfq"
+    return Path.home() / ".cache" / "tfq"
+
+
+def converted_dir(sha256: str) -> Path:
+    """The cached HF folder converted from the GGUF file with this sha256."""
+    return cache_dir() / "converted" / f"{sha256}-v{CONVERTER_VERSION}"
+
+
+def resolve_model(spec: str, progress: bool = True) -> Path:
+    """An HF checkpoint folder for `spec` ("default", an HF folder, or a .gguf file), converting once if needed."""
+    if spec == "default":
+        target = converted_dir(default.SHA256)
+        if (target / "config.json").is_file():
+            return target
+        default.part_paths()  # not installed or incomplete: say so before any work
+        return _convert_once(target, lambda out: default.convert(out, progress))
+    path = _existing(spec)
+    if path.is_dir():
+        ModelConfig.from_folder(path)
+        return path
+    _require_gguf(path)
+    sha = file_sha256(path, progress)
+    target = converted_dir(sha)
+    if (target / "config.json").is_file():
+        return target
+    header = gguf_file.read_header(path)
+    gguf_file.hf_config(header)  # an unsupported architecture fails here, before any work
+    return _convert_once(target, lambda out: gguf_file.convert(path, out, progress, header))
+
+
+def model_config(spec: str) -> ModelConfig:
+    """The model's shape, fast: never reads or converts weights."""
+    if spec == "default":
+        target = converted_dir(default.SHA256)
+        if (target / "config.json").is_file():
+            return ModelConfig.from_folder(target)
+        if not default.installed():
+            raise TfqError(f"the default model is not installed; install it with: {default.INSTALL}")
+        return ModelConfig.from_dict(json.loads(SHIPPED_DEFAULT_CONFIG.read_text()), "the default model's config")
+    path = _existing(spec)
+    if path.is_dir():
+        return ModelConfig.from_folder(path)
+    _require_gguf(path)
+    sha = _known_sha256(path)
+    if sha and (converted_dir(sha) / "config.json").is_file():
+        return ModelConfig.from_folder(converted_dir(sha))
+    return ModelConfig.from_dict(gguf_file.hf_config(gguf_file.read_header(path)), str(path))
+
+
+def _existing(spec: str) -> Path:
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise TfqError(f"{spec}: no such file or folder; a model is 'default', an HF checkpoint folder or a .gguf file")
+    return path
+
+
+def _require_gguf(path: Path) -> None:
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise TfqError(f"{path}: cannot read it ({e.strerror or e})") from None
+    if magic != gguf_file.MAGIC:
+        what = "a GGUF file that is empty or damaged" if path.suffix == ".gguf" else "neither a folder nor a GGUF file"
+        raise TfqError(f"{path}: {what}; a model is 'default', an HF checkpoint folder or a .gguf file")
+
+
+def _convert_once(target: Path, produce: Callable[[Path], None]) -> Path:
+    """Run `produce` into a temporary folder beside `target`, then rename it into place (atomic)."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale(target.parent)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    except OSError as e:
+        raise TfqError(f"cannot write the cache folder {target.parent} ({e.strerror or e}); set TFQ_CACHE to a writable folder") from None
+    try:
+        produce(tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp made it private; the cache is an ordinary folder
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():  # not a concurrent conversion that finished first
+                raise
+    except OSError as e:
+        raise TfqError(f"converting into {target} failed ({e.strerror or e}); is the disk full? set TFQ_CACHE elsewhere") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _remove_stale(folder: Path, age_s: float = 3600.0) -> None:
+    """Delete what a killed conversion left behind (hidden temporary entries, untouched for an hour)."""
+    now = time.time()
+    for p in folder.glob(".*"):
+        try:
+            if now - p.stat().st_mtime > age_s:
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+        except OSError:
+            pass
+
+
+def _hash_memo() -> tuple[Path, dict]:
+    memo = cache_dir() / "converted" / _HASHES
+    try:
+        return memo, json.loads(memo.read_text())
+    except (OSError, ValueError):
+        return memo, {}
+
+
+def _stat_key(path: Path) -> list:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns]
+
+
+def _known_sha256(path: Path) -> str | None:
+    """The sha256 recorded for this file if it is unchanged since (size and mtime), else None."""
+    entry = _hash_memo()[1].get(str(path.resolve()))
+    return entry[2] if entry and entry[:2] == _stat_key(path) else None
+
+
+def file_sha256(path: Path, progress: bool = True) -> str:
+    """sha256 of a file, remembered by (path, size, mtime) so a big GGUF is hashed once."""
+    known = _known_sha256(path)
+    if known:
+        return known
+    from tqdm import tqdm
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f, tqdm(
+        total=path.stat().st_size, unit="B", unit_scale=True, desc=f"hashing {path.name}", disable=not progress, leave=False
+    ) as bar:
+        while chunk := f.read(8 << 20):
+            digest.update(chunk)
+            bar.update(len(chunk))
+    sha = digest.hexdigest()
+    memo, entries = _hash_memo()
+    entries[str(path.resolve())] = _stat_key(path) + [sha]
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(entries, indent=1))
+        os.replace(tmp, memo)
+    except OSError:
+        pass  # the memo only saves time
+    return sha
