@@ -90,3 +90,28 @@ def test_default_model_four_prompts_paged_equal_alone():
         alone = tfq("chat", p, *common)
         assert alone.returncode == 0, alone.stderr
         assert alone.stdout == got[f"p{i + 1}"]
+
+
+def test_interactive_chat_keeps_history(tiny_dirs):
+    r = subprocess.run([sys.executable, "-m", "tfq", "chat", "--model", str(tiny_dirs["qwen2"]), "--plan", TINY_PLAN,
+                        "--max-tokens", "5", "--quiet"], input="hello\nand again\n/exit\n", capture_output=True,
+                       text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("> ") == 3  # two turns answered, then /exit
+    assert r.stderr.count("tokens/s") == 2
+
+
+def test_ctrl_c_ends_the_reply_cleanly(tiny_dirs):
+    import signal
+    import time
+
+    p = subprocess.Popen([sys.executable, "-u", "-m", "tfq", "chat", "tell me a story", "--model",
+                          str(tiny_dirs["qwen2"]), "--plan", TINY_PLAN, "--max-tokens", "400", "--quiet",
+                          "--set", "window=4096", "--set", "kv.pages=0"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    first = p.stdout.read(1)  # the reply has started
+    time.sleep(0.2)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert first and p.returncode == 0, err
+    assert "(stopped)" in err and "Traceback" not in err

@@ -1,0 +1,40 @@
+"""The linear layer's invariance, proven on this build, and the guard that refuses a path that is not."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tfq.arithmetic import Linear, check_linear
+from tfq.errors import TfqError
+
+
+@pytest.mark.parametrize("n_in, n_out", [(896, 1152), (896, 9728), (4864, 896), (128, 512)])
+def test_linear_row_bits_do_not_change_with_rows(n_in, n_out):
+    g = torch.Generator().manual_seed(n_in + n_out)
+    f = Linear(torch.randn(n_out, n_in, generator=g), torch.randn(n_out, generator=g))
+    x = torch.randn(64, n_in, generator=g)
+    full = f(x)
+    for m in range(1, 65):
+        assert torch.equal(f(x[:m]), full[:m]), m
+    big = torch.randn(512, n_in, generator=g)
+    assert torch.equal(f(big)[:64], f(big[:64]))
+
+
+def test_guard_accepts_the_engine_linear():
+    check_linear()
+
+
+def test_guard_refuses_plain_linear():
+    """Plain fp32 F.linear changes a row's bits with M here (DESIGN.md section 2): the guard must say no."""
+    with pytest.raises(TfqError, match="not batch-invariant"):
+        check_linear(lambda w, b: (lambda x: F.linear(x, w, b)))
+
+
+def test_guard_refuses_a_subtly_wrong_path():
+    """A path that is right for one row but sums differently in a batch (a control that must be caught)."""
+    def make(w, b):
+        lin = Linear(w, b)
+        return lambda x: lin(x) if len(x) == 1 else lin(x) + (lin(x) * 1e-7)
+    with pytest.raises(TfqError):
+        check_linear(make)
