@@ -71,9 +71,20 @@ def tile_count(length: int) -> int:
     return -(-length // KEY_TILE)
 
 
-def _gather(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Cache rows -> fp32 [..., Hkv, D] (one code path for lanes and pages)."""
-    return cache.index_select(0, rows.reshape(-1)).view(*rows.shape, *cache.shape[1:]).float()
+def _gather(cache: torch.Tensor, rows: torch.Tensor, group: int) -> torch.Tensor:
+    """Keys or values of `rows` [B, Lpad] as fp32 [B * Hkv * group, Lpad, D], one copy per query head.
+
+    The one way tfq reads a cache (lanes and pages alike); the result is contiguous, the fixed operand
+    layout of every product. A narrow cache dtype is widened before the heads are repeated.
+    """
+    hkv, dim = cache.shape[1:]
+    b, lpad = rows.shape
+    if cache.dtype != torch.float32:
+        cache = cache.index_select(0, rows.reshape(-1)).float()
+        rows = torch.arange(b * lpad).view(b, lpad)
+    heads = torch.arange(hkv).repeat_interleave(group)
+    idx = rows[:, None, :] * hkv + heads[None, :, None]
+    return cache.reshape(-1, dim).index_select(0, idx.reshape(-1)).view(b * hkv * group, lpad, dim)
 
 
 def _decode(q: torch.Tensor, k_cache, v_cache, d: DecodeGroup, partial: bool) -> torch.Tensor:
@@ -81,11 +92,8 @@ def _decode(q: torch.Tensor, k_cache, v_cache, d: DecodeGroup, partial: bool) ->
     hkv = k_cache.shape[1]
     group = h // hkv
     lpad = d.cache_rows.shape[1]
-    # [B, Lpad, Hkv, D] -> one copy per query head: [B*H, Lpad, D] contiguous (the fixed operand layout)
-    k = _gather(k_cache, d.cache_rows).permute(0, 2, 1, 3)[:, :, None].expand(b, hkv, group, lpad, dim)
-    v = _gather(v_cache, d.cache_rows).permute(0, 2, 1, 3)[:, :, None].expand(b, hkv, group, lpad, dim)
-    k = k.reshape(b * h, lpad, dim)
-    v = v.reshape(b * h, lpad, dim)
+    k = _gather(k_cache, d.cache_rows, group)  # [B*H, Lpad, D]
+    v = _gather(v_cache, d.cache_rows, group)
     s = torch.bmm(q.reshape(b * h, 1, dim), k.transpose(1, 2)).view(b * h, lpad)
     qpos = (d.lengths - 1).repeat_interleave(h)
     s = s.masked_fill(torch.arange(lpad)[None, :] > qpos[:, None], NEG_INF)
@@ -103,8 +111,8 @@ def _chunk(q: torch.Tensor, k_cache, v_cache, c: Chunk, partial: bool) -> torch.
     group = h // hkv
     lpad = c.cache_rows.shape[0]
     nt = lpad // KEY_TILE
-    k = _gather(k_cache, c.cache_rows).transpose(0, 1).contiguous()  # [Hkv, Lpad, D]
-    v = _gather(v_cache, c.cache_rows).transpose(0, 1).contiguous()
+    k = _gather(k_cache, c.cache_rows[None], 1)  # [Hkv, Lpad, D]
+    v = _gather(v_cache, c.cache_rows[None], 1)
     qpos = torch.arange(c.first_pos, c.first_pos + r)
     masked = torch.arange(lpad)[None, :] > qpos[:, None]  # [R, Lpad]
     out = torch.empty(r, h, dim)
