@@ -28,13 +28,33 @@ from tfq.tiles import KEY_TILE, SPLIT_ROWS
 SPLIT_TILES = SPLIT_ROWS // KEY_TILE
 STORE_KIND = {"fp32": 0, "bf16": 1, "fp16": 2, "fp8": 3}
 _BITS_VIEW = {"fp32": torch.float32, "bf16": torch.uint16, "fp16": torch.uint16, "fp8": torch.uint8}
+# Every multiply and add rounds on its own (no fused multiply-add): the bits then follow the source, and do
+# not change with Triton's default (fusion on up to 3.9, off from 3.10).
+LAUNCH = dict(enable_fp_fusion=False)
 
 
 # ---------------------------------------------------------------------------------------------- attention
 
 @triton.jit
+def _widen(x, FP8: tl.constexpr):
+    """A cache element -> fp32 (exact). fp8 e4m3fn arrives as its uint8 bits (GPUs before sm_89 cannot load
+    fp8): sign, 4-bit exponent (bias 7), 3-bit mantissa; exponent 0 is subnormal (m * 2^-9), 0x7F is NaN."""
+    if FP8:
+        b = x.to(tl.uint32)
+        e = (b >> 3) & 0xF
+        m = b & 0x7
+        sign = (b & 0x80) << 24
+        normal = (sign | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+        sub = (sign | 0x3F800000).to(tl.float32, bitcast=True) * m.to(tl.float32) * 0.001953125
+        y = tl.where(e == 0, sub, normal)
+        return tl.where((b & 0x7F) == 0x7F, float("nan"), y)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
 def _tile_loop(q, q_pos, table, k_ptr, v_ptr, kv_head, stride_kr, stride_kh, stride_vr, stride_vh,
-               t_begin, t_end, m, l, acc, TILE: tl.constexpr, D: tl.constexpr):
+               t_begin, t_end, m, l, acc, TILE: tl.constexpr, D: tl.constexpr, FP8: tl.constexpr):
     """Online softmax over key tiles [t_begin, t_end) of one stream; the one loop `rows` and `partial` share."""
     offs_t = tl.arange(0, TILE)
     offs_d = tl.arange(0, D)
@@ -42,10 +62,10 @@ def _tile_loop(q, q_pos, table, k_ptr, v_ptr, kv_head, stride_kr, stride_kh, str
         pos = t * TILE + offs_t
         live = pos <= q_pos
         rows = tl.load(table + pos, mask=live, other=0).to(tl.int64)
-        k = tl.load(k_ptr + rows[:, None] * stride_kr + kv_head * stride_kh + offs_d[None, :],
-                    mask=live[:, None], other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + rows[:, None] * stride_vr + kv_head * stride_vh + offs_d[None, :],
-                    mask=live[:, None], other=0.0).to(tl.float32)
+        k = _widen(tl.load(k_ptr + rows[:, None] * stride_kr + kv_head * stride_kh + offs_d[None, :],
+                           mask=live[:, None], other=0), FP8)
+        v = _widen(tl.load(v_ptr + rows[:, None] * stride_vr + kv_head * stride_vh + offs_d[None, :],
+                           mask=live[:, None], other=0), FP8)
         s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [G, TILE]
         s = tl.where(live[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -69,11 +89,12 @@ def _load_query(q_ptr, q_row, kv_head, stride_qn, stride_qh, scale, GROUP: tl.co
 @triton.jit
 def _rows_kernel(q_ptr, out_ptr, k_ptr, v_ptr, table_ptr, item_row_ptr, item_pos_ptr, item_table_ptr, scale,
                  stride_qn, stride_qh, stride_on, stride_oh, stride_kr, stride_kh, stride_vr, stride_vh,
-                 GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr):
+                 GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
+                 FP8: tl.constexpr):
     item = tl.program_id(0)
     kv_head = tl.program_id(1)
     q_row = tl.load(item_row_ptr + item)
-    q_pos = tl.load(item_pos_ptr + item)
+    q_pos = tl.load(item_pos_ptr + item).to(tl.int32)
     table = table_ptr + tl.load(item_table_ptr + item)
     q = _load_query(q_ptr, q_row, kv_head, stride_qn, stride_qh, scale, GROUP, BLOCK_G, D)
     m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
@@ -81,7 +102,7 @@ def _rows_kernel(q_ptr, out_ptr, k_ptr, v_ptr, table_ptr, item_row_ptr, item_pos
     acc = tl.zeros((BLOCK_G, D), tl.float32)
     n_tiles = q_pos // TILE + 1
     m, l, acc = _tile_loop(q, q_pos, table, k_ptr, v_ptr, kv_head, stride_kr, stride_kh, stride_vr, stride_vh,
-                           0, n_tiles, m, l, acc, TILE, D)
+                           0, n_tiles, m, l, acc, TILE, D, FP8)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, D)
     ptr = out_ptr + q_row * stride_on + (kv_head * GROUP + g[:, None]) * stride_oh + d[None, :]
@@ -93,12 +114,12 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, item_row_ptr, item_pos_ptr, 
                     m_ptr, l_ptr, acc_ptr, n_kv, max_splits,
                     stride_qn, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
                     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
-                    SPLIT: tl.constexpr):
+                    FP8: tl.constexpr, SPLIT: tl.constexpr):
     item = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     q_row = tl.load(item_row_ptr + item)
-    q_pos = tl.load(item_pos_ptr + item)
+    q_pos = tl.load(item_pos_ptr + item).to(tl.int32)
     table = table_ptr + tl.load(item_table_ptr + item)
     q = _load_query(q_ptr, q_row, kv_head, stride_qn, stride_qh, scale, GROUP, BLOCK_G, D)
     m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
@@ -108,7 +129,7 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, item_row_ptr, item_pos_ptr, 
     t_begin = split * SPLIT
     t_end = tl.minimum(t_begin + SPLIT, n_tiles)  # a split past the row's keys loops nothing (merge skips it)
     m, l, acc = _tile_loop(q, q_pos, table, k_ptr, v_ptr, kv_head, stride_kr, stride_kh, stride_vr, stride_vh,
-                           t_begin, t_end, m, l, acc, TILE, D)
+                           t_begin, t_end, m, l, acc, TILE, D, FP8)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, D)
     slot = ((item * n_kv + kv_head) * max_splits + split) * BLOCK_G + g
@@ -125,7 +146,7 @@ def _merge_kernel(out_ptr, item_row_ptr, item_pos_ptr, m_ptr, l_ptr, acc_ptr, n_
     item = tl.program_id(0)
     kv_head = tl.program_id(1)
     q_row = tl.load(item_row_ptr + item)
-    q_pos = tl.load(item_pos_ptr + item)
+    q_pos = tl.load(item_pos_ptr + item).to(tl.int32)
     n_splits = (q_pos // TILE) // SPLIT + 1
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, D)
@@ -179,6 +200,7 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
                          f"power-of-two head size ({dim})")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("the K/V cache's last dimension must be contiguous")
+    q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty_like(q)
     items = _items(batch, q.device)
     if items is None:
@@ -186,12 +208,16 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
     item_row, item_pos, item_table, table, max_keys = items
     group = h // hkv
     block_g = max(16, triton.next_power_of_2(group))  # tl.dot needs at least 16 rows
-    common = dict(GROUP=group, BLOCK_G=block_g, D=dim, TILE=KEY_TILE)
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8:
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    common = dict(GROUP=group, BLOCK_G=block_g, D=dim, TILE=KEY_TILE, **LAUNCH)
     strides = (k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1))
     n_items = len(item_row)
     if not batch.partial:
         _rows_kernel[(n_items, hkv)](q, out, k_cache, v_cache, table, item_row, item_pos, item_table, scale,
-                                     q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides, **common)
+                                     q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides, FP8=fp8,
+                                     **common)
         return out
     max_splits = -(-max_keys // SPLIT_ROWS)
     m = torch.empty(n_items * hkv * max_splits * block_g, device=q.device)
@@ -199,7 +225,7 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
     acc = torch.empty(m.numel() * dim, device=q.device)
     _partial_kernel[(n_items, hkv, max_splits)](q, k_cache, v_cache, table, item_row, item_pos, item_table, scale,
                                                 m, l, acc, hkv, max_splits, q.stride(0), q.stride(1), *strides,
-                                                SPLIT=SPLIT_TILES, **common)
+                                                FP8=fp8, SPLIT=SPLIT_TILES, **common)
     _merge_kernel[(n_items, hkv)](out, item_row, item_pos, m, l, acc, hkv, max_splits, out.stride(0),
                                   out.stride(1), SPLIT=SPLIT_TILES, **common)
     return out
@@ -218,9 +244,8 @@ def _narrow_bits(x, M: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr,
     nan = a > 0x7F800000
     a = tl.minimum(a, MAX_BITS)
     e32 = (a >> 23).to(tl.int32)
-    shift: tl.constexpr = 23 - M
-    odd = (a >> shift) & 1
-    normal = ((a + ((1 << (shift - 1)) - 1) + odd) >> shift) - ((127 - BIAS) << M)
+    odd = (a >> (23 - M)) & 1
+    normal = ((a + ((1 << (22 - M)) - 1) + odd) >> (23 - M)) - ((127 - BIAS) << M)
     mant = (a & 0x7FFFFF) | 0x800000
     sh = tl.minimum(tl.maximum(151 - BIAS - M - e32, 1), 31).to(tl.uint32)
     one = tl.full(sh.shape, 1, tl.uint32)
@@ -264,7 +289,8 @@ def _store_kernel(ck_ptr, cv_ptr, rows_ptr, k_ptr, v_ptr, n_slots, n_kv, stride_
     tl.store(cv_ptr + dst, _encode(v, KIND), mask=ok)
 
 
-STORE_BLOCK = 16
+# (row, KV head) slots per program; the interpreter pays per program, not per element, so it takes more
+STORE_BLOCK = 512 if type(_store_kernel).__name__ == "InterpretedFunction" else 64
 
 
 def write(cache_k: torch.Tensor, cache_v: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -284,4 +310,4 @@ def write(cache_k: torch.Tensor, cache_v: torch.Tensor, rows: torch.Tensor, k: t
     _store_kernel[(triton.cdiv(slots, STORE_BLOCK),)](
         ck, cv, rows.to(cache_k.device).to(torch.int64).contiguous(), k, v, slots, hkv,
         ck.stride(0), ck.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        KIND=STORE_KIND[dtype_name], BLOCK=STORE_BLOCK, D=dim)
+        KIND=STORE_KIND[dtype_name], BLOCK=STORE_BLOCK, D=dim, **LAUNCH)

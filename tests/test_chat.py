@@ -115,3 +115,13 @@ def test_ctrl_c_ends_the_reply_cleanly(tiny_dirs):
     out, err = p.communicate(timeout=120)
     assert first and p.returncode == 0, err
     assert "(stopped)" in err and "Traceback" not in err
+
+
+def test_chat_with_ngram_draft_prints_acceptance_and_same_reply(tiny_dirs):
+    common = ["--model", str(tiny_dirs["qwen2"]), "--plan", TINY_PLAN, "--max-tokens", "40", "--quiet"]
+    prompt = "def f(x): return x + 1\ndef f(x): return x + 1\ndef f(x):"
+    plain = tfq("chat", prompt, *common)
+    drafted = tfq("chat", prompt, *common, "--draft", "ngram:4")
+    assert plain.returncode == 0 and drafted.returncode == 0, drafted.stderr
+    assert drafted.stdout == plain.stdout
+    assert "proposed" in drafted.stderr and "tokens per verify forward" in drafted.stderr

@@ -74,6 +74,15 @@ class KVCache:
             p.blocks.append(self.pool_base + page * self.page_rows)
         return True
 
+    def shrink(self, p: Placement, rows: int) -> None:
+        """Give back the pages past those holding positions [0, rows) (rows a verify forward rejected)."""
+        if not p.paged:
+            return
+        keep = -(-rows // self.page_rows)
+        while len(p.pages) > keep:
+            self.free_pages.append(p.pages.pop())
+            p.blocks.pop()
+
     def release(self, p: Placement) -> None:
         self.free_pages.extend(reversed(p.pages))
         p.pages.clear()

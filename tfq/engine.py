@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from kernels.attention import AttentionBatch, Chunk, DecodeGroup
+from tfq.batch import Feed, forward
 from tfq.cache import KVCache
 from tfq.model.qwen import Qwen
 from tfq.sampling import digest, sample
@@ -52,12 +52,13 @@ class EngineSettings:
 
 class Engine:
     def __init__(self, model: Qwen, settings: EngineSettings, tokenizer=None, eos_ids: Sequence[int] = (),
-                 page_order_seed: int | None = None, keep_logits: bool = False):
+                 page_order_seed: int | None = None, keep_logits: bool = False, drafter=None):
         self.model = model
         self.settings = settings
         self.tokenizer = tokenizer
         self.eos_ids = frozenset(eos_ids or (tokenizer.eos_ids if tokenizer is not None else ()))
         self.keep_logits = keep_logits
+        self.drafter = drafter  # tfq.draft.Drafter or None
         s = settings
         self.cache = KVCache(model.config, lanes=s.contiguous_lanes, window=s.window, page_rows=s.page_rows,
                              pool_pages=s.pool_pages, dtype=s.kv_dtype, page_order_seed=page_order_seed)
@@ -66,7 +67,12 @@ class Engine:
     @classmethod
     def from_plan(cls, plan, layout, loaded, **kw) -> "Engine":
         """plan: tfq.plan.Plan, layout: its Layout, loaded: tfq.model.load.LoadedModel."""
-        return cls(loaded.model, EngineSettings.from_plan(plan, layout), loaded.tokenizer, **kw)
+        from tfq.draft import make_drafter
+
+        settings = EngineSettings.from_plan(plan, layout)
+        if "drafter" not in kw:
+            kw["drafter"] = make_drafter(plan.draft, loaded.tokenizer, settings.lanes, settings.window)
+        return cls(loaded.model, settings, loaded.tokenizer, **kw)
 
     # -- public -------------------------------------------------------------------------------------------
     def generate(self, requests: Sequence[Request], on_token: OnToken | None = None) -> list[Result]:
@@ -92,7 +98,9 @@ class Engine:
                         st.lane, st.order, admitted = i, admitted, admitted + 1
                         st.placement = self.cache.lane(i) if i < self.settings.contiguous_lanes else self.cache.paged()
                         lanes[i] = st
-                running = self._reserve([st for st in lanes if st is not None], lanes, waiting)
+                running = [st for st in lanes if st is not None]
+                self._propose(running)
+                running = self._reserve(running, lanes, waiting)
                 if running:
                     self._step(running, start, on_token)
                 for i, st in enumerate(lanes):
@@ -113,6 +121,9 @@ class Engine:
             if st.finish is not None or st.placement is None:
                 continue
             while not self.cache.grow(st.placement, st.cached + self._rows(st)):
+                if st.drafts:  # first give up guessing, then preempt
+                    st.drafts = []
+                    continue
                 newer = [s for s in running if s.order > st.order and s.placement is not None and s.placement.pages]
                 if newer:
                     self._preempt(max(newer, key=lambda s: s.order), lanes, waiting)
@@ -129,48 +140,49 @@ class Engine:
         return ready
 
     def _rows(self, st: Stream) -> int:
-        return min(st.pending, self.settings.prefill_chunk)
+        return min(st.pending, self.settings.prefill_chunk) + len(st.drafts)
+
+    def _propose(self, running: list[Stream]) -> None:
+        """Guesses for streams past their prompt, within their token and window budgets."""
+        for st in running:
+            st.drafts = []
+        if self.drafter is None:
+            return
+        decoding = [st for st in running if st.pending == 1 and st.finish is None]
+        budgets = [max(0, min(self.drafter.k, st.request.max_tokens - len(st.digests) - 1,
+                              self.settings.window - len(st.tokens))) for st in decoding]
+        for st, guess in zip(decoding, self.drafter.propose(decoding, budgets)):
+            st.drafts = list(guess)
+            st.proposed += len(st.drafts)
 
     def _step(self, running: list[Stream], start: float, on_token: OnToken | None) -> None:
-        ids, positions, write_rows, logit_rows, producers = [], [], [], [], []
-        decode, chunks = [], []
-        row = 0
-        counts = [self._rows(st) for st in running]
-        for st, n in zip(running, counts):
-            ids.extend(st.tokens[st.cached:st.cached + n])
-            positions.extend(range(st.cached, st.cached + n))
-            write_rows.append(self.cache.rows(st.placement, st.cached, n))
-            if n == 1:
-                decode.append((row, st))
-            else:
-                chunks.append(Chunk(row, n, st.cached, self.cache.key_rows(st.placement, st.cached + n)))
-            if st.cached + n == len(st.tokens):
-                logit_rows.append(row + n - 1)
-                producers.append(st)
-            row += n
-        batch = AttentionBatch(self._decode_group(decode), chunks, self._partial(running))
-        logits = self.model.forward(torch.tensor(ids), torch.tensor(positions), self.cache, torch.cat(write_rows),
-                                    batch, torch.tensor(logit_rows, dtype=torch.long))
+        feeds = []
+        for st in running:
+            n = min(st.pending, self.settings.prefill_chunk)
+            done = st.cached + n == len(st.tokens)
+            feeds.append(Feed(st.placement, st.cached, st.tokens[st.cached:st.cached + n] + st.drafts,
+                              logits=(1 + len(st.drafts)) if done else 0))
+        logits = forward(self.model, self.cache, feeds, self._partial(running))
         self.forwards += 1
-        for st, n in zip(running, counts):
-            st.cached += n
-        for st, row_logits in zip(producers, logits):
-            self._draw(st, row_logits, start, on_token)
+        for st, f, rows in zip(running, feeds, logits):
+            if not f.logits:
+                st.cached += len(f.tokens)
+                continue
+            st.cached += len(f.tokens) - len(st.drafts) - 1  # rows before the one that draws
+            for j, row_logits in enumerate(rows):
+                st.cached += 1
+                self._draw(st, row_logits, start, on_token)
+                if st.finish is not None or j == len(st.drafts) or st.tokens[-1] != st.drafts[j]:
+                    break
+                st.accepted += 1
+            if st.drafts:
+                st.verifies += 1
+                self.cache.shrink(st.placement, st.cached)  # rejected rows give their pages back
+                self.drafter.settle(st)
 
     def _partial(self, running: list[Stream]) -> bool:
         s = self.settings
         return s.partial or (s.paged_partial and any(st.placement.paged for st in running))
-
-    def _decode_group(self, decode: list[tuple[int, Stream]]) -> DecodeGroup | None:
-        if not decode:
-            return None
-        lengths = [st.cached + 1 for _, st in decode]
-        keys = [self.cache.key_rows(st.placement, n) for (_, st), n in zip(decode, lengths)]
-        lpad = max(len(k) for k in keys)
-        rows = torch.zeros(len(keys), lpad, dtype=torch.long)
-        for i, k in enumerate(keys):
-            rows[i, :len(k)] = k  # beyond a stream's own tiles: row 0, masked
-        return DecodeGroup(torch.tensor([r for r, _ in decode]), rows, torch.tensor(lengths))
 
     def _draw(self, st: Stream, logits: torch.Tensor, start: float, on_token: OnToken | None) -> None:
         req = st.request
@@ -203,12 +215,16 @@ class Engine:
     def _preempt(self, st: Stream, lanes, waiting: deque) -> None:
         """Free a stream's pages and requeue it; it recomputes its cache (prompt and reply) when readmitted."""
         self.cache.release(st.placement)
+        if self.drafter is not None:
+            self.drafter.forget(st)
         lanes[st.lane] = None
-        st.lane, st.placement, st.cached = None, None, 0
+        st.lane, st.placement, st.cached, st.drafts = None, None, 0, []
         st.preempted += 1
         waiting.appendleft(st)
 
     def _leave(self, st: Stream, lanes) -> None:
+        if self.drafter is not None:
+            self.drafter.forget(st)
         if st.placement is not None:
             self.cache.release(st.placement)
         if st.lane is not None:
@@ -221,4 +237,5 @@ class Engine:
     def _result(self, st: Stream, total: float) -> Result:
         return Result(label=st.request.label, ids=st.reply, text=st.text, digests=st.digests, finish=st.finish or "error",
                       error=st.error, prompt_tokens=len(st.request.prompt), first_token_s=st.first_token_s,
-                      total_s=total, preempted=st.preempted, logits=st.logits if self.keep_logits else None)
+                      total_s=total, preempted=st.preempted, proposed=st.proposed, accepted=st.accepted,
+                      verifies=st.verifies, logits=st.logits if self.keep_logits else None)

@@ -44,6 +44,9 @@ class Result:
     first_token_s: float = 0.0
     total_s: float = 0.0
     preempted: int = 0
+    proposed: int = 0  # drafted tokens offered for verification
+    accepted: int = 0  # of those, tokens the target drew too
+    verifies: int = 0  # forwards that verified guesses
     logits: list[torch.Tensor] | None = None  # per step, when the engine keeps them
 
 
@@ -64,6 +67,10 @@ class Stream:
     error: str | None = None
     first_token_s: float = 0.0
     preempted: int = 0
+    drafts: list[int] = field(default_factory=list)  # this step's guesses, verified in the same forward
+    proposed: int = 0
+    accepted: int = 0
+    verifies: int = 0
 
     @property
     def reply(self) -> list[int]:

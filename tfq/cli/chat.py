@@ -36,6 +36,7 @@ def chat(
     temperature: float = typer.Option(0.0, "--temperature", help="0 is greedy."),
     top_p: float = typer.Option(1.0, "--top-p"),
     seed: int = typer.Option(0, "--seed", help="Seed of the per-position draws (temperature > 0)."),
+    draft: Optional[str] = typer.Option(None, "--draft", help="none | ngram[:K] | a draft checkpoint (plan key draft)."),
     sets: List[str] = typer.Option([], "--set", help="Plan override key=value (after TFQ_* variables)."),
     quiet: bool = typer.Option(False, "--quiet", help="Hide the plan lines."),
 ) -> None:
@@ -50,6 +51,8 @@ def chat(
         chats += load_prompts(prompts_file)
     settings = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
     Request((0,), **{k: v for k, v in settings.items() if k != "seed"}).validate()
+    if draft is not None:
+        sets = [*sets, f"draft={draft}"]
     the_plan, _, layout = resolve_plan(plan, model, sets, quiet, err)
     with err.status("loading the model"):
         loaded = load_model(the_plan.model)
@@ -83,6 +86,7 @@ def _stream_one(engine, request: Request, err: Console) -> str:
     if result.error:
         raise TfqError(result.error)
     _speed(err, len(result.ids), result.first_token_s, time.perf_counter() - t0, 1)
+    _acceptance(err, [result])
     return result.text
 
 
@@ -100,6 +104,7 @@ def _together(engine, requests: list[Request], err: Console) -> None:
             print(r.text)
     wall = time.perf_counter() - t0
     _speed(err, sum(len(r.ids) for r in results), min(r.first_token_s for r in results), wall, len(results))
+    _acceptance(err, results)
     if failed:
         raise typer.Exit(1)
 
@@ -108,6 +113,16 @@ def _speed(err: Console, tokens: int, first: float, wall: float, streams: int) -
     decode = max(wall - first, 1e-9)
     err.print(f"[dim]{tokens} tokens in {wall:.1f} s; first token after {first:.2f} s; "
               f"{max(tokens - streams, 0) / decode:.1f} tokens/s decoding[/]")
+
+
+def _acceptance(err: Console, results) -> None:
+    proposed = sum(r.proposed for r in results)
+    if not proposed:
+        return
+    accepted = sum(r.accepted for r in results)
+    verifies = sum(r.verifies for r in results)
+    err.print(f"[dim]drafted: {proposed} proposed, {accepted} accepted ({accepted / proposed:.0%}), "
+              f"{(accepted + verifies) / verifies:.2f} tokens per verify forward[/]")
 
 
 def _interactive(engine, tok, system: str | None, settings: dict, err: Console) -> None:

@@ -1,0 +1,107 @@
+"""Drafters: cheap guesses at a stream's next tokens, which the target model verifies in one forward.
+
+A guess only decides how many rows a verify forward holds; which tokens a stream keeps is decided by the
+target's own logits, row by row, so a reply is the same with any drafter or none (DESIGN.md section 2).
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+from tfq.batch import Feed, forward
+from tfq.cache import KVCache
+from tfq.errors import TfqError
+from tfq.stream import Stream
+
+NGRAM_LONGEST = 3  # the longest suffix prompt lookup tries to match
+
+
+class Drafter(Protocol):
+    k: int
+
+    def propose(self, streams: list[Stream], budgets: list[int]) -> list[list[int]]:
+        """Up to budgets[i] guessed tokens to follow streams[i].tokens."""
+
+    def settle(self, stream: Stream) -> None:
+        """The target verified: stream.cached positions hold the stream's true tokens."""
+
+    def forget(self, stream: Stream) -> None:
+        """The stream left (finished or preempted)."""
+
+
+class NgramDrafter:
+    """Prompt lookup: continue the latest earlier occurrence of the stream's last n tokens (n = 3, 2, 1)."""
+
+    def __init__(self, k: int = 4):
+        self.k = k
+
+    def propose(self, streams: list[Stream], budgets: list[int]) -> list[list[int]]:
+        return [lookup(st.tokens, b) for st, b in zip(streams, budgets)]
+
+    def settle(self, stream: Stream) -> None:
+        pass
+
+    def forget(self, stream: Stream) -> None:
+        pass
+
+
+def lookup(tokens: list[int], k: int, longest: int = NGRAM_LONGEST) -> list[int]:
+    if k <= 0:
+        return []
+    for n in range(min(longest, len(tokens) - 1), 0, -1):
+        tail = tokens[-n:]
+        for i in range(len(tokens) - n - 1, -1, -1):  # latest match first, never the tail itself
+            if tokens[i:i + n] == tail:
+                return tokens[i + n:i + n + k]
+    return []
+
+
+class ModelDrafter:
+    """A small model guessing greedily, with its own contiguous cache per lane of the engine."""
+
+    def __init__(self, model, lanes: int, window: int, k: int = 4):
+        self.model = model
+        self.k = k
+        self.cache = KVCache(model.config, lanes=lanes, window=window)
+        self.cached: dict[int, int] = {}  # stream index -> positions in the drafter's cache
+
+    def propose(self, streams: list[Stream], budgets: list[int]) -> list[list[int]]:
+        guesses: list[list[int]] = [[] for _ in streams]
+        feeds = {i: st.tokens[self.cached.get(st.index, 0):] for i, st in enumerate(streams)}
+        for _ in range(max(budgets, default=0)):
+            active = [i for i, st in enumerate(streams) if len(guesses[i]) < budgets[i]]
+            if not active:
+                break
+            batch = [Feed(self.cache.lane(streams[i].lane), self.cached.get(streams[i].index, 0), feeds[i])
+                     for i in active]
+            for i, logits in zip(active, forward(self.model, self.cache, batch, partial=False)):
+                st = streams[i]
+                self.cached[st.index] = self.cached.get(st.index, 0) + len(feeds[i])
+                guesses[i].append(int(logits[-1].argmax()))
+                feeds[i] = guesses[i][-1:]
+        return guesses
+
+    def settle(self, stream: Stream) -> None:
+        self.cached[stream.index] = min(self.cached.get(stream.index, 0), stream.cached)
+
+    def forget(self, stream: Stream) -> None:
+        self.cached.pop(stream.index, None)
+
+
+def make_drafter(spec: str, target_tokenizer, lanes: int, window: int) -> Drafter | None:
+    """none | ngram | ngram:K | a checkpoint (folder or .gguf) sharing the target's tokenizer."""
+    from tfq.plan import parse_draft
+
+    kind, k = parse_draft(spec)
+    if kind == "none":
+        return None
+    if kind == "ngram":
+        return NgramDrafter(k or 4)
+    from tfq.model.load import load_model
+
+    loaded = load_model(spec)
+    probe = "def f(x):\n    return x * 2  # 你好 🚀"
+    if loaded.tokenizer.vocab_size != target_tokenizer.vocab_size or \
+            loaded.tokenizer.encode(probe) != target_tokenizer.encode(probe):
+        raise TfqError(f"draft model {spec} does not share the target's tokenizer; pick a drafter of the same "
+                       f"family and vocabulary, or use draft: ngram")
+    return ModelDrafter(loaded.model, lanes, window)
