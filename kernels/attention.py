@@ -176,3 +176,28 @@ def _merge(states: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> tor
         l = l + ls * w
         acc = acc + accs * w[:, None]
     return acc / l[:, None]
+
+
+def check_attention(attend_fn=None) -> str | None:
+    """Prove on the running build that a row's attention bits do not depend on how it is computed.
+
+    A row at position p, taken from one prompt chunk, must equal the same row as a one-row decode beside a
+    stream of another length, in both arithmetics. Returns None when it holds, else what differed.
+    """
+    attend_fn = attend_fn or attend
+    g = torch.Generator().manual_seed(99)
+    hkv, group, dim, length = 2, 3, 64, 2 * SPLIT_ROWS + 40
+    k = torch.randn(4 * length, hkv, dim, generator=g)
+    v = torch.randn(4 * length, hkv, dim, generator=g)
+    q = torch.randn(length, hkv * group, dim, generator=g)
+    pad = tile_count(length) * KEY_TILE
+    rows = torch.arange(pad)
+    for partial in (False, True):
+        whole = attend_fn(q, k, v, AttentionBatch(None, [Chunk(0, length, 0, rows)], partial), 0.125)
+        for pos in (0, KEY_TILE, SPLIT_ROWS + 7, length - 1):
+            other = torch.arange(2 * length, 2 * length + pad)
+            d = DecodeGroup(torch.tensor([0, 1]), torch.stack([other, rows]), torch.tensor([length - 3, pos + 1]))
+            one = attend_fn(torch.stack([q[5], q[pos]]), k, v, AttentionBatch(d, [], partial), 0.125)[1]
+            if not torch.equal(one, whole[pos]):
+                return f"{'partial' if partial else 'rows'} attention at position {pos}: decode != prompt chunk"
+    return None

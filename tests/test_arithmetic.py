@@ -38,3 +38,27 @@ def test_guard_refuses_a_subtly_wrong_path():
         return lambda x: lin(x) if len(x) == 1 else lin(x) + (lin(x) * 1e-7)
     with pytest.raises(TfqError):
         check_linear(make)
+
+
+def test_attention_guard_passes_and_catches_a_shape_dependent_kernel():
+    from kernels.attention import attend, check_attention
+
+    from tfq.arithmetic import check_attention as guard
+
+    assert check_attention() is None
+    guard()
+
+    def decode_differs(q, k, v, batch, scale):  # a kernel whose one-row path sums differently
+        out = attend(q, k, v, batch, scale)
+        return out * (1 + 1e-7) if batch.decode is not None else out
+
+    assert "decode != prompt chunk" in check_attention(decode_differs)
+
+
+def test_guard_refuses_onednn_without_the_one_row_padding():
+    """oneDNN alone runs a lone long row through another kernel: the guard must catch exactly that."""
+    def make(w, b):
+        lin = Linear(w, b)
+        return lin._packed
+    with pytest.raises(TfqError, match="at 1 rows"):
+        check_linear(make)

@@ -1,8 +1,11 @@
 """Linear layers whose rows do not depend on how many rows the matmul has.
 
 On this CPU plain fp32 `F.linear` gives a row different bits for M = 1, 2-3 and >= 4 (MKL picks other
-kernels). oneDNN's pre-packed fp32 inner product was measured invariant for M = 1..512 and is the fastest
-fp32 path here. It is a private op, so `check_linear` proves it on the running build before tfq trusts it.
+kernels). oneDNN's pre-packed fp32 inner product is invariant for M = 2..600 (measured), and for M = 1 too
+while rows are short (896), but not for long rows (4864, the MLP's down projection): one row goes through
+another kernel. So a lone row is padded to two. It is the fastest fp32 path here, and a private op, so
+`check_linear` proves it on the running build, and `check_layers` on the model's own layers, before tfq
+trusts it.
 """
 from __future__ import annotations
 
@@ -31,9 +34,14 @@ class Linear:
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.packed else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return _rowwise_linear(x, self.weight, self.bias)
+        if not self.packed:
+            return _rowwise_linear(x, self.weight, self.bias)
+        if x.shape[0] == 1:  # oneDNN runs one row through another kernel (other bits for long rows): pad to two
+            return self._packed(torch.cat([x, x.new_zeros(x.shape)]))[:1]
+        return self._packed(x)
+
+    def _packed(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
 def _rowwise_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -51,26 +59,47 @@ def check_linear(make: Callable[[torch.Tensor, torch.Tensor], LinearFn] = Linear
     kernels, against one call of `rows` rows. The full sweep M = 1..512 lives in the tests.
     """
     g = torch.Generator().manual_seed(1234)
-    for n_in, n_out in ((96, 96), (64, 352), (352, 64), (896, 128)):
+    for n_in, n_out in ((96, 96), (64, 352), (352, 64), (896, 128), (4864, 64)):
         w = torch.randn(n_out, n_in, generator=g)
         b = torch.randn(n_out, generator=g)
-        x = torch.randn(rows, n_in, generator=g)
-        f = make(w, b)
-        full = f(x)
-        for m in CHECK_ROWS:
-            if not torch.equal(f(x[:m]), full[:m]):
-                raise TfqError(
-                    f"this torch build's linear layer is not batch-invariant (a row's bits change at {m} rows, "
-                    f"shape {n_in}->{n_out}); exact mode cannot run here: use a torch build with oneDNN (mkldnn)"
-                )
+        check_rows(make(w, b), n_in, f"shape {n_in}->{n_out}", rows, g)
+
+
+def check_rows(f: LinearFn, n_in: int, what: str, rows: int = 64, g: torch.Generator | None = None) -> None:
+    x = torch.randn(rows, n_in, generator=g)
+    full = f(x)
+    for m in CHECK_ROWS:
+        if not torch.equal(f(x[:m]), full[:m]):
+            raise TfqError(
+                f"this torch build's linear layer is not batch-invariant (a row's bits change at {m} rows, "
+                f"{what}); exact mode cannot run here: use a torch build with oneDNN (mkldnn)"
+            )
+
+
+def check_layers(layers: dict[str, Linear]) -> None:
+    """The same proof on a model's own linear layers (its real shapes and weights)."""
+    g = torch.Generator().manual_seed(4321)
+    for name, f in layers.items():
+        check_rows(f, f.in_features, name, rows=CHECK_ROWS[-1] + 1, g=g)
+
+
+def check_attention() -> None:
+    """Refuse to run if the attention kernels give a row other bits in a decode than in a prompt chunk."""
+    from kernels.attention import check_attention as differs
+
+    problem = differs()
+    if problem:
+        raise TfqError(f"this torch build's attention is not batch-invariant ({problem}); exact mode cannot run "
+                       f"here: use the torch build tfq was measured on (see README)")
 
 
 _checked = False
 
 
-def ensure_exact_linear() -> None:
-    """Run `check_linear` once per process."""
+def ensure_exact() -> None:
+    """Run the start-up checks once per process."""
     global _checked
     if not _checked:
         check_linear()
+        check_attention()
         _checked = True

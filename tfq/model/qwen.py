@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention import AttentionBatch, attend
-from tfq.arithmetic import Linear, ensure_exact_linear
+from tfq.arithmetic import Linear, check_layers, ensure_exact
 from tfq.errors import TfqError
 from tfq.model.config import ModelConfig
 
@@ -43,7 +43,7 @@ class Layer:
 
 class Qwen:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
-        ensure_exact_linear()
+        ensure_exact()
         self.config = config
         c = config
         take = _Taker(weights)
@@ -80,6 +80,9 @@ class Qwen:
         self.inv_freq = inv_freq
         self._rope_rows = 0
         self.scale = 1.0 / math.sqrt(c.head_dim)
+        first = self.layers[0]
+        check_layers({"qkv": first.qkv, "o": first.o, "gate_up": first.gate_up, "down": first.down,
+                      "lm_head": self.lm_head})
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         need = int(positions.max()) + 1
