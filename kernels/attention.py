@@ -16,7 +16,8 @@ cache module derives from a lane's base or a stream's page table: paged and cont
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -32,6 +33,7 @@ class DecodeGroup:
     q_rows: torch.Tensor  # [B] rows of the forward's q holding each stream's query
     cache_rows: torch.Tensor  # [B, Lpad] physical cache row of each key position (Lpad: tiles of the longest)
     lengths: torch.Tensor  # [B] keys each stream attends to (its query sits at position length - 1)
+    memo: dict = field(default_factory=dict, repr=False)  # indices and masks, computed once per forward
 
 
 @dataclass
@@ -42,6 +44,7 @@ class Chunk:
     count: int  # R
     first_pos: int  # position of the first query row
     cache_rows: torch.Tensor  # [Lpad] physical cache row of each key position up to first_pos + R
+    memo: dict = field(default_factory=dict, repr=False)
 
 
 @dataclass
@@ -71,7 +74,13 @@ def tile_count(length: int) -> int:
     return -(-length // KEY_TILE)
 
 
-def _gather(cache: torch.Tensor, rows: torch.Tensor, group: int) -> torch.Tensor:
+def _memo(memo: dict, key, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
+
+
+def _gather(cache: torch.Tensor, rows: torch.Tensor, group: int, memo: dict) -> torch.Tensor:
     """Keys or values of `rows` [B, Lpad] as fp32 [B * Hkv * group, Lpad, D], one copy per query head.
 
     The one way tfq reads a cache (lanes and pages alike); the result is contiguous, the fixed operand
@@ -79,12 +88,17 @@ def _gather(cache: torch.Tensor, rows: torch.Tensor, group: int) -> torch.Tensor
     """
     hkv, dim = cache.shape[1:]
     b, lpad = rows.shape
-    if cache.dtype != torch.float32:
+    narrow = cache.dtype != torch.float32
+    if narrow:
         cache = cache.index_select(0, rows.reshape(-1)).float()
-        rows = torch.arange(b * lpad).view(b, lpad)
-    heads = torch.arange(hkv).repeat_interleave(group)
-    idx = rows[:, None, :] * hkv + heads[None, :, None]
-    return cache.reshape(-1, dim).index_select(0, idx.reshape(-1)).view(b * hkv * group, lpad, dim)
+
+    def index() -> torch.Tensor:
+        at = torch.arange(b * lpad).view(b, lpad) if narrow else rows
+        heads = torch.arange(hkv).repeat_interleave(group)
+        return (at[:, None, :] * hkv + heads[None, :, None]).reshape(-1)
+
+    idx = _memo(memo, ("gather", narrow, hkv, group), index)
+    return cache.reshape(-1, dim).index_select(0, idx).view(b * hkv * group, lpad, dim)
 
 
 def _decode(q: torch.Tensor, k_cache, v_cache, d: DecodeGroup, partial: bool) -> torch.Tensor:
@@ -92,11 +106,12 @@ def _decode(q: torch.Tensor, k_cache, v_cache, d: DecodeGroup, partial: bool) ->
     hkv = k_cache.shape[1]
     group = h // hkv
     lpad = d.cache_rows.shape[1]
-    k = _gather(k_cache, d.cache_rows, group)  # [B*H, Lpad, D]
-    v = _gather(v_cache, d.cache_rows, group)
+    k = _gather(k_cache, d.cache_rows, group, d.memo)  # [B*H, Lpad, D]
+    v = _gather(v_cache, d.cache_rows, group, d.memo)
     s = torch.bmm(q.reshape(b * h, 1, dim), k.transpose(1, 2)).view(b * h, lpad)
-    qpos = (d.lengths - 1).repeat_interleave(h)
-    s = s.masked_fill(torch.arange(lpad)[None, :] > qpos[:, None], NEG_INF)
+    masked = _memo(d.memo, ("mask", h),
+                   lambda: torch.arange(lpad)[None, :] > (d.lengths - 1).repeat_interleave(h)[:, None])
+    s = s.masked_fill(masked, NEG_INF)
     nt = lpad // KEY_TILE
 
     def pv(p: torch.Tensor) -> torch.Tensor:  # p [B*H, nt, T] -> [B*H, nt, D]
@@ -111,17 +126,17 @@ def _chunk(q: torch.Tensor, k_cache, v_cache, c: Chunk, partial: bool) -> torch.
     group = h // hkv
     lpad = c.cache_rows.shape[0]
     nt = lpad // KEY_TILE
-    k = _gather(k_cache, c.cache_rows[None], 1)  # [Hkv, Lpad, D]
-    v = _gather(v_cache, c.cache_rows[None], 1)
-    qpos = torch.arange(c.first_pos, c.first_pos + r)
-    masked = torch.arange(lpad)[None, :] > qpos[:, None]  # [R, Lpad]
+    k = _gather(k_cache, c.cache_rows[None], 1, c.memo)  # [Hkv, Lpad, D]
+    v = _gather(v_cache, c.cache_rows[None], 1, c.memo)
+    masked = _memo(c.memo, ("mask",), lambda: torch.arange(lpad)[None, None, :] >
+                   torch.arange(c.first_pos, c.first_pos + r)[:, None, None])  # [R, 1, Lpad]
     out = torch.empty(r, h, dim)
     for kv in range(hkv):
         # items (row, head of this KV group): each an M = 1 product against the shared K (stride 0)
         n = r * group
         qh = q[:, kv * group:(kv + 1) * group].reshape(n, 1, dim)
         s = torch.bmm(qh, k[kv].T.expand(n, dim, lpad)).view(r, group, lpad)
-        s = s.masked_fill(masked[:, None, :], NEG_INF).view(n, nt, KEY_TILE)
+        s = s.masked_fill(masked, NEG_INF).view(n, nt, KEY_TILE)
         vk = v[kv]
 
         def pv(p: torch.Tensor) -> torch.Tensor:  # p [n, nt, T] -> [n, nt, D]
@@ -149,33 +164,27 @@ def _softmax_pass(s: torch.Tensor, pv, partial: bool) -> torch.Tensor:
     m_safe = torch.where(m == NEG_INF, 0.0, m)  # a split with no key yet: p = 0, not NaN
     p = torch.exp(s - m_safe[..., None])
     alpha = torch.exp(m_prev - m_safe)  # 0 at a split's start, 1 for a tile that raised nothing
-    tile_sum = p.sum(-1)
-    tile_pv = pv(p)
-    l = torch.zeros(n)
-    acc = torch.zeros(n, tile_pv.shape[-1])
+    # l rides along as one more column of the accumulator: one multiply-add per tile updates both
+    tile = torch.cat([pv(p), p.sum(-1, keepdim=True)], -1)  # [n, nt, D + 1]
+    acc = torch.zeros(n, tile.shape[-1])
     states = []
     for j in range(nt):
-        a = alpha[:, j]
-        l = l * a + tile_sum[:, j]
-        acc = acc * a[:, None] + tile_pv[:, j]
+        acc = torch.addcmul(tile[:, j], acc, alpha[:, j, None])  # acc * alpha + this tile
         if partial and (j % per_split == per_split - 1 or j == nt - 1):
-            states.append((m[:, j], l, acc))
+            states.append((m[:, j], acc))
     if not partial:
-        return acc / l[:, None]
+        return acc[:, :-1] / acc[:, -1:]
     return _merge(states)
 
 
-def _merge(states: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Log-sum-exp merge of split states (m, l, acc), in split index order."""
-    big = torch.stack([m for m, _, _ in states]).amax(0)
+def _merge(states: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Log-sum-exp merge of split states (m, [acc | l]), in split index order."""
+    big = torch.stack([m for m, _ in states]).amax(0)
     big = torch.where(big == NEG_INF, 0.0, big)
-    l = torch.zeros_like(states[0][1])
-    acc = torch.zeros_like(states[0][2])
-    for m, ls, accs in states:
-        w = torch.exp(m - big)  # an empty split: exp(-inf) = 0
-        l = l + ls * w
-        acc = acc + accs * w[:, None]
-    return acc / l[:, None]
+    acc = torch.zeros_like(states[0][1])
+    for m, part in states:
+        acc = torch.addcmul(acc, part, torch.exp(m - big)[:, None])  # an empty split: weight exp(-inf) = 0
+    return acc[:, :-1] / acc[:, -1:]
 
 
 def check_attention(attend_fn=None) -> str | None:

@@ -23,10 +23,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, half-split (neox) layout as in HF Qwen. x [N, heads, D]; cos, sin [N, 1, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), -1)
-    return x * cos + rotated * sin
+    """Rotary embedding, half-split (neox) layout as in HF Qwen. x [N, heads, D]; cos [N, 1, D]; sin [N, 1, D]
+    with its first half negated, so that x * cos + roll(x) * sin is HF's x * cos + rotate_half(x) * sin."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 @dataclass
@@ -90,7 +89,9 @@ class Qwen:
             rows = max(need, 2 * self._rope_rows, 4096)
             freqs = torch.outer(torch.arange(rows, dtype=torch.float32), self.inv_freq)
             emb = torch.cat((freqs, freqs), -1)
-            self._cos, self._sin, self._rope_rows = emb.cos(), emb.sin(), rows
+            sin = emb.sin()
+            sin[:, : freqs.shape[1]].neg_()
+            self._cos, self._sin, self._rope_rows = emb.cos(), sin, rows
         return self._cos[positions][:, None, :], self._sin[positions][:, None, :]
 
     @torch.inference_mode()
@@ -105,14 +106,14 @@ class Qwen:
         x = self.embed[ids]
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, c.rms_eps)
-            q, k, v = layer.qkv(h).split((q_out, kv_out, kv_out), -1)
-            q = q.reshape(n, c.num_heads, c.head_dim)
-            k = k.reshape(n, c.num_kv_heads, c.head_dim)
+            qk, v = layer.qkv(h).split((q_out + kv_out, kv_out), -1)
+            qk = qk.reshape(n, c.num_heads + c.num_kv_heads, c.head_dim)
             v = v.reshape(n, c.num_kv_heads, c.head_dim)
             if layer.q_norm is not None:
-                q = rms_norm(q, layer.q_norm, c.rms_eps)
-                k = rms_norm(k, layer.k_norm, c.rms_eps)
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+                qk = torch.cat([rms_norm(qk[:, :c.num_heads], layer.q_norm, c.rms_eps),
+                                rms_norm(qk[:, c.num_heads:], layer.k_norm, c.rms_eps)], 1)
+            qk = rotate(qk, cos, sin)  # queries and keys in one go
+            q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
             cache.write(i, cache_rows, k, v)  # cache first: new keys are read back like old ones
             a = attend(q, cache.k[i], cache.v[i], batch, self.scale)
             x = x + layer.o(a.reshape(n, q_out))
