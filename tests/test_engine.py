@@ -157,3 +157,18 @@ def test_plan_bytes_are_the_bytes_the_engine_allocates(tiny_dirs, tiny_models, s
     engine = Engine.from_plan(plan, layout, loaded)
     assert engine.cache.nbytes == layout.cache_bytes
     assert engine.cache.rows_total == layout.rows_total
+
+
+def test_stop_string_ends_a_stream_and_trims_its_text(tiny_models):
+    loaded = tiny_models["qwen2"]
+    prompt = tuple(loaded.tokenizer.chat_ids([{"role": "user", "content": "def fibonacci(n):"}]))
+    cfg = EngineSettings(window=WINDOW, lanes=2)
+    free = Engine(loaded.model, cfg, loaded.tokenizer, eos_ids=(-1,)).generate([Request(prompt, max_tokens=30)])[0]
+    stop = free.text[len(free.text) // 2:][:3]
+    assert stop.strip()
+    other = Request(prompt, max_tokens=30, seed=1, temperature=0.7)
+    got, beside = Engine(loaded.model, cfg, loaded.tokenizer, eos_ids=(-1,)).generate(
+        [Request(prompt, max_tokens=30, stop=(stop,)), other])
+    assert got.finish == "stop" and got.text == free.text[:free.text.index(stop)]
+    assert got.ids == free.ids[:len(got.ids)] and len(got.ids) < len(free.ids)
+    assert beside.digests == alone(loaded.model, other, "fp32").digests
