@@ -87,8 +87,9 @@ class ModelDrafter:
         self.cached.pop(stream.index, None)
 
 
-def make_drafter(spec: str, target_tokenizer, lanes: int, window: int) -> Drafter | None:
-    """none | ngram | ngram:K | a checkpoint (folder or .gguf) sharing the target's tokenizer."""
+def make_drafter(spec: str, target, lanes: int, window: int) -> Drafter | None:
+    """none | ngram | ngram:K | self (the target drafts for itself) | a checkpoint (folder or .gguf) sharing
+    the target's tokenizer. target: tfq.model.load.LoadedModel."""
     from tfq.plan import parse_draft
 
     kind, k = parse_draft(spec)
@@ -96,12 +97,14 @@ def make_drafter(spec: str, target_tokenizer, lanes: int, window: int) -> Drafte
         return None
     if kind == "ngram":
         return NgramDrafter(k or 4)
+    if spec == "self":
+        return ModelDrafter(target.model, lanes, window)
     from tfq.model.load import load_model
 
     loaded = load_model(spec)
     probe = "def f(x):\n    return x * 2  # 你好 🚀"
-    if loaded.tokenizer.vocab_size != target_tokenizer.vocab_size or \
-            loaded.tokenizer.encode(probe) != target_tokenizer.encode(probe):
+    if loaded.tokenizer.vocab_size != target.tokenizer.vocab_size or \
+            loaded.tokenizer.encode(probe) != target.tokenizer.encode(probe):
         raise TfqError(f"draft model {spec} does not share the target's tokenizer; pick a drafter of the same "
                        f"family and vocabulary, or use draft: ngram")
     return ModelDrafter(loaded.model, lanes, window)

@@ -71,7 +71,7 @@ class Engine:
 
         settings = EngineSettings.from_plan(plan, layout)
         if "drafter" not in kw:
-            kw["drafter"] = make_drafter(plan.draft, loaded.tokenizer, settings.lanes, settings.window)
+            kw["drafter"] = make_drafter(plan.draft, loaded, settings.lanes, settings.window)
         return cls(loaded.model, settings, loaded.tokenizer, **kw)
 
     # -- public -------------------------------------------------------------------------------------------

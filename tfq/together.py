@@ -53,6 +53,7 @@ class Arm:
     changes: Callable[[Context], dict[str, Any]]  # plan keys this arm sets, beyond lanes and arithmetic
     control: bool = False  # changes the arithmetic on purpose: must come out RED
     must_preempt: bool = False
+    must_draft: bool = False
 
     def mode(self, group: int) -> str:
         return f"{group} together" if self.together else "alone"
@@ -61,8 +62,7 @@ class Arm:
 REFERENCE = Arm("reference", False, "every chat alone, whole (no pages), rows attention",
                 lambda c: {"kv.pages": 0})
 
-# Adding an arm is one entry here (drafting, once it exists:
-#   Arm("drafted", True, "K together, drafting n-grams", lambda c: {"kv.pages": 0, "draft": "ngram:4"}) ).
+# Adding an arm is one entry here.
 ARMS: tuple[Arm, ...] = (
     Arm("whole", True, "K together, every stream in a contiguous lane", lambda c: {"kv.pages": 0}),
     Arm("paged-alone", False, "each chat alone, its cache on pages",
@@ -77,6 +77,10 @@ ARMS: tuple[Arm, ...] = (
         lambda c: {"kv.pages": c.page_rows, "kv.paged": "all", "window": c.preempt_window,
                    "kv.pool": c.preempt_pool},
         must_preempt=True),
+    Arm("drafted", True, "K together on pages, drafting by prompt lookup (ngram:4), guesses verified in the batch",
+        lambda c: {"kv.pages": c.page_rows, "kv.paged": "more", "draft": "ngram:4"}, must_draft=True),
+    Arm("drafted-model", True, "K together, the model drafting for itself (4 guesses a verify)",
+        lambda c: {"kv.pages": 0, "draft": "self"}, must_draft=True),
     Arm("partial", True, "control: partial attention arithmetic instead of rows; must differ",
         lambda c: {"kv.pages": 0, "attention": "partial"}, control=True),
     Arm("paged-partial", True, "control: the field report's split (forwards holding a paged stream run "
@@ -111,8 +115,8 @@ def check_options(plan: Plan, group: int, tokens: int) -> None:
     """Bad numbers, refused before the model loads."""
     if tokens < 1:
         raise TfqError(f"--tokens must be at least 1, got {tokens}")
-    if group < 1:
-        raise TfqError(f"--group must be at least 1, got {group}")
+    if group < 2:
+        raise TfqError(f"--group must be at least 2 (K streams run together), got {group}")
     if group > plan.lanes:
         raise TfqError(f"--group {group} is larger than the plan's {plan.lanes} lanes; use --group {plan.lanes} "
                        f"or less, or raise lanes (--set lanes={group})")
@@ -136,7 +140,8 @@ def context_for(plan: Plan, requests: Sequence[Request], group: int) -> Context:
 
 def arm_plan(arm: Arm, base: Plan, ctx: Context) -> Plan:
     """The base plan with this arm's keys set; each changed key is tagged "set by arm NAME" in its plan lines."""
-    changes: dict[str, Any] = {"lanes": ctx.group if arm.together else 1, "attention": "rows", "paged_partial": False}
+    changes: dict[str, Any] = {"lanes": ctx.group if arm.together else 1, "attention": "rows", "paged_partial": False,
+                               "draft": "none"}
     changes.update(arm.changes(ctx))
     plan = base
     for key, value in changes.items():
@@ -192,7 +197,8 @@ def reach(results: Sequence[Result]) -> int:
     return max((r.prompt_tokens + len(r.ids) - 1 for r in results), default=0)
 
 
-def judge(arm: Arm, comparisons: Sequence[ChatComparison], preemptions: int, longest: int) -> tuple[str, str]:
+def judge(arm: Arm, comparisons: Sequence[ChatComparison], preemptions: int, longest: int,
+          drafted: tuple[int, int] = (0, 0)) -> tuple[str, str]:
     """(verdict, a short note saying why)."""
     n = len(comparisons)
     failed = [c for c in comparisons if c.error]
@@ -213,6 +219,11 @@ def judge(arm: Arm, comparisons: Sequence[ChatComparison], preemptions: int, lon
         return FAIL, "no stream was preempted (the pool held them all), so recomputation went untested"
     if arm.must_preempt:
         return EXACT, f"{preemptions} preemptions, every stream recomputed exactly"
+    proposed, accepted = drafted
+    if arm.must_draft and accepted == 0:
+        return FAIL, f"{proposed} guesses proposed, none accepted, so verification went untested"
+    if arm.must_draft:
+        return EXACT, f"{accepted} of {proposed} guesses accepted"
     return EXACT, ""
 
 
@@ -233,6 +244,11 @@ class ArmRun:
     @property
     def preemptions(self) -> int:
         return sum(r.preempted for r in self.results if r is not None)
+
+    @property
+    def drafted(self) -> tuple[int, int]:
+        done = [r for r in self.results if r is not None]
+        return sum(r.proposed for r in done), sum(r.accepted for r in done)
 
     @property
     def equal_ids(self) -> int:
@@ -273,7 +289,7 @@ class Check:
         # Every arm's plan and layout first: a plan that does not fit fails before anything runs.
         self.runs = [self._prepare(arm, base) for arm in (REFERENCE, *arms)]
         self.started = time.time()
-        self.seconds = 0.0
+        self.seconds = self.cpu_seconds = 0.0  # wall, and CPU time of this process (other load shows as a gap)
         self.complete = False
         self.interrupted_in: str | None = None
         self.versions = versions(loaded)
@@ -292,7 +308,7 @@ class Check:
 
     def run(self) -> "Check":
         """Run the reference, then every arm; on Ctrl-C keep what is done and mark the summary incomplete."""
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         if self.evidence is not None:
             self.evidence.mkdir(parents=True, exist_ok=True)
             if self.suite_path is not None:
@@ -300,7 +316,7 @@ class Check:
         try:
             for run in self.runs:
                 self._run_arm(run)
-                self.seconds = time.perf_counter() - t0
+                self.seconds, self.cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
                 self._write_summary()
             self.complete = True
         except KeyboardInterrupt:
@@ -309,14 +325,15 @@ class Check:
             if current is not None and any(current.results):
                 self._write_arm(current)  # the chats it finished, marked incomplete
         self.seconds = time.perf_counter() - t0
+        self.cpu_seconds = time.process_time() - cpu0
         self._write_summary()
         return self
 
     def _run_arm(self, run: ArmRun) -> None:
-        from tfq.engine import Engine, EngineSettings
+        from tfq.engine import Engine
 
         self.listener.arm_started(run, self.group)
-        engine = Engine(self.loaded.model, EngineSettings.from_plan(run.plan, run.layout), self.loaded.tokenizer)
+        engine = Engine.from_plan(run.plan, run.layout, self.loaded)
         t0 = time.perf_counter()
         if run.arm.together:
             on_token = lambda i, token, _: self.listener.token(run, i, token)  # noqa: E731
@@ -324,11 +341,13 @@ class Check:
         else:
             for i, request in enumerate(self.requests):
                 self.listener.chat_started(run, i)
-                run.results[i] = engine.generate([request], lambda _, token, __, i=i: self.listener.token(run, i, token))[0]
+                on_token = lambda _, token, __, i=i: self.listener.token(run, i, token)  # noqa: E731
+                run.results[i] = engine.generate([request], on_token)[0]
         run.seconds = time.perf_counter() - t0
         if run is not self.reference:
             run.comparisons = [compare(a, b) for a, b in zip(self.reference.results, run.results)]
-            run.verdict, run.note = judge(run.arm, run.comparisons, run.preemptions, reach(self.reference.results))
+            run.verdict, run.note = judge(run.arm, run.comparisons, run.preemptions, reach(self.reference.results),
+                                          run.drafted)
         run.complete = True
         self._write_arm(run)
         self.listener.arm_finished(run)
@@ -352,6 +371,7 @@ class Check:
             "exit_code": self.exit_code,
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self.started)),
             "seconds": round(self.seconds, 2),
+            "cpu_seconds": round(self.cpu_seconds, 2),
             "group": self.group,
             "tokens": self.tokens,
             "suite": _suite_facts(self.suite_path, self.chats),
@@ -398,6 +418,7 @@ def _chat_record(request: Request, result: Result, comparison: ChatComparison | 
         "chat": request.label, "prompt_tokens": len(request.prompt), "max_tokens": request.max_tokens,
         "temperature": request.temperature, "top_p": request.top_p, "seed": request.seed,
         "finish": result.finish, "error": result.error, "preempted": result.preempted,
+        "proposed": result.proposed, "accepted": result.accepted,
         "first_token_s": round(result.first_token_s, 3), "seconds": round(result.total_s, 3),
         "text": result.text, "ids": result.ids, "digests": result.digests,
     }

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 import time
 from pathlib import Path
 from typing import List, Optional
@@ -16,8 +17,9 @@ from tfq.cli import app
 from tfq.errors import TfqError
 from tfq.together import EXACT, RED, ArmRun, Check, Listener, arm_names, check_options, select_arms
 
-# About ten minutes for the whole default check on 2 CPU cores; `--tokens 300` is the field report's length.
-DEFAULT_TOKENS = 64
+# About ten minutes for the whole default check on 2 CPU cores (one stream decodes about 17 tokens/s, four
+# together about 40); `--tokens 300`, the field report's length, takes about twenty.
+DEFAULT_TOKENS = 128
 DEFAULT_GROUP = 4
 SHOWN_PARTINGS = 3
 
@@ -35,14 +37,14 @@ def default_suite() -> Path:
 
 @app.command()
 def together(
-    suite: Optional[str] = typer.Option(None, "--suite", help="Suite YAML: a list of chats (default: examples/chats.yaml)."),
-    plan: Optional[str] = typer.Option(None, "--plan", help="Plan YAML the arms are derived from (default plan if left out)."),
+    suite: Optional[str] = typer.Option(None, "--suite", help="Suite YAML, a list of chats (default examples/chats.yaml)."),
+    plan: Optional[str] = typer.Option(None, "--plan", help="Plan YAML the arms derive from (default plan if left out)."),
     model: Optional[str] = typer.Option(None, "--model", help="default, an HF folder or a .gguf file."),
     group: int = typer.Option(DEFAULT_GROUP, "--group", help="K: streams together in the together arms."),
     tokens: int = typer.Option(DEFAULT_TOKENS, "--tokens",
-                               help="Reply tokens a chat (a chat's own smaller max_tokens wins). 300 for the full check."),
-    arms: Optional[str] = typer.Option(None, "--arms", help=f"Comma-separated arms (default all): {','.join(arm_names())}."),
-    evidence: Optional[str] = typer.Option(None, "--evidence", help="Evidence folder (default evidence/together-<time>)."),
+                               help="Reply tokens a chat (its own smaller max_tokens wins); 300 for the full check."),
+    arms: Optional[str] = typer.Option(None, "--arms", help=f"Comma-separated arms (default all): {','.join(arm_names())}"),
+    evidence: Optional[str] = typer.Option(None, "--evidence", help="Evidence folder (default evidence/together-TIME)."),
     json_file: Optional[str] = typer.Option(None, "--json", help="Also write the summary JSON here ('-': stdout)."),
     sets: List[str] = typer.Option([], "--set", help="Plan override key=value (after TFQ_* variables)."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress and no plan lines: the table only."),
@@ -62,6 +64,8 @@ def together(
     the_plan, config, _ = resolve_plan(plan, model, sets, True, None)
     check_options(the_plan, group, tokens)
     folder = Path(evidence) if evidence else Path("evidence") / f"together-{time.strftime('%Y%m%d-%H%M%S')}"
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+        raise TfqError(f"evidence folder {folder} is not empty; give a new one with --evidence DIR")
     t0 = time.perf_counter()
     try:
         with err.status("loading the model"):
@@ -73,14 +77,23 @@ def together(
                 for r in requests_for(chats, loaded.tokenizer, tokens, 0.0, 1.0, 0)]
     check = Check(the_plan, config, loaded, chats, requests, chosen, group, folder, suite_path=suite_path,
                   tokens=tokens)
-    if quiet:
-        check.run()
-    else:
-        with _Progress(err, requests, loaded.tokenizer.eos_ids, len(check.runs)) as listener:
-            check.listener = listener
+    previous = signal.signal(signal.SIGTERM, _terminate)  # a kill leaves evidence too, marked incomplete
+    try:
+        if quiet:
             check.run()
+        elif err.is_terminal:
+            with _Progress(err, requests, loaded.tokenizer.eos_ids, len(check.runs)) as listener:
+                check.listener = listener
+                check.run()
+        else:
+            check.listener = _Lines(err, requests, loaded.tokenizer.eos_ids)
+            check.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     total = time.perf_counter() - t0
     out = Console()
+    if not out.is_terminal:
+        out = Console(width=max(out.width, 140))  # logs: a table wide enough not to fold every cell
     out.print(_table(check))
     for run in check.arms:
         if run.note:
@@ -99,20 +112,27 @@ def together(
     raise typer.Exit(check.exit_code)
 
 
+def _terminate(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def _table(check: Check) -> Table:
     n = len(check.requests)
     table = Table(title=f"tfq together: {n} chats, {check.tokens} tokens, K = {check.group}")
     for name in ("arm", "mode", "equal ids", "equal logits", "where replies part", "verdict", "time"):
         table.add_column(name, justify="right" if name == "time" else "left")
     ref = check.reference
-    table.add_row("reference", "alone", "", "", "", "reference" if ref.complete else "incomplete", f"{ref.seconds:.0f} s")
+    ref_state = "reference" if ref.complete else "[yellow]incomplete[/]"
+    table.add_row("reference", "alone", "", "", "", ref_state, f"{ref.seconds:.0f} s")
     for run in check.arms:
         if not run.complete:
             table.add_row(run.arm.name, run.arm.mode(check.group), "", "", "", "[yellow]not run[/]", "")
             continue
         color = {EXACT: "green", RED: "red"}.get(run.verdict, "bold magenta")
         parts = [c.where() for c in run.comparisons if not c.equal]
-        where = "; ".join(parts[:SHOWN_PARTINGS]) + (f"; +{len(parts) - SHOWN_PARTINGS} more" if len(parts) > SHOWN_PARTINGS else "")
+        where = "; ".join(parts[:SHOWN_PARTINGS])
+        if len(parts) > SHOWN_PARTINGS:
+            where += f"; +{len(parts) - SHOWN_PARTINGS} more"
         mode = run.arm.mode(check.group) + (f", {run.preemptions} preempted" if run.preemptions else "")
         table.add_row(run.arm.name + (" (control)" if run.arm.control else ""), mode, f"{run.equal_ids}/{n}",
                       f"{run.equal_logits}/{n}", where or "-", f"[{color}]{run.verdict}[/]", f"{run.seconds:.0f} s")
@@ -183,3 +203,25 @@ class _Progress(Listener):
             return f"{name}: chat {index + 1}/{self.chats} {self.labels[index]}"
         return f"{name}: {self.done}/{self.chats} chats done"
 
+
+class _Lines(Listener):
+    """Progress for logs (no terminal): a line per chat as it ends, and per arm."""
+
+    def __init__(self, console: Console, requests, eos_ids):
+        self.console, self.labels = console, [r.label for r in requests]
+        self.max_tokens, self.eos = [r.max_tokens for r in requests], frozenset(eos_ids)
+        self.t0, self.counts, self.done = time.perf_counter(), [0] * len(requests), 0
+
+    def arm_started(self, run: ArmRun, group: int) -> None:
+        self.console.print(f"{run.arm.name} ({run.arm.mode(group)}): running", highlight=False)
+        self.t0, self.counts, self.done = time.perf_counter(), [0] * len(self.labels), 0
+
+    def token(self, run: ArmRun, index: int, token_id: int) -> None:
+        self.counts[index] += 1
+        if token_id in self.eos or self.counts[index] >= self.max_tokens[index]:
+            self.done += 1
+            self.console.print(f"  {run.arm.name}: {self.labels[index]} done, {self.done}/{len(self.labels)} "
+                               f"({time.perf_counter() - self.t0:.0f} s)", highlight=False)
+
+    def arm_finished(self, run: ArmRun) -> None:
+        self.console.print(f"{run.arm.name}: {run.verdict or 'done'} in {run.seconds:.0f} s", highlight=False)

@@ -1,0 +1,242 @@
+"""`tfq together`: every arm EXACT and both controls RED on suites and plans it has never seen; evidence kept
+on Ctrl-C; one line and exit 2 for each bad input."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tfq.cli.chat import requests_for
+from tfq.cli.together import DEFAULT_TOKENS, default_suite
+from tfq.errors import TfqError
+from tfq.plan import ENV_FLAGS, ENV_VALUES, Plan, load_plan
+from tfq.suite import load_suite, parse_suite
+from tfq.together import ARMS, EXACT, FAIL, RED, Check, arm_names, select_arms
+from tiny import CORPUS
+
+WORDS = CORPUS.split()
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def long_text(rng: random.Random, tokenizer, tokens: int) -> str:
+    text = ""
+    while len(tokenizer.encode(text)) < tokens:
+        text += " " + words(rng, 10)
+    return text
+
+
+def random_suite(rng: random.Random, tokenizer) -> list[dict]:
+    """Two long chats first (contexts past the 256-row split, and so big that two of them overflow a pool made
+    for one: the preempted arm must preempt), then short ones: multi-turn, sampled, with their own max_tokens."""
+    chats = [{"name": f"long{i}", "messages": [{"role": "user", "content": long_text(rng, tokenizer, n)}]}
+             for i, n in enumerate(rng.sample(range(265, 300), 2))]
+    for i in range(rng.randint(1, 3)):
+        chat: dict = {"name": f"c{i}", "messages": [{"role": "user", "content": words(rng, rng.randint(1, 40))}]}
+        if rng.random() < 0.4:
+            chat["messages"] += [{"role": "assistant", "content": words(rng, 5)},
+                                 {"role": "user", "content": words(rng, 8)}]
+        if rng.random() < 0.4:
+            chat.update(temperature=0.9, seed=rng.randint(0, 9))
+        if rng.random() < 0.3:
+            chat["max_tokens"] = rng.randint(1, 6)
+        chats.append(chat)
+    return chats
+
+
+def random_plan(rng: random.Random) -> tuple[Plan, int]:
+    lanes = rng.randint(2, 6)
+    plan = load_plan(None, env={}, sets=[
+        f"window={rng.choice([512, 640, 1024])}", f"lanes={lanes}", f"prefill_chunk={rng.randint(64, 300)}",
+        f"kv.pages={rng.choice([0, 64, 128, 192])}", f"kv.dtype={rng.choice(['fp32', 'bf16'])}",
+        "budget=1GiB"])
+    return plan, rng.randint(2, lanes)
+
+
+def check_for(loaded, chats: list[dict], plan: Plan, group: int, tokens: int, evidence: Path | None,
+              arms=None) -> Check:
+    parsed = parse_suite(chats, "suite")
+    requests = [dataclasses.replace(r, max_tokens=min(r.max_tokens, tokens))
+                for r in requests_for(parsed, loaded.tokenizer, tokens, 0.0, 1.0, 0)]
+    return Check(plan, loaded.config, loaded, parsed, requests, arms or list(ARMS), group, evidence)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_every_arm_exact_and_controls_red_on_random_suites_and_plans(seed, tiny_models, tmp_path):
+    rng = random.Random(seed)
+    loaded = tiny_models[["qwen2", "qwen3"][seed % 2]]
+    plan, group = random_plan(rng)
+    suite = random_suite(rng, loaded.tokenizer)
+    check = check_for(loaded, suite, plan, group, tokens=rng.randint(3, 8), evidence=tmp_path).run()
+    verdicts = {r.arm.name: (r.verdict, r.note) for r in check.arms}
+    assert all(v == (RED if r.arm.control else EXACT) for r, (v, _) in zip(check.arms, verdicts.values())), verdicts
+    assert check.exit_code == 0 and check.complete
+    preempted = next(r for r in check.arms if r.arm.name == "preempted")
+    assert preempted.preemptions > 0
+    n = len(check.requests)
+    for run in check.arms:
+        assert run.equal_ids == n or run.arm.control
+        assert (run.equal_logits < n) == run.arm.control
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["complete"] and summary["passed"] and len(summary["arms"]) == len(ARMS)
+    whole = json.loads((tmp_path / "whole.json").read_text())
+    ref = json.loads((tmp_path / "reference.json").read_text())
+    assert [c["digests"] for c in whole["chats"]] == [c["digests"] for c in ref["chats"]]
+    assert whole["plan"]["lines"] and whole["versions"]["torch"]
+
+
+def test_controls_that_cannot_differ_say_so(tiny_models):
+    """Short contexts never reach a second 256-row split: the controls must FAIL, naming why."""
+    rng = random.Random(5)
+    chats = [{"messages": [{"role": "user", "content": words(rng, 10)}]} for _ in range(3)]
+    plan = load_plan(None, env={}, sets=["window=512", "lanes=4", "budget=1GiB"])
+    check = check_for(loaded := tiny_models["qwen2"], chats, plan, 3, 5, None,
+                      arms=select_arms("whole,partial,paged-partial")).run()
+    by = {r.arm.name: r for r in check.arms}
+    assert by["whole"].verdict == EXACT
+    for name in ("partial", "paged-partial"):
+        assert by[name].verdict == FAIL and "cannot differ" in by[name].note
+    assert check.exit_code == 1 and loaded
+
+
+def test_a_differing_arm_fails_with_where_it_parts(tiny_models, monkeypatch):
+    """The check is not blind: an arm whose replies change is FAIL, with the token and character of the parting."""
+    from tfq import together
+
+    rng = random.Random(3)
+    loaded = tiny_models["qwen3"]
+    chats = random_suite(rng, loaded.tokenizer)
+    plan = load_plan(None, env={}, sets=["window=512", "lanes=4", "budget=1GiB"])
+    broken = together.Arm("whole", True, "a fault", lambda c: {"kv.pages": 0, "attention": "partial"})
+    check = check_for(loaded, chats, plan, 3, 24, None, arms=[broken]).run()
+    run = check.arms[0]
+    assert run.verdict == FAIL and run.equal_logits < len(chats)
+    parted = [c for c in run.comparisons if not c.equal]
+    assert parted and all(c.step is not None for c in parted)
+    for c in parted:
+        if c.token is not None:
+            ref = check.reference.results[[r.label for r in check.requests].index(c.chat)]
+            assert c.token <= len(ref.ids) and c.step <= c.token
+
+
+def test_arm_list_names_and_modes():
+    assert arm_names() == ["whole", "paged-alone", "paged", "paged-all", "chunked", "preempted", "drafted",
+                           "drafted-model", "partial", "paged-partial"]
+    assert [a.name for a in ARMS if a.control] == ["partial", "paged-partial"]
+    assert [a.name for a in select_arms(" paged ,whole,paged")] == ["paged", "whole"]
+    with pytest.raises(TfqError, match="unknown arm 'drafty'.*whole, paged-alone"):
+        select_arms("whole,drafty")
+
+
+def test_shipped_suite_from_any_cwd(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    chats = load_suite(default_suite())
+    assert len(chats) == 12 and len({c.name for c in chats}) == 12
+    assert any(c.temperature > 0 and c.seed for c in chats)
+    assert any(sum(m["role"] == "user" for m in c.messages) > 1 for c in chats)
+    assert any(any("\u4e00" <= ch <= "\u9fff" for ch in c.messages[-1]["content"]) for c in chats)
+    assert max(len(c.messages[-1]["content"]) for c in chats) > 6000  # the long review (about 1,950 tokens)
+    assert DEFAULT_TOKENS >= 8
+
+
+# ------------------------------------------------------------------------------------------- the command
+
+def tfq(args: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
+    """The real entry point, in-process: (exit code, stdout, stderr)."""
+    from tfq.cli import main
+
+    for var in list(ENV_VALUES) + list(ENV_FLAGS):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(sys, "argv", ["tfq", *args])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    out, err = capsys.readouterr()
+    return (exit_.value.code or 0), out, err
+
+
+@pytest.fixture(scope="module")
+def suite_file(tmp_path_factory, tiny_models) -> Path:
+    path = tmp_path_factory.mktemp("suite") / "suite.yaml"
+    path.write_text(yaml.safe_dump(random_suite(random.Random(11), tiny_models["qwen2"].tokenizer), allow_unicode=True))
+    return path
+
+
+def base_args(tiny_dirs, suite_file, tmp_path) -> list[str]:
+    return ["together", "--suite", str(suite_file), "--model", str(tiny_dirs["qwen2"]), "--set", "window=512",
+            "--set", "lanes=4", "--set", "budget=1GiB", "--evidence", str(tmp_path / "ev")]
+
+
+def test_command_passes_and_writes_json(tiny_dirs, suite_file, tmp_path, monkeypatch, capsys):
+    code, out, err = tfq(base_args(tiny_dirs, suite_file, tmp_path) + ["--tokens", "6", "--arms", "paged,partial",
+                                                                       "--json", str(tmp_path / "s.json")],
+                         monkeypatch, capsys)
+    assert code == 0, out + err
+    assert "EXACT" in out and "RED" in out and "plan, paged" in out
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["passed"] and [a["verdict"] for a in summary["arms"]] == [EXACT, RED]
+    assert sorted(p.name for p in (tmp_path / "ev").iterdir()) == ["paged.json", "partial.json", "reference.json",
+                                                                   "suite.yaml", "summary.json"]
+
+
+def test_ctrl_c_leaves_evidence_marked_incomplete(tiny_dirs, suite_file, tmp_path, monkeypatch, capsys):
+    from tfq.engine import Engine
+
+    chats = len(load_suite(suite_file))
+    real, calls = Engine.generate, []
+
+    def generate(self, requests, on_token=None):
+        calls.append(len(requests))
+        if len(calls) == chats + 2:  # the reference (one call a chat), `whole`, then paged-alone's first chat
+            raise KeyboardInterrupt
+        return real(self, requests, on_token)
+
+    monkeypatch.setattr(Engine, "generate", generate)
+    code, out, err = tfq(base_args(tiny_dirs, suite_file, tmp_path) + ["--tokens", "4"], monkeypatch, capsys)
+    assert code == 130
+    ev = tmp_path / "ev"
+    summary = json.loads((ev / "summary.json").read_text())
+    assert summary["complete"] is False and summary["interrupted_in"] == "paged-alone" and not summary["passed"]
+    assert [a["complete"] for a in summary["arms"]][:2] == [True, False]
+    assert (ev / "reference.json").is_file() and (ev / "whole.json").is_file()
+    assert not (ev / "paged.json").exists()
+    assert "interrupted in paged-alone" in out
+
+
+@pytest.mark.parametrize("extra, suite_text, message", [
+    (["--arms", "whole,bogus"], None, "unknown arm 'bogus'; arms are whole, paged-alone"),
+    (["--group", "5"], None, "--group 5 is larger than the plan's 4 lanes"),
+    (["--group", "1"], None, "--group must be at least 2"),
+    (["--tokens", "0"], None, "--tokens must be at least 1"),
+    ([], "chats: {a: 1}\n", "a suite is a non-empty YAML list of chats"),
+    ([], "- name: x\n  max_tokens: 3\n", "chat 1 has no messages"),
+    (["--plan", "nope.yaml"], None, "plan file 'nope.yaml' not found"),
+    (["--evidence", str(Path(__file__).parent)], None, "is not empty; give a new one with --evidence DIR"),
+])
+def test_bad_input_is_one_line_and_exit_2(extra, suite_text, message, tiny_dirs, suite_file, tmp_path, monkeypatch,
+                                          capsys):
+    args = base_args(tiny_dirs, suite_file, tmp_path) + extra
+    if suite_text is not None:
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(suite_text)
+        args[args.index("--suite") + 1] = str(bad)
+    code, out, err = tfq(args, monkeypatch, capsys)
+    assert code == 2
+    assert err.startswith("tfq: ") and err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "ev").exists()
+
+
+@pytest.mark.slow
+def test_default_model_few_tokens(tmp_path, monkeypatch, capsys):
+    code, out, err = tfq(["together", "--tokens", "8", "--arms", "whole,paged", "--evidence", str(tmp_path / "ev"),
+                          "--quiet"], monkeypatch, capsys)
+    assert code == 0, out + err
+    summary = json.loads((tmp_path / "ev" / "summary.json").read_text())
+    assert [(a["arm"], a["verdict"], a["equal_logits"]) for a in summary["arms"]] == [("whole", EXACT, 12),
+                                                                                     ("paged", EXACT, 12)]
