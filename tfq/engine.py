@@ -218,8 +218,8 @@ class Engine:
         if self.drafter is not None:
             self.drafter.forget(st)
         lanes[st.lane] = None
+        st.preempted += st.cached > 0  # a stream sent back before it cached anything loses no work
         st.lane, st.placement, st.cached, st.drafts = None, None, 0, []
-        st.preempted += 1
         waiting.appendleft(st)
 
     def _leave(self, st: Stream, lanes) -> None:
