@@ -17,7 +17,7 @@ app = typer.Typer(
 
 def main() -> None:
     # Subcommands register themselves on import.
-    from tfq.cli import chat, kernels, plan, together  # noqa: F401
+    from tfq.cli import bench, chat, kernels, plan, together  # noqa: F401
 
     try:
         app(standalone_mode=True)

@@ -1,0 +1,139 @@
+"""`tfq bench` on a tiny model: the report's keys and sane numbers, and bad input as one line (exit 2).
+No timed assertions: the figures only have to be measured, positive and consistent."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tfq.bench import arm_plan, kv_read_bytes, mean_context, weights_read_bytes
+from tfq.model.config import ModelConfig
+from tfq.plan import Plan, row_bytes
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY_PLAN = str(ROOT / "plans" / "tiny.yaml")
+SMALL = ["--plan", TINY_PLAN, "--prompt-tokens", "12", "--tokens", "4", "--repeats", "1", "--threads", "1"]
+
+
+@pytest.fixture(autouse=True)
+def keep_threads():
+    threads = torch.get_num_threads()  # --threads sets them for this (test) process
+    yield
+    torch.set_num_threads(threads)
+
+
+def tfq(args, monkeypatch, capsys):
+    from tfq.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["tfq", *args])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    out, err = capsys.readouterr()
+    return exit_.value.code or 0, out, err
+
+
+def rows_by(report):
+    return {(r["lanes"], r["arm"]): r for r in report["rows"]}
+
+
+def test_bench_beside_the_peer_writes_the_report(tiny_dirs, tmp_path, monkeypatch, capsys):
+    path = tmp_path / "bench.json"
+    code, out, err = tfq(["bench", "--model", str(tiny_dirs["qwen2"]), *SMALL, "--lanes", "1,2", "--peer", "hf",
+                          "--json", str(path)], monkeypatch, capsys)
+    assert code == 0, err
+    assert "tfq whole" in out and "hf (peer)" in out and "target:" in out
+    report = json.loads(path.read_text())
+    assert set(report) >= {"settings", "machine", "model", "rows", "skipped", "targets"}
+    rows = rows_by(report)
+    # paged is the whole arm at one lane (stream 0 is contiguous): skipped there, measured at two
+    assert set(rows) == {(1, "whole"), (1, "partial"), (1, "drafted"), (1, "peer"),
+                         (2, "whole"), (2, "paged"), (2, "partial"), (2, "drafted"), (2, "peer")}
+    assert report["skipped"] == [{"lanes": 1, "arm": "paged", "why": report["skipped"][0]["why"]}]
+    assert report["machine"]["bandwidth_bytes_per_s"] > 1e8
+    for (lanes, arm), r in rows.items():
+        assert r["rounds"] == 1 and len(r["runs"]) == 1
+        assert r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0 and r["ttft_s"] > 0
+        assert r["decode_tokens_per_s_per_stream"] == pytest.approx(r["decode_tokens_per_s"] / lanes)
+        assert 0 < r["roofline_fraction"] < 1.5
+        assert r["bytes_per_step"] > report["model"]["weights_read_per_step_bytes"]
+        assert r["peak_rss_bytes"] > 0
+        if arm == "peer":
+            assert r["engine"] == "hf" and r["decode_steps"] == 3 and r["cache_bytes"] is None
+            continue
+        assert r["engine"] == "tfq" and r["cache_bytes"] > 0 and r["plan"]["lanes"] == lanes
+        assert r["vs_peer"]["decode"] > 0 and r["vs_peer"]["prefill"] > 0
+        same = r["same_reply_as_peer"]
+        assert 0 <= same["whole_replies"] <= same["tokens_before_parting"] <= 1
+        if arm == "drafted":  # a verify forward may keep several tokens: fewer steps
+            assert 1 <= r["decode_steps"] <= 3
+        else:
+            assert r["decode_steps"] == 3
+    assert rows[2, "paged"]["plan"]["kv_pages"] == 64 and rows[2, "whole"]["plan"]["kv_pages"] == 0
+    assert rows[2, "partial"]["plan"]["attention"] == "partial"
+    assert rows[2, "drafted"]["plan"]["draft"].startswith("ngram") and "drafted" in rows[2, "drafted"]
+    assert any(t["target"].startswith("decode at 1 lane vs the peer") for t in report["targets"])
+
+
+def test_bench_without_a_peer(tiny_dirs, tmp_path, monkeypatch, capsys):
+    path = tmp_path / "bench.json"
+    code, out, err = tfq(["bench", "--model", str(tiny_dirs["qwen3"]), *SMALL, "--lanes", "3", "--peer", "none",
+                          "--arms", "paged,whole", "--quiet", "--json", str(path)], monkeypatch, capsys)
+    assert code == 0, err
+    assert "hf (peer)" not in out and "stream 0" not in err + out  # --quiet: no plan lines
+    rows = rows_by(json.loads(path.read_text()))
+    assert set(rows) == {(3, "paged"), (3, "whole")}
+    assert all(r["vs_peer"] is None and r["decode_tokens_per_s"] > 0 for r in rows.values())
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--lanes", "0"], "--lanes 0"),
+    (["--lanes", "1,x"], "--lanes"),
+    (["--lanes", "1,16"], "raise the plan key lanes (--set lanes=16"),
+    (["--tokens", "0"], "--tokens must be at least 1"),
+    (["--prompt-tokens", "0"], "--prompt-tokens must be at least 1"),
+    (["--repeats", "0"], "--repeats must be at least 1"),
+    (["--peer", "vllm"], "--peer 'vllm'"),
+    (["--arms", "whole,fast"], "unknown arm 'fast'"),
+    (["--prompt-tokens", "500", "--tokens", "100"], "raise the plan key window"),
+])
+def test_bad_input_is_one_line(tiny_dirs, monkeypatch, capsys, args, says):
+    code, out, err = tfq(["bench", "--model", str(tiny_dirs["qwen2"]), "--plan", TINY_PLAN, "--quiet", "--lanes", "1",
+                          *args],
+                         monkeypatch, capsys)
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and err.startswith("tfq: ") and says in err, err
+
+
+def test_a_missing_peer_names_the_install_command(tiny_dirs, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers now raises ImportError
+    code, out, err = tfq(["bench", "--model", str(tiny_dirs["qwen2"]), "--plan", TINY_PLAN, "--quiet", "--lanes", "1"],
+                         monkeypatch, capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert 'pip install -e ".[peer]"' in err and "--peer none" in err
+
+
+def test_roofline_bytes_count_linears_head_and_cache_not_the_embedding():
+    cfg = ModelConfig(family="qwen2", vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1e4, rms_eps=1e-6, max_positions=512,
+                      tie_embeddings=False, weights_dtype="float32")
+    per_layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128 + (64 + 2 * 32) + 2 * 64
+    assert weights_read_bytes(cfg) == 4 * (2 * per_layer + 64 + 1000 * 64)
+    tied = dataclasses.replace(cfg, tie_embeddings=True)
+    assert weights_read_bytes(tied) == weights_read_bytes(cfg)  # the head reads the (shared) table once
+    assert mean_context(100, 20) == 110
+    assert kv_read_bytes(cfg, "bf16", 3, 110) == 3 * 110 * row_bytes(cfg, "bf16") == 3 * 110 * 2 * 2 * 2 * 16 * 2
+
+
+def test_arm_plans_change_only_their_keys():
+    base = Plan(window=4096, lanes=8, prefill_chunk=256).set("kv.dtype", "bf16")
+    paged = arm_plan(base, "paged", 4, 512)
+    assert (paged.kv.pages, paged.kv.paged, paged.kv.pool, paged.lanes, paged.window) == (256, "more", 6, 4, 512)
+    assert paged.kv.dtype == "bf16" and paged.prefill_chunk == 256 and paged.source("kv.pages") == "bench paged"
+    assert arm_plan(base, "partial", 2, 512).attention == "partial"
+    assert arm_plan(base, "drafted", 2, 512).draft == "ngram:4"
+    assert arm_plan(base.set("draft", "ngram:2"), "drafted", 2, 512).draft == "ngram:2"
+    assert arm_plan(base.set("draft", "ngram:2"), "whole", 2, 512).draft == "none"

@@ -1,0 +1,147 @@
+"""`tfq bench`: prefill and decode speed, time to first token and memory, per lane count and arm, beside a peer."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from tfq.cli import app
+
+
+@app.command("bench")
+def bench_command(
+    plan: Optional[str] = typer.Option(None, "--plan", help="Plan YAML the arms are derived from (default plan if left out)."),
+    model: Optional[str] = typer.Option(None, "--model", help="default, an HF folder or a .gguf file."),
+    lanes: str = typer.Option("1,2,4,8", "--lanes", help="Lane counts (streams run together), comma-separated."),
+    prompt_tokens: int = typer.Option(128, "--prompt-tokens", help="Prompt length: random token ids, exactly this many."),
+    tokens: int = typer.Option(32, "--tokens", help="Reply tokens a stream (EOS ignored: every reply is this long)."),
+    repeats: int = typer.Option(3, "--repeats", help="Timed rounds after the warm-up; figures are their medians."),
+    peer: str = typer.Option("hf", "--peer", help="hf: HF transformers generate on the same weights (pip install -e \".[peer]\"); none."),
+    arms: str = typer.Option("whole,paged,partial,drafted", "--arms",
+                             help="tfq arms: whole, paged (256-row pages beyond stream 0), partial, drafted (ngram)."),
+    json_file: Optional[str] = typer.Option(None, "--json", metavar="FILE", help="Also write the report as JSON ('-': stdout)."),
+    sets: List[str] = typer.Option([], "--set", help="Plan override key=value (after TFQ_* variables)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random prompts."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch threads for both engines (default: torch's)."),
+    quiet: bool = typer.Option(False, "--quiet", help="No plan lines and no progress: the table only."),
+) -> None:
+    """Measure tfq's speed and memory per lane count and arm, side by side with HF transformers on the same
+    weights (runs interleaved, medians of the rounds), with each decode step as a fraction of the
+    memory-bandwidth roofline measured in the same run. Kernel correctness is a separate check: `tfq kernels`."""
+    from tfq.bench import (Bench, BenchSettings, HfPeer, bench_window, build_report, check_against_plan,
+                           check_settings, measure_bandwidth, parse_arms, parse_lanes, require_peer)
+    from tfq.cli.plan import resolve_plan
+    from tfq.model.load import load_model
+
+    err = Console(stderr=True)
+    settings = BenchSettings(lanes=parse_lanes(lanes), prompt_tokens=prompt_tokens, tokens=tokens, repeats=repeats,
+                             peer=peer.strip().lower(), arms=parse_arms(arms), seed=seed, threads=threads)
+    check_settings(settings)
+    the_plan, config, _ = resolve_plan(plan, model, sets, quiet, err)
+    check_against_plan(settings, the_plan)
+    require_peer(settings.peer)
+    if not quiet:
+        window = bench_window(the_plan, settings)
+        err.print(f"bench: {settings.prompt_tokens}-token prompts and {settings.tokens}-token replies, so each arm's "
+                  f"cache holds {window} rows a stream (not the plan's window of {the_plan.window}); arms "
+                  f"{', '.join(settings.arms)}; peer {settings.peer}",
+                  highlight=False, soft_wrap=True)
+
+    if settings.threads is not None:
+        import torch
+
+        torch.set_num_threads(settings.threads)
+    load_before = os.getloadavg()
+    with err.status("loading the model"):
+        loaded = load_model(the_plan.model, progress=not quiet)
+    hf = None
+    if settings.peer == "hf":
+        if quiet:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+        with err.status("loading the peer (HF transformers)"):
+            hf = HfPeer(loaded.folder)
+    bench = Bench(the_plan, config, loaded, settings, peer=hf)
+    with err.status("measuring memory bandwidth"):
+        bandwidth_start = measure_bandwidth()
+    t0 = time.perf_counter()
+    if quiet:
+        bench.run()
+    else:
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=err, transient=True) as bar:
+            task = bar.add_task("bench", total=bench.run_count())
+            started = [False]
+
+            def progress(what: str) -> None:
+                if started[0]:
+                    bar.advance(task)
+                started[0] = True
+                bar.update(task, description=what)
+
+            bench.run(progress)
+    wall = time.perf_counter() - t0
+    report = build_report(bench, (bandwidth_start, measure_bandwidth()), (load_before, os.getloadavg()), wall)
+    out = err if json_file == "-" else Console()
+    _print_table(report, Console(file=out.file, width=max(out.width, 150)))  # a narrow pipe would cut the numbers
+    if json_file == "-":
+        print(json.dumps(report, indent=2))
+    elif json_file:
+        with open(json_file, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+
+
+def _num(x, fmt: str = ".1f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _mib(x) -> str:
+    return "-" if x is None else f"{x / 2**20:,.0f}"
+
+
+def _print_table(report: dict, console: Console) -> None:
+    s, m = report["settings"], report["machine"]
+    table = Table(title=f"tfq bench: {s['prompt_tokens']}-token prompts, {s['tokens']}-token replies, "
+                        f"medians of {s['repeats']} round{'s' * (s['repeats'] > 1)}")
+    cols = ("lanes", "engine", "prefill\ntok/s", "TTFT\ns", "decode\ntok/s", "per\nstream", "ms/\nstep", "roof-\nline",
+            "vs\npeer", "peak RSS\nMiB", "run\n+MiB", "cache\nMiB", "note")
+    for c in cols:
+        table.add_column(c, justify="left" if c in ("engine", "note") else "right", no_wrap=c != "note")
+    for r in report["rows"]:
+        name = "hf (peer)" if r["arm"] == "peer" else f"tfq {r['arm']}"
+        vs = (r.get("vs_peer") or {}).get("decode")
+        note = ""
+        if r.get("drafted"):
+            d = r["drafted"]
+            note = f"{d['accepted']}/{d['proposed']} drafts kept"
+        if r.get("same_reply_as_peer") is not None and r["arm"] == "whole":
+            same = r["same_reply_as_peer"]
+            note = f"= peer: {same['whole_replies']:.0%} of replies, {same['tokens_before_parting']:.0%} of tokens"
+        table.add_row(str(r["lanes"]), name, _num(r["prefill_tokens_per_s"]), _num(r["ttft_s"], ".2f"),
+                      _num(r["decode_tokens_per_s"]), _num(r["decode_tokens_per_s_per_stream"]),
+                      _num(r["step_s"] and r["step_s"] * 1000), _num(r["roofline_fraction"], ".0%"),
+                      "-" if vs is None else f"{vs:.2f}x", _mib(r["peak_rss_bytes"]), _mib(r["run_rss_bytes"]),
+                      _mib(r["cache_bytes"]), note)
+    console.print(table)
+    la, lb = m["load_average_before"], m["load_average_after"]
+    console.print(f"memory bandwidth {m['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (a read, best of "
+                  f"{', '.join(m['bandwidth_start'])} at the start and the end); a step reads {report['model']['weights_read_per_step_bytes'] / 1e9:.2f} "
+                  f"GB of weights plus the cache; load average {la[0]:.2f} before, {lb[0]:.2f} after, on "
+                  f"{m['cpus']} CPUs", highlight=False)
+    console.print("roofline: the least time a decode step can take (bytes it reads / bandwidth) over the time it took; "
+                  "vs peer: tfq/peer decode tokens/s, each round's pair side by side; run +MiB: resident memory a "
+                  "run added (the peer's includes its cache); = peer: replies equal to the peer's up to their first EOS (which the peer may not draw), and tokens before they part" + ("" if m["rss_peak_is_per_run"] else
+                                                                 "; peak RSS is the process's lifetime peak here"),
+                  highlight=False, style="dim")
+    for sk in report["skipped"]:
+        console.print(f"skipped: lanes {sk['lanes']} {sk['arm']}: {sk['why']}", highlight=False, style="dim")
+    for g in report["targets"]:
+        mark = "[green]met[/green]" if g["met"] else "[yellow]missed[/yellow]"
+        console.print(f"target: {g['target']}: {g['value']:.2f} (goal {g['goal']}) {mark}", highlight=False)
