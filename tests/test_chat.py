@@ -106,11 +106,11 @@ def test_ctrl_c_ends_the_reply_cleanly(tiny_dirs):
     import time
 
     p = subprocess.Popen([sys.executable, "-u", "-m", "tfq", "chat", "tell me a story", "--model",
-                          str(tiny_dirs["qwen2"]), "--plan", TINY_PLAN, "--max-tokens", "400", "--quiet",
+                          str(tiny_dirs["qwen2"]), "--plan", TINY_PLAN, "--max-tokens", "3000", "--quiet",
                           "--set", "window=4096", "--set", "kv.pages=0"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    first = p.stdout.read(1)  # the reply has started
-    time.sleep(0.2)
+    first = p.stdout.read(1)  # the reply has started (this greedy reply draws no EOS in its first 400 tokens)
+    time.sleep(0.05)
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=120)
     assert first and p.returncode == 0, err

@@ -172,3 +172,14 @@ def test_stop_string_ends_a_stream_and_trims_its_text(tiny_models):
     assert got.finish == "stop" and got.text == free.text[:free.text.index(stop)]
     assert got.ids == free.ids[:len(got.ids)] and len(got.ids) < len(free.ids)
     assert beside.digests == alone(loaded.model, other, "fp32").digests
+
+
+def test_preempted_stream_recomputes_its_cache_exactly(model):
+    g = torch.Generator().manual_seed(3)
+    reqs = [Request(tuple(torch.randint(0, 200, (100,), generator=g).tolist()), max_tokens=60) for _ in range(2)]
+    # two pages each for the prompts, a third each past row 128: five pages cannot hold both
+    cfg = EngineSettings(window=WINDOW, lanes=2, page_rows=KEY_TILE, paged_all=True, pool_pages=5)
+    results = run(model, cfg, reqs)
+    assert results[1].recomputed >= 1  # the newer stream lost cached work and computed it again
+    for r, got in zip(reqs, results):
+        assert got.ids == alone(model, r, "fp32").ids and got.digests == alone(model, r, "fp32").digests

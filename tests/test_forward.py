@@ -47,3 +47,23 @@ def test_default_model_greedy_tokens_equal_transformers():
                               eos_token_id=list(loaded.tokenizer.eos_ids), pad_token_id=loaded.tokenizer.eos_ids[-1])
         assert len(ours) >= 8  # a real reply, not an early stop
         assert ours == out[0, len(ids):].tolist()
+
+
+def test_transformers_runs_beside_tfqs_kernels_package(tiny_dirs):
+    """tfq ships a top-level `kernels` package; HF's optional `kernels` hub library has the same import name.
+    transformers must not mistake ours for it: it imports and runs a model with ours already imported."""
+    import subprocess
+    import sys
+
+    code = (
+        "import kernels.attention, tfq.engine\n"
+        "from transformers.utils import import_utils\n"
+        "assert not import_utils.is_kernels_available(), 'transformers took tfq kernels for the hub library'\n"
+        "import torch\n"
+        "from transformers import AutoModelForCausalLM\n"
+        f"m = AutoModelForCausalLM.from_pretrained({str(tiny_dirs['qwen2'])!r})\n"
+        "print(m(torch.tensor([[1, 2, 3]])).logits.shape)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "torch.Size([1, 3," in r.stdout

@@ -218,7 +218,8 @@ class Engine:
         if self.drafter is not None:
             self.drafter.forget(st)
         lanes[st.lane] = None
-        st.preempted += st.cached > 0  # a stream sent back before it cached anything loses no work
+        st.preempted += 1
+        st.recomputed += st.cached > 0  # sent back with cached work, which it computes again
         st.lane, st.placement, st.cached, st.drafts = None, None, 0, []
         waiting.appendleft(st)
 
@@ -237,5 +238,6 @@ class Engine:
     def _result(self, st: Stream, total: float) -> Result:
         return Result(label=st.request.label, ids=st.reply, text=st.text, digests=st.digests, finish=st.finish or "error",
                       error=st.error, prompt_tokens=len(st.request.prompt), first_token_s=st.first_token_s,
-                      total_s=total, preempted=st.preempted, proposed=st.proposed, accepted=st.accepted,
+                      total_s=total, preempted=st.preempted, recomputed=st.recomputed,
+                      proposed=st.proposed, accepted=st.accepted,
                       verifies=st.verifies, logits=st.logits if self.keep_logits else None)

@@ -43,7 +43,8 @@ class Result:
     prompt_tokens: int = 0
     first_token_s: float = 0.0
     total_s: float = 0.0
-    preempted: int = 0
+    preempted: int = 0  # times sent back to the queue for lack of pages
+    recomputed: int = 0  # of those, times it had cached work to compute again
     proposed: int = 0  # drafted tokens offered for verification
     accepted: int = 0  # of those, tokens the target drew too
     verifies: int = 0  # forwards that verified guesses
@@ -67,6 +68,7 @@ class Stream:
     error: str | None = None
     first_token_s: float = 0.0
     preempted: int = 0
+    recomputed: int = 0
     drafts: list[int] = field(default_factory=list)  # this step's guesses, verified in the same forward
     proposed: int = 0
     accepted: int = 0

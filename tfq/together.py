@@ -218,7 +218,7 @@ def judge(arm: Arm, comparisons: Sequence[ChatComparison], preemptions: int, lon
     if arm.must_preempt and preemptions == 0:
         return FAIL, "no stream was preempted (the pool held them all), so recomputation went untested"
     if arm.must_preempt:
-        return EXACT, f"{preemptions} preemptions, every stream recomputed exactly"
+        return EXACT, f"{preemptions} preemptions, every stream exact after them"
     proposed, accepted = drafted
     if arm.must_draft and accepted == 0:
         return FAIL, f"{proposed} guesses proposed, none accepted, so verification went untested"
@@ -417,7 +417,7 @@ def _chat_record(request: Request, result: Result, comparison: ChatComparison | 
     record = {
         "chat": request.label, "prompt_tokens": len(request.prompt), "max_tokens": request.max_tokens,
         "temperature": request.temperature, "top_p": request.top_p, "seed": request.seed,
-        "finish": result.finish, "error": result.error, "preempted": result.preempted,
+        "finish": result.finish, "error": result.error, "preempted": result.preempted, "recomputed": result.recomputed,
         "proposed": result.proposed, "accepted": result.accepted,
         "first_token_s": round(result.first_token_s, 3), "seconds": round(result.total_s, 3),
         "text": result.text, "ids": result.ids, "digests": result.digests,

@@ -123,7 +123,7 @@ def _print_table(report: dict, console: Console) -> None:
             note = f"{d['accepted']}/{d['proposed']} drafts kept"
         if r.get("same_reply_as_peer") is not None and r["arm"] == "whole":
             same = r["same_reply_as_peer"]
-            note = f"= peer: {same['whole_replies']:.0%} of replies, {same['tokens_before_parting']:.0%} of tokens"
+            note = f"= peer: {same['whole_replies']:.0%} replies, {same['tokens_before_parting']:.0%} tokens"
         table.add_row(str(r["lanes"]), name, _num(r["prefill_tokens_per_s"]), _num(r["ttft_s"], ".2f"),
                       _num(r["decode_tokens_per_s"]), _num(r["decode_tokens_per_s_per_stream"]),
                       _num(r["step_s"] and r["step_s"] * 1000), _num(r["roofline_fraction"], ".0%"),
@@ -140,6 +140,11 @@ def _print_table(report: dict, console: Console) -> None:
                   "run added (the peer's includes its cache); = peer: replies equal to the peer's up to their first EOS (which the peer may not draw), and tokens before they part" + ("" if m["rss_peak_is_per_run"] else
                                                                  "; peak RSS is the process's lifetime peak here"),
                   highlight=False, style="dim")
+    if la[0] > m["cpus"] - m["torch_threads"] + 0.5:
+        console.print(f"the machine was busy (load average {la[0]:.2f} on {m['cpus']} CPUs, {m['torch_threads']} torch "
+                      f"thread{'s' * (m['torch_threads'] > 1)} each engine): a thread that waits for a busy core stalls "
+                      f"every parallel step, so these figures are noisy; compare with --threads 1", highlight=False,
+                      style="yellow")
     for sk in report["skipped"]:
         console.print(f"skipped: lanes {sk['lanes']} {sk['arm']}: {sk['why']}", highlight=False, style="dim")
     for g in report["targets"]:
