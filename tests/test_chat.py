@@ -108,7 +108,9 @@ def test_ctrl_c_ends_the_reply_cleanly(tiny_dirs):
     p = subprocess.Popen([sys.executable, "-u", "-m", "tfq", "chat", "tell me a story", "--model",
                           str(tiny_dirs["qwen2"]), "--plan", TINY_PLAN, "--max-tokens", "3000", "--quiet",
                           "--set", "window=4096", "--set", "kv.pages=0"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                         # a background job of a shell ignores SIGINT; give the child a terminal's default
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     first = p.stdout.read(1)  # the reply has started (this greedy reply draws no EOS in its first 400 tokens)
     time.sleep(0.05)
     p.send_signal(signal.SIGINT)
