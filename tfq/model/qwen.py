@@ -45,7 +45,7 @@ class Qwen:
         ensure_exact()
         self.config = config
         c = config
-        take = _Taker(weights)
+        take = _Taker(weights, c.family)
         self.embed = take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
         self.layers: list[Layer] = []
         q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -127,13 +127,15 @@ class Qwen:
 class _Taker:
     """Pulls named tensors out of a state dict, checking shapes, so a wrong checkpoint fails in one line."""
 
-    def __init__(self, weights: dict[str, torch.Tensor]):
+    def __init__(self, weights: dict[str, torch.Tensor], family: str):
         self.weights = weights
+        self.family = family
 
     def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         t = self.weights.get(name)
         if t is None:
-            raise TfqError(f"checkpoint has no tensor {name}; is it a complete {shape} Qwen checkpoint?")
+            raise TfqError(f"checkpoint has no tensor {name}; its weights do not match its config.json "
+                           f"(a {self.family} model): re-export or re-convert the checkpoint")
         if tuple(t.shape) != shape:
             raise TfqError(f"checkpoint tensor {name} has shape {tuple(t.shape)}, config says {shape}")
         return t.float().contiguous()
