@@ -13,6 +13,7 @@ import torch
 from tfq.bench import arm_plan, kv_read_bytes, mean_context, weights_read_bytes
 from tfq.model.config import ModelConfig
 from tfq.plan import Plan, row_bytes
+from cli import tfq
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_PLAN = str(ROOT / "plans" / "tiny.yaml")
@@ -26,14 +27,6 @@ def keep_threads():
     torch.set_num_threads(threads)
 
 
-def tfq(args, monkeypatch, capsys):
-    from tfq.cli import main
-
-    monkeypatch.setattr(sys, "argv", ["tfq", *args])
-    with pytest.raises(SystemExit) as exit_:
-        main()
-    out, err = capsys.readouterr()
-    return exit_.value.code or 0, out, err
 
 
 def rows_by(report):

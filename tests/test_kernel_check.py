@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from dataclasses import replace
 
 import pytest
@@ -16,6 +15,7 @@ if not torch.cuda.is_available():
 from kernels import check  # noqa: E402
 from kernels.attention import AttentionBatch, DecodeGroup  # noqa: E402
 from kernels.check import CheckConfig, passed, run_check, torch_backend  # noqa: E402
+from cli import tfq
 
 SMALL = CheckConfig(dtypes=("fp32",), repeats=2)
 
@@ -106,14 +106,6 @@ def test_a_stray_store_fails_keep_and_guards():
 
 # -- the command ----------------------------------------------------------------------------------------
 
-def tfq(args, monkeypatch, capsys):
-    from tfq.cli import main
-
-    monkeypatch.setattr(sys, "argv", ["tfq", *args])
-    with pytest.raises(SystemExit) as exit_:
-        main()
-    out, err = capsys.readouterr()
-    return exit_.value.code or 0, out, err
 
 
 def test_command_passes_and_writes_json(tmp_path, monkeypatch, capsys):

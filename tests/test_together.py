@@ -75,7 +75,6 @@ def test_every_arm_exact_and_controls_red_on_random_suites_and_plans(seed, tiny_
     plan, group = random_plan(rng)
     suite = random_suite(rng, loaded.tokenizer)
     check = check_for(loaded, suite, plan, group, tokens=rng.randint(3, 8), evidence=tmp_path).run()
-    verdicts = {r.arm.name: (r.verdict, r.note) for r in check.arms}
     wrong = {r.arm.name: (r.verdict, r.note) for r in check.arms if r.verdict != (RED if r.arm.control else EXACT)}
     assert not wrong, wrong
     assert check.exit_code == 0 and check.complete
