@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from tfq.cache import SATURATE
 from tfq.tiles import KEY_TILE, SPLIT_ROWS
 
 NEG_INF = float("-inf")
@@ -57,9 +58,6 @@ class AttentionBatch:
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
            scale: float) -> torch.Tensor:
     """q: [N, H, D] fp32, already written to the cache (cache first). Returns [N, H, D] fp32."""
-    if q.is_cuda:  # the same arithmetic in Triton (kernels/triton_attention.py)
-        from kernels.triton_attention import attend as triton_attend
-        return triton_attend(q, k_cache, v_cache, batch, scale)
     out = torch.empty_like(q)
     if batch.decode is not None:
         d = batch.decode
@@ -68,6 +66,16 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
         rows = slice(c.q_start, c.q_start + c.count)
         out[rows] = _chunk(q[rows] * scale, k_cache, v_cache, c, batch.partial)
     return out
+
+
+def write(cache_k: torch.Tensor, cache_v: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+          dtype_name: str) -> None:
+    """Store k, v ([N, Hkv, D], fp32) at cache rows `rows`; narrow dtypes saturate instead of overflowing."""
+    limit = SATURATE.get(dtype_name)
+    if limit is not None:
+        k, v = k.clamp(-limit, limit), v.clamp(-limit, limit)
+    cache_k[rows] = k.to(cache_k.dtype)
+    cache_v[rows] = v.to(cache_v.dtype)
 
 
 def tile_count(length: int) -> int:
@@ -187,7 +195,7 @@ def _merge(states: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     return acc[:, :-1] / acc[:, -1:]
 
 
-def check_attention(attend_fn=None) -> str | None:
+def check_attention(attend_fn=None, device: torch.device | str = "cpu") -> str | None:
     """Prove on the running build that a row's attention bits do not depend on how it is computed.
 
     A row at position p, taken from one prompt chunk, must equal the same row as a one-row decode beside a
@@ -196,9 +204,9 @@ def check_attention(attend_fn=None) -> str | None:
     attend_fn = attend_fn or attend
     g = torch.Generator().manual_seed(99)
     hkv, group, dim, length = 2, 3, 64, 2 * SPLIT_ROWS + 40
-    k = torch.randn(4 * length, hkv, dim, generator=g)
-    v = torch.randn(4 * length, hkv, dim, generator=g)
-    q = torch.randn(length, hkv * group, dim, generator=g)
+    k = torch.randn(4 * length, hkv, dim, generator=g).to(device)
+    v = torch.randn(4 * length, hkv, dim, generator=g).to(device)
+    q = torch.randn(length, hkv * group, dim, generator=g).to(device)
     pad = tile_count(length) * KEY_TILE
     rows = torch.arange(pad)
     for partial in (False, True):

@@ -20,16 +20,14 @@ arithmetic's alone; it is derived in `attention_bound`.
 from __future__ import annotations
 
 import math
-import os
 import random
-import sys
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
 
 from kernels.attention import AttentionBatch, Chunk, DecodeGroup, tile_count
-from kernels.attention import attend as torch_attend
+from kernels.backend import Backend
 from tfq.cache import DTYPES, SATURATE, KVCache, Placement
 from tfq.errors import TfqError
 from tfq.model.config import ModelConfig
@@ -96,38 +94,6 @@ class Case:
         if self.control:
             return "RED" if self.ok else "GREEN (control did not fail)"
         return "PASS" if self.ok else "FAIL"
-
-
-@dataclass
-class Backend:
-    name: str
-    device: torch.device
-    attend: Callable[..., torch.Tensor]
-    write: Callable[[KVCache, torch.Tensor, torch.Tensor, torch.Tensor], None]
-    where: str = ""
-
-
-def torch_backend() -> Backend:
-    return Backend("torch", torch.device("cpu"), torch_attend, lambda c, rows, k, v: c.write(0, rows, k, v), "CPU")
-
-
-def triton_backend() -> tuple[Backend | None, str]:
-    """The Triton kernels on CUDA, or under the interpreter on a machine without it; (None, why) if neither."""
-    cuda = torch.cuda.is_available()
-    if not cuda and "kernels.triton_attention" not in sys.modules:
-        os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, i.e. at import
-    try:
-        import kernels.triton_attention as ta
-    except ImportError as e:
-        return None, f"triton is not importable ({e})"
-    interpreted = type(ta._rows_kernel).__name__ == "InterpretedFunction"
-    if not cuda and not interpreted:
-        return None, ("kernels.triton_attention was imported without TRITON_INTERPRET=1 on a machine without "
-                      "CUDA; run the check in a fresh process")
-    device = torch.device("cpu" if interpreted else "cuda")
-    where = "interpreter (CPU)" if interpreted else torch.cuda.get_device_name()
-    return Backend("triton", device, ta.attend,
-                   lambda c, rows, k, v: ta.write(c.k[0], c.v[0], rows, k, v, c.dtype_name), where), where
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -230,7 +196,7 @@ class Bench:
                              rope_theta=1e6, rms_eps=1e-6, max_positions=window, tie_embeddings=True,
                              weights_dtype="float32")
         self.cache = KVCache(config, lanes=2 * len(lengths) + 1, window=window, page_rows=cfg.page_rows,
-                             pool_pages=2 * need + 1, dtype=dtype)
+                             pool_pages=2 * need + 1, dtype=dtype, backend=backend)
         # streams get the odd lanes and odd pages (in shuffled order): every lane and page sits between guards
         pages = list(range(1, 2 * need + 1, 2))
         random.Random(cfg.seed).shuffle(pages)
@@ -248,7 +214,6 @@ class Bench:
                 v, q = -k.flip(0), None
             self.streams.append(Stream(n, k, v, q, self.cache.lane(2 * i + 1), paged))
         dev = backend.device
-        self.cache.k[0], self.cache.v[0] = self.cache.k[0].to(dev), self.cache.v[0].to(dev)
         owned = torch.zeros(self.cache.rows_total, dtype=torch.bool)
         for s in self.streams:
             owned[self.cache.rows(s.lane, 0, s.length)] = True
@@ -288,7 +253,7 @@ class Bench:
 
     def write(self, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         dev = self.backend.device
-        self.backend.write(self.cache, rows.to(dev), k.to(dev), v.to(dev))
+        self.cache.write(0, rows.to(dev), k.to(dev), v.to(dev))
 
     def write_round(self, kind: str, segs: list[tuple[Stream, int, int]]) -> torch.Tensor:
         rows = torch.cat([self.cache.rows(self.placement(s, kind), a, n) for s, a, n in segs])

@@ -14,7 +14,10 @@ if not torch.cuda.is_available():
 
 from kernels import check  # noqa: E402
 from kernels.attention import AttentionBatch, DecodeGroup  # noqa: E402
-from kernels.check import CheckConfig, passed, run_check, torch_backend  # noqa: E402
+import kernels.backend as backends  # noqa: E402
+from kernels.attention import attend as torch_attend, write as torch_write  # noqa: E402
+from kernels.backend import torch_backend  # noqa: E402
+from kernels.check import CheckConfig, passed, run_check  # noqa: E402
 from cli import tfq
 
 SMALL = CheckConfig(dtypes=("fp32",), repeats=2)
@@ -40,7 +43,7 @@ def test_torch_backend_passes_with_controls_red():
 
 
 def test_triton_backend_passes_with_controls_red():
-    backend, why = check.triton_backend()
+    backend, why = backends.triton_backend()
     if backend is None:
         pytest.skip(why)
     cases = run_check(replace(SMALL, dtypes=("fp8",)), [backend])  # the widest rounding, uint8 loads
@@ -50,9 +53,9 @@ def test_triton_backend_passes_with_controls_red():
 
 # -- mutants: kernels with real bugs must FAIL the check (not only the built-in controls) --------------------
 
-def _mutant(attend=None, write=None):
+def _mutant(attend=None, store=None):
     b = torch_backend()
-    return replace(b, name="mutant", attend=attend or b.attend, write=write or b.write)
+    return replace(b, name="mutant", attend=attend or b.attend, store=store or b.store)
 
 
 def _failures(backend, cfg=SMALL):
@@ -66,7 +69,7 @@ def test_a_dropped_key_fails_the_bound():
         d = batch.decode
         if d is not None:  # every decode row forgets its own key
             d = DecodeGroup(d.q_rows, d.cache_rows, (d.lengths - 1).clamp(min=1))
-        return check.torch_attend(q, k, v, AttentionBatch(d, batch.chunks, batch.partial), scale)
+        return torch_attend(q, k, v, AttentionBatch(d, batch.chunks, batch.partial), scale)
 
     bad = _failures(_mutant(attend=attend))
     assert ("queries", "over the bound") in bad
@@ -76,7 +79,7 @@ def test_noise_between_repeats_fails():
     g = torch.Generator().manual_seed(0)
 
     def attend(q, k, v, batch, scale):
-        out = check.torch_attend(q, k, v, batch, scale)
+        out = torch_attend(q, k, v, batch, scale)
         return out + torch.randn(out.shape, generator=g) * 1e-9  # far inside the bound, not the same bits
 
     assert any("repeats differ" in note for _, note in _failures(_mutant(attend=attend)))
@@ -88,7 +91,7 @@ def test_a_paged_drift_fails_paged_equals_contiguous():
         if batch.decode is not None:
             tables += [t[:n] for t, n in zip(batch.decode.cache_rows, batch.decode.lengths)]
         lanes = all(bool((t[1:] - t[:-1] == 1).all()) for t in tables)
-        return check.torch_attend(q if lanes else q * (1 + 2 ** -20), k, v, batch, scale)
+        return torch_attend(q if lanes else q * (1 + 2 ** -20), k, v, batch, scale)
 
     bad = _failures(_mutant(attend=attend))
     assert any(c == "queries" and "paged != contiguous" in n for c, n in bad)
@@ -96,11 +99,11 @@ def test_a_paged_drift_fails_paged_equals_contiguous():
 
 
 def test_a_stray_store_fails_keep_and_guards():
-    def write(cache, rows, k, v):
-        cache.write(0, rows, k, v)
-        cache.write(0, rows[:1] + 1, k[:1], v[:1])  # one extra row next to the first
+    def store(ck, cv, rows, k, v, dtype):
+        torch_write(ck, cv, rows, k, v, dtype)
+        torch_write(ck, cv, rows[:1] + 1, k[:1], v[:1], dtype)  # one extra row next to the first
 
-    bad = _failures(_mutant(write=write))
+    bad = _failures(_mutant(store=store))
     assert any(c == "keep" for c, _ in bad) and any("canary changed" in n for _, n in bad)
 
 
@@ -118,10 +121,10 @@ def test_command_passes_and_writes_json(tmp_path, monkeypatch, capsys):
 
 
 def test_command_exits_1_on_a_broken_kernel(monkeypatch, capsys):
-    def write(cache, rows, k, v):
-        cache.write(0, rows + 1, k, v)  # every store one row off
+    def store(ck, cv, rows, k, v, dtype):
+        torch_write(ck, cv, rows + 1, k, v, dtype)  # every store one row off
 
-    monkeypatch.setattr(check, "torch_backend", lambda: _mutant(write=write))
+    monkeypatch.setattr(backends, "torch_backend", lambda: _mutant(store=store))
     code, out, _ = tfq(["kernels", "--backend", "torch", "--dtype", "fp32", "--repeats", "1"], monkeypatch, capsys)
     assert code == 1 and "FAIL" in out and "kernel check failed" in out
 

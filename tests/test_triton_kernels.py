@@ -212,17 +212,22 @@ def test_store_reads_strided_inputs():
 
 
 @pytest.mark.skipif(not CUDA, reason="the dispatch hooks act on CUDA tensors only")
-def test_cuda_dispatch_hooks(store):
+def test_the_triton_backend_serves_the_cache_and_attention(store):
+    """The one interface: a cache built with the Triton backend stores through the Triton kernel, and the
+    backend's attend is the Triton one (bits equal to calling it directly)."""
+    from kernels.backend import triton_backend
     from tfq.cache import KVCache
     from tfq.model.config import ModelConfig
 
+    backend, why = triton_backend()
+    assert backend is not None, why
     c = store.streams[2]
     q, batch = store.batch([(c, 299)], [(c, 250, 8)], "paged", False)
-    assert same_bits(torch_attend(q.to(DEV), store.k.to(DEV), store.v.to(DEV), batch, 1 / math.sqrt(D)).cpu(),
+    assert same_bits(backend.attend(q.to(DEV), store.k.to(DEV), store.v.to(DEV), batch, 1 / math.sqrt(D)).cpu(),
                      store.triton(q, batch))
     cfg = ModelConfig("qwen3", 1, H * D, 1, 1, H, HKV, D, 1e6, 1e-6, 64, True, "float32")
-    cache = KVCache(cfg, lanes=1, window=64, dtype="fp8")
-    cache.k[0], cache.v[0] = cache.k[0].to(DEV), cache.v[0].to(DEV)
+    cache = KVCache(cfg, lanes=1, window=64, dtype="fp8", backend=backend)
+    assert cache.k[0].device.type == DEV.type
     x = torch.randn(4, HKV, D) * 500
     cache.write(0, torch.arange(4), x.to(DEV), -x.to(DEV))
     assert same_bits(cache.k[0][:4].cpu(), torch_store(x, "fp8"))
@@ -232,16 +237,16 @@ COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import triton_attention as ta
+from kernels import triton_attention as ta, triton_rowwise as tr
 
-CONST = ("GROUP", "BLOCK_G", "D", "TILE", "FP8", "SPLIT", "KIND", "BLOCK")
+CONST = ("GROUP", "BLOCK_G", "D", "TILE", "FP8", "SPLIT", "KIND", "BLOCK", "HAS_BIAS", "BM", "BN", "BK")
 INDEX = ("table_ptr", "item_row_ptr", "item_pos_ptr", "item_table_ptr", "rows_ptr")
 
 def build(fn, cache, consts):
     store = fn is ta._store_kernel
     cached = ("ck_ptr", "cv_ptr") if store else ("k_ptr", "v_ptr")
     sig = {n: "constexpr" if n in CONST else "*i64" if n in INDEX else cache if n in cached
-           else "*fp32" if n.endswith("_ptr") else "fp32" if n == "scale" else "i32" for n in fn.arg_names}
+           else "*fp32" if n.endswith("_ptr") else "fp32" if n in ("scale", "eps") else "i32" for n in fn.arg_names}
     triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32), options=dict(ta.LAUNCH))
 
 attn = dict(GROUP=7, BLOCK_G=16, D=128, TILE=64)
@@ -250,6 +255,8 @@ build(ta._partial_kernel, "*u8", dict(attn, FP8=True, SPLIT=4))
 build(ta._merge_kernel, "*fp32", dict(attn, SPLIT=4))
 build(ta._store_kernel, "*u8", dict(KIND=3, BLOCK=64, D=128))
 build(ta._store_kernel, "*u16", dict(KIND=1, BLOCK=64, D=128))
+build(tr._linear_kernel, "*fp32", dict(HAS_BIAS=True, BM=16, BN=tr.BLOCK_N, BK=tr.BLOCK_K))
+build(tr._rms_norm_kernel, "*fp32", dict(BLOCK=1024))
 print("compiled")
 """
 

@@ -50,9 +50,11 @@ def _rowwise_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) ->
 
 
 CHECK_ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 33, 48, 63)
+TORCH_FIX = "use a torch build with oneDNN (mkldnn)"
 
 
-def check_linear(make: Callable[[torch.Tensor, torch.Tensor], LinearFn] = Linear, rows: int = 64) -> None:
+def check_linear(make: Callable[[torch.Tensor, torch.Tensor], LinearFn] = Linear, rows: int = 64,
+                 device: torch.device | str = "cpu", fix: str = TORCH_FIX) -> None:
     """Refuse to run if a linear row's bits change with the number of rows in the matmul.
 
     Checks a few shapes like the model's (square, wide, tall) at the row counts where MKL and oneDNN switch
@@ -62,44 +64,57 @@ def check_linear(make: Callable[[torch.Tensor, torch.Tensor], LinearFn] = Linear
     for n_in, n_out in ((96, 96), (64, 352), (352, 64), (896, 128), (4864, 64)):
         w = torch.randn(n_out, n_in, generator=g)
         b = torch.randn(n_out, generator=g)
-        check_rows(make(w, b), n_in, f"shape {n_in}->{n_out}", rows, g)
+        check_rows(make(w.to(device), b.to(device)), n_in, f"shape {n_in}->{n_out}", rows, g, device, fix)
 
 
-def check_rows(f: LinearFn, n_in: int, what: str, rows: int = 64, g: torch.Generator | None = None) -> None:
-    x = torch.randn(rows, n_in, generator=g)
+def check_rows(f: LinearFn, n_in: int, what: str, rows: int = 64, g: torch.Generator | None = None,
+               device: torch.device | str = "cpu", fix: str = TORCH_FIX) -> None:
+    """A row's bits must not change with the rows beside it: fewer rows, or the same rows in reverse order."""
+    x = torch.randn(rows, n_in, generator=g).to(device)
     full = f(x)
     for m in CHECK_ROWS:
-        if not torch.equal(f(x[:m]), full[:m]):
-            raise TfqError(
-                f"this torch build's linear layer is not batch-invariant (a row's bits change at {m} rows, "
-                f"{what}); exact mode cannot run here: use a torch build with oneDNN (mkldnn)"
-            )
+        if m <= rows and not torch.equal(f(x[:m]), full[:m]):
+            raise TfqError(f"this build's linear layer is not batch-invariant (a row's bits change at {m} rows, "
+                           f"{what}); exact mode cannot run here: {fix}")
+    if not torch.equal(f(x.flip(0)), full.flip(0)):
+        raise TfqError(f"this build's linear layer is not batch-invariant (a row's bits change with its place "
+                       f"among {rows} rows, {what}); exact mode cannot run here: {fix}")
 
 
-def check_layers(layers: dict[str, Linear]) -> None:
+def check_layers(layers: dict, device: torch.device | str = "cpu", fix: str = TORCH_FIX) -> None:
     """The same proof on a model's own linear layers (its real shapes and weights)."""
     g = torch.Generator().manual_seed(4321)
     for name, f in layers.items():
-        check_rows(f, f.in_features, name, rows=CHECK_ROWS[-1] + 1, g=g)
+        check_rows(f, f.in_features, name, rows=CHECK_ROWS[-1] + 1, g=g, device=device, fix=fix)
 
 
-def check_attention() -> None:
+def check_attention(attend_fn=None, device: torch.device | str = "cpu", fix: str = "use the torch build tfq was "
+                    "measured on (see README)") -> None:
     """Refuse to run if the attention kernels give a row other bits in a decode than in a prompt chunk."""
     from kernels.attention import check_attention as differs
 
-    problem = differs()
+    problem = differs(attend_fn, device)
     if problem:
-        raise TfqError(f"this torch build's attention is not batch-invariant ({problem}); exact mode cannot run "
-                       f"here: use the torch build tfq was measured on (see README)")
+        raise TfqError(f"this build's attention is not batch-invariant ({problem}); exact mode cannot run here: "
+                       f"{fix}")
 
 
-_checked = False
+_checked: set[tuple[str, str]] = set()
 
 
-def ensure_exact() -> None:
-    """Run the start-up checks once per process."""
-    global _checked
-    if not _checked:
+def ensure_exact(backend=None) -> None:
+    """Run the start-up checks once per process and backend (kernels.backend.Backend; None: torch)."""
+    if backend is None:
+        from kernels.backend import torch_backend
+        backend = torch_backend()
+    key = (backend.name, str(backend.device))
+    if key in _checked:
+        return
+    if backend.name == "torch":
         check_linear()
         check_attention()
-        _checked = True
+    elif not backend.interpreted:  # too slow there; tests/test_triton_engine.py proves the same
+        fix = "run on the CPU (device: cpu)"
+        check_linear(backend.linear, device=backend.device, fix=fix)
+        check_attention(backend.attend, backend.device, fix)
+    _checked.add(key)

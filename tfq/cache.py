@@ -35,7 +35,11 @@ class Placement:
 
 class KVCache:
     def __init__(self, config: ModelConfig, *, lanes: int, window: int, page_rows: int = 0, pool_pages: int = 0,
-                 dtype: str = "fp32", page_order_seed: int | None = None):
+                 dtype: str = "fp32", page_order_seed: int | None = None, backend=None):
+        if backend is None:
+            from kernels.backend import torch_backend
+            backend = torch_backend()
+        self.backend = backend  # kernels.backend.Backend: where the store lives and which kernel writes it
         self.dtype_name = dtype
         self.dtype = DTYPES[dtype]
         self.window = window
@@ -45,8 +49,9 @@ class KVCache:
         self.pool_base = lanes * window
         self.rows_total = self.pool_base + pool_pages * page_rows
         shape = (self.rows_total, config.num_kv_heads, config.head_dim)
-        self.k = [torch.zeros(shape, dtype=self.dtype) for _ in range(config.num_layers)]
-        self.v = [torch.zeros(shape, dtype=self.dtype) for _ in range(config.num_layers)]
+        dev = backend.device
+        self.k = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(config.num_layers)]
+        self.v = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(config.num_layers)]
         self.free_pages = list(range(pool_pages))
         if page_order_seed is not None:  # which page ids a stream gets must not matter; tests shuffle them
             random.Random(page_order_seed).shuffle(self.free_pages)
@@ -103,11 +108,4 @@ class KVCache:
         return self.rows(p, 0, padded)  # page rows are a multiple of the tile: a tile never straddles pages
 
     def write(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        if self.k[layer].is_cuda:  # the Triton store: same clamping and rounding (kernels/triton_attention.py)
-            from kernels.triton_attention import write
-            return write(self.k[layer], self.v[layer], rows, k, v, self.dtype_name)
-        limit = SATURATE.get(self.dtype_name)
-        if limit is not None:
-            k, v = k.clamp(-limit, limit), v.clamp(-limit, limit)
-        self.k[layer][rows] = k.to(self.dtype)
-        self.v[layer][rows] = v.to(self.dtype)
+        self.backend.store(self.k[layer], self.v[layer], rows.to(self.backend.device), k, v, self.dtype_name)

@@ -61,7 +61,7 @@ class ModelDrafter:
     def __init__(self, model, lanes: int, window: int, k: int = 4):
         self.model = model
         self.k = k
-        self.cache = KVCache(model.config, lanes=lanes, window=window)
+        self.cache = KVCache(model.config, lanes=lanes, window=window, backend=model.backend)
         self.cached: dict[int, int] = {}  # stream index -> positions in the drafter's cache
 
     def propose(self, streams: list[Stream], budgets: list[int]) -> list[list[int]]:
@@ -101,7 +101,7 @@ def make_drafter(spec: str, target, lanes: int, window: int) -> Drafter | None:
         return ModelDrafter(target.model, lanes, window)
     from tfq.model.load import load_model
 
-    loaded = load_model(spec)
+    loaded = load_model(spec, device=target.model.backend.device)
     probe = "def f(x):\n    return x * 2  # 你好 🚀"
     if loaded.tokenizer.vocab_size != target.tokenizer.vocab_size or \
             loaded.tokenizer.encode(probe) != target.tokenizer.encode(probe):

@@ -61,7 +61,8 @@ class Engine:
         self.drafter = drafter  # tfq.draft.Drafter or None
         s = settings
         self.cache = KVCache(model.config, lanes=s.contiguous_lanes, window=s.window, page_rows=s.page_rows,
-                             pool_pages=s.pool_pages, dtype=s.kv_dtype, page_order_seed=page_order_seed)
+                             pool_pages=s.pool_pages, dtype=s.kv_dtype, page_order_seed=page_order_seed,
+                             backend=model.backend)
         self.forwards = 0
 
     @classmethod

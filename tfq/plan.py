@@ -96,6 +96,16 @@ def _model(value: Any) -> str:
     raise _Bad(f"model must be 'default', an HF checkpoint folder or a .gguf file (a path as text), not {value!r}")
 
 
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+def _device(value: Any) -> str:
+    text = value.strip().lower() if isinstance(value, str) else None
+    if text is None or not _DEVICE.match(text):
+        raise _Bad(f"device must be auto, cpu, cuda or cuda:N (a GPU's index), not {value!r}")
+    return text
+
+
 def _pages(value: Any) -> int:
     n = _as_int(value)
     if n is None or n < 0 or n > _MAX_INT:
@@ -200,13 +210,14 @@ SCHEMA: dict[str, Callable[[Any], Any]] = {
     "attention": _choice("attention", ATTENTION),
     "budget": _budget,
     "draft": _draft,
+    "device": _device,
 }
 
 # Environment variables that set one key from their text.
 ENV_VALUES = {
     "TFQ_MODEL": "model", "TFQ_WINDOW": "window", "TFQ_LANES": "lanes", "TFQ_PREFILL_CHUNK": "prefill_chunk",
     "TFQ_KV_DTYPE": "kv.dtype", "TFQ_KV_PAGES": "kv.pages", "TFQ_KV_POOL": "kv.pool",
-    "TFQ_BUDGET": "budget", "TFQ_DRAFT": "draft",
+    "TFQ_BUDGET": "budget", "TFQ_DRAFT": "draft", "TFQ_DEVICE": "device",
 }
 # Environment switches: 1 sets the key to the value, 0 or unset leaves the plan alone.
 ENV_FLAGS = {
@@ -247,11 +258,12 @@ class Plan:
     attention: str = "rows"
     budget: int | str = "auto"
     draft: str = "none"
+    device: str = "auto"  # auto: a CUDA GPU when torch sees one (Triton kernels), else the CPU (torch kernels)
     paged_partial: bool = False  # TFQ_PAGED_PARTIAL=1: the check's control, never a real setting
     sources: tuple[tuple[str, str], ...] = ()  # (dotted key, what set it: "TFQ_X", "--set", "--model")
 
     def __post_init__(self) -> None:
-        for name in ("model", "window", "lanes", "prefill_chunk", "attention", "budget", "draft"):
+        for name in ("model", "window", "lanes", "prefill_chunk", "attention", "budget", "draft", "device"):
             object.__setattr__(self, name, _checked(name, getattr(self, name)))
         if not isinstance(self.kv, KVPlan):
             raise _fail(f"kv must be a KVPlan, not {self.kv!r}")
@@ -428,6 +440,7 @@ class Layout:
     budget_bytes: int
     total_bytes: int
     available_bytes: int | None = None  # the memory available when budget is auto
+    device: str = "cpu"  # where the engine runs: cpu, or cuda:N
 
     @property
     def fits(self) -> bool:
@@ -449,8 +462,29 @@ class Layout:
         return self.paged_lanes * self.pages_per_stream
 
 
-def available_memory() -> int:
-    """Bytes of memory available now: MemAvailable from /proc/meminfo, else the OS's free pages."""
+def resolve_device(plan: Plan) -> str:
+    """The plan's device as torch names it: cpu or cuda:N; a TfqError when the plan asks for a GPU not here."""
+    import torch
+
+    if plan.device == "auto":
+        return "cuda:0" if torch.cuda.is_available() else "cpu"
+    if plan.device == "cpu":
+        return "cpu"
+    index = int(plan.device.partition(":")[2] or 0)
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if index >= count:
+        seen = f"sees {count} CUDA GPU{'s' * (count != 1)}" if count else f"sees no CUDA GPU (torch {torch.__version__})"
+        raise _fail(f"device {plan.device}{_tag(plan, 'device')}: this machine {seen}; use device: cpu or auto")
+    return f"cuda:{index}"
+
+
+def available_memory(device: str = "cpu") -> int:
+    """Bytes of memory available now: on a GPU its free memory; on the CPU MemAvailable from
+    /proc/meminfo, else the OS's free pages."""
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.mem_get_info(torch.device(device))[0]
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -477,9 +511,10 @@ def compute_layout(plan: Plan, config: ModelConfig) -> Layout:
         )
     row = row_bytes(config, plan.kv.dtype)
     weights = config.param_count() * 4  # tfq computes in fp32, whatever the checkpoint stores
+    device = resolve_device(plan)
     available = None
     if plan.budget == "auto":
-        available = available_memory()
+        available = available_memory(device)
         budget = int(available * AUTO_BUDGET_SHARE)
     else:
         budget = int(plan.budget)
@@ -510,7 +545,7 @@ def compute_layout(plan: Plan, config: ModelConfig) -> Layout:
     return Layout(
         row_bytes=row, window=plan.window, lanes=plan.lanes, contiguous_lanes=contiguous, paged_lanes=paged,
         page_rows=pages, pool_pages=pool, cache_bytes=cache, weights_bytes=weights, budget_bytes=budget,
-        total_bytes=weights + cache, available_bytes=available,
+        total_bytes=weights + cache, available_bytes=available, device=device,
     )
 
 
@@ -557,7 +592,8 @@ def _budget_words(plan: Plan, lay: Layout) -> str:
         share = round(AUTO_BUDGET_SHARE * 100)
         by = plan.source("budget")
         by = f", set by {by}" if by else ""
-        return f" (auto: {share}% of the {human_bytes(lay.available_bytes)} available{by})"
+        where = " on the GPU" if lay.device.startswith("cuda") else ""
+        return f" (auto: {share}% of the {human_bytes(lay.available_bytes)} available{where}{by})"
     return _tag(plan, "budget")
 
 
@@ -621,6 +657,7 @@ def plan_lines(plan: Plan, config: ModelConfig, layout: Layout) -> list[str]:
             f"control: on{t('paged_partial')}: forwards holding a paged stream run partial, the others rows "
             f"(the field report's fault, for the check only)"
         )
+    lines.append(_device_line(plan, lay))
     kind, k = parse_draft(plan.draft)
     if kind == "none":
         lines.append(f"drafting: none{t('draft')}")
@@ -637,6 +674,20 @@ def plan_lines(plan: Plan, config: ModelConfig, layout: Layout) -> list[str]:
         f"{verdict}"
     )
     return [one_line(line) for line in lines]
+
+
+def _device_line(plan: Plan, lay: Layout) -> str:
+    auto = ""
+    if plan.device == "auto":
+        auto = " (auto: a CUDA GPU is here)" if lay.device != "cpu" else " (auto: no CUDA GPU here)"
+    if lay.device == "cpu":
+        kernels = "torch kernels: oneDNN linear layers, attention as one-row bmm items"
+    else:
+        import torch
+
+        kernels = f"{torch.cuda.get_device_name(torch.device(lay.device))}, Triton kernels for linear layers, " \
+                  f"norms, attention and cache stores"
+    return f"device: {lay.device}{auto}{_tag(plan, 'device')}: {kernels}"
 
 
 def _pool_line(plan: Plan, lay: Layout) -> str:
@@ -662,7 +713,7 @@ def plan_json(plan: Plan, config: ModelConfig, layout: Layout) -> dict:
     values = {
         "model": plan.model, "window": plan.window, "lanes": plan.lanes, "prefill_chunk": plan.prefill_chunk,
         "kv": dataclasses.asdict(plan.kv), "attention": plan.attention, "budget": plan.budget,
-        "draft": plan.draft, "paged_partial": plan.paged_partial,
+        "draft": plan.draft, "device": plan.device, "paged_partial": plan.paged_partial,
     }
     model = {
         "family": config.family, "layers": config.num_layers, "query_heads": config.num_heads,

@@ -12,6 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from tfq.cli import app
+from tfq.errors import TfqError
 
 
 @app.command("bench")
@@ -43,8 +44,12 @@ def bench_command(
     settings = BenchSettings(lanes=parse_lanes(lanes), prompt_tokens=prompt_tokens, tokens=tokens, repeats=repeats,
                              peer=peer.strip().lower(), arms=parse_arms(arms), seed=seed, threads=threads)
     check_settings(settings)
-    the_plan, config, _ = resolve_plan(plan, model, sets, quiet, err)
+    the_plan, config, layout = resolve_plan(plan, model, sets, quiet, err)
     check_against_plan(settings, the_plan)
+    if layout.device != "cpu":
+        raise TfqError(f"tfq bench measures the engine on the CPU (its roofline and memory probe are the CPU's), "
+                       f"and the plan runs on {layout.device}; use --set device=cpu, or "
+                       f"benchmarks/gpu_kernels.py for the attention kernels on a GPU")
     require_peer(settings.peer)
     if not quiet:
         window = bench_window(the_plan, settings)
@@ -59,7 +64,7 @@ def bench_command(
         torch.set_num_threads(settings.threads)
     load_before = os.getloadavg()
     with err.status("loading the model"):
-        loaded = load_model(the_plan.model, progress=not quiet)
+        loaded = load_model(the_plan.model, progress=not quiet, device=layout.device)
     hf = None
     if settings.peer == "hf":
         if quiet:

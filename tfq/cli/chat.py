@@ -55,7 +55,7 @@ def chat(
         sets = [*sets, f"draft={draft}"]
     the_plan, _, layout = resolve_plan(plan, model, sets, quiet, err)
     with err.status("loading the model"):
-        loaded = load_model(the_plan.model)
+        loaded = load_model(the_plan.model, device=layout.device)
     engine = Engine.from_plan(the_plan, layout, loaded)
     tok = loaded.tokenizer
     if not chats:

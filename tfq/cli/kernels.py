@@ -45,7 +45,8 @@ def kernels_command(
 ) -> None:
     """Check the attention kernels: paged == contiguous in bits and within a float64 bound for queries, rows,
     stores and keep; repeats identical; canaries untouched; controls RED."""
-    from kernels.check import CheckConfig, passed, report_json, run_check, steps, torch_backend, triton_backend
+    from kernels.backend import torch_backend, triton_backend
+    from kernels.check import CheckConfig, passed, report_json, run_check, steps
 
     console = Console()
     defaults = CheckConfig()

@@ -61,7 +61,7 @@ def together(
     chosen = select_arms(arms)
     suite_path = Path(suite) if suite else default_suite()
     chats = load_suite(suite_path)
-    the_plan, config, _ = resolve_plan(plan, model, sets, True, None)
+    the_plan, config, layout = resolve_plan(plan, model, sets, True, None)
     check_options(the_plan, group, tokens)
     folder = Path(evidence) if evidence else Path("evidence") / f"together-{time.strftime('%Y%m%d-%H%M%S')}"
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
@@ -69,7 +69,7 @@ def together(
     t0 = time.perf_counter()
     try:
         with err.status("loading the model"):
-            loaded = load_model(the_plan.model, progress=not quiet)
+            loaded = load_model(the_plan.model, progress=not quiet, device=layout.device)
     except KeyboardInterrupt:
         err.print("[yellow](stopped before the check began)[/]")
         raise typer.Exit(130)

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from tfq.model.config import ModelConfig
 from tfq.model.qwen import Qwen
 
@@ -16,7 +18,9 @@ class LoadedModel:
     tokenizer: object  # tfq.model.tokenizer.Tokenizer
 
 
-def load_model(spec: str, progress: bool = True) -> LoadedModel:
+def load_model(spec: str, progress: bool = True, device: str | torch.device = "cpu") -> LoadedModel:
+    """device: where the model runs (cpu: the torch kernels; cuda: the Triton kernels)."""
+    from kernels.backend import backend_for
     from tfq.model.source import resolve_model
     from tfq.model.tokenizer import Tokenizer
     from tfq.model.weights import load_state_dict
@@ -24,5 +28,5 @@ def load_model(spec: str, progress: bool = True) -> LoadedModel:
     folder = resolve_model(spec, progress=progress)
     config = ModelConfig.from_folder(folder)
     tokenizer = Tokenizer.from_folder(folder)
-    model = Qwen(config, load_state_dict(folder))
+    model = Qwen(config, load_state_dict(folder), backend_for(torch.device(device)))
     return LoadedModel(folder, config, model, tokenizer)

@@ -1,8 +1,9 @@
 """The Qwen2 / Qwen3 decoder forward in fp32, built from row-invariant pieces only.
 
 Rows of every stream in a forward are concatenated: linear layers, norms and activations treat each row on
-its own (tfq.arithmetic), attention reads each stream's keys from the cache (kernels.attention), so no
-row's bits depend on which other rows share the forward.
+its own, attention reads each stream's keys from the cache, so no row's bits depend on which other rows
+share the forward. The kernels come from a backend (kernels.backend: torch on the CPU, Triton on a GPU);
+everything else here is elementwise or indexing, which is row-invariant on either device.
 """
 from __future__ import annotations
 
@@ -12,14 +13,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import AttentionBatch, attend
-from tfq.arithmetic import Linear, check_layers, ensure_exact
+from kernels.attention import AttentionBatch
+from kernels.backend import Backend, LinearFn, torch_backend
+from tfq.arithmetic import check_layers, ensure_exact
 from tfq.errors import TfqError
 from tfq.model.config import ModelConfig
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -31,21 +29,23 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 @dataclass
 class Layer:
     input_norm: torch.Tensor
-    qkv: Linear
+    qkv: LinearFn
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o: Linear
+    o: LinearFn
     post_norm: torch.Tensor
-    gate_up: Linear
-    down: Linear
+    gate_up: LinearFn
+    down: LinearFn
 
 
 class Qwen:
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
-        ensure_exact()
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], backend: Backend | None = None):
+        self.backend = backend = backend or torch_backend()
+        ensure_exact(backend)
         self.config = config
         c = config
-        take = _Taker(weights, c.family)
+        Linear = backend.linear
+        take = _Taker(weights, c.family, backend.device)
         self.embed = take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
         self.layers: list[Layer] = []
         q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -80,8 +80,10 @@ class Qwen:
         self._rope_rows = 0
         self.scale = 1.0 / math.sqrt(c.head_dim)
         first = self.layers[0]
-        check_layers({"qkv": first.qkv, "o": first.o, "gate_up": first.gate_up, "down": first.down,
-                      "lm_head": self.lm_head})
+        fix = "run on the CPU (device: cpu)" if backend.name == "triton" else "use a torch build with oneDNN (mkldnn)"
+        if not backend.interpreted:  # too slow there; tests/test_triton_engine.py proves the same
+            check_layers({"qkv": first.qkv, "o": first.o, "gate_up": first.gate_up, "down": first.down,
+                          "lm_head": self.lm_head}, backend.device, fix)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         need = int(positions.max()) + 1
@@ -91,45 +93,50 @@ class Qwen:
             emb = torch.cat((freqs, freqs), -1)
             sin = emb.sin()
             sin[:, : freqs.shape[1]].neg_()
-            self._cos, self._sin, self._rope_rows = emb.cos(), sin, rows
+            # computed on the CPU on every backend, so both see the same angles
+            dev = self.backend.device
+            self._cos, self._sin, self._rope_rows = emb.cos().to(dev), sin.to(dev), rows
         return self._cos[positions][:, None, :], self._sin[positions][:, None, :]
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache, cache_rows: torch.Tensor,
                 batch: AttentionBatch, logit_rows: torch.Tensor) -> torch.Tensor:
         """ids, positions, cache_rows: [N] (cache_rows: where each row's key and value are stored).
-        Returns fp32 logits [len(logit_rows), vocab]."""
+        Returns fp32 logits [len(logit_rows), vocab] on the CPU (where sampling and digests run)."""
         c = self.config
         n = ids.shape[0]
+        dev, norm, attend = self.backend.device, self.backend.rms_norm, self.backend.attend
+        ids, positions, logit_rows = ids.to(dev), positions.to(dev), logit_rows.to(dev)
         q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         cos, sin = self._rope(positions)
         x = self.embed[ids]
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.input_norm, c.rms_eps)
+            h = norm(x, layer.input_norm, c.rms_eps)
             qk, v = layer.qkv(h).split((q_out + kv_out, kv_out), -1)
             qk = qk.reshape(n, c.num_heads + c.num_kv_heads, c.head_dim)
             v = v.reshape(n, c.num_kv_heads, c.head_dim)
             if layer.q_norm is not None:
-                qk = torch.cat([rms_norm(qk[:, :c.num_heads], layer.q_norm, c.rms_eps),
-                                rms_norm(qk[:, c.num_heads:], layer.k_norm, c.rms_eps)], 1)
+                qk = torch.cat([norm(qk[:, :c.num_heads], layer.q_norm, c.rms_eps),
+                                norm(qk[:, c.num_heads:], layer.k_norm, c.rms_eps)], 1)
             qk = rotate(qk, cos, sin)  # queries and keys in one go
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
             cache.write(i, cache_rows, k, v)  # cache first: new keys are read back like old ones
             a = attend(q, cache.k[i], cache.v[i], batch, self.scale)
             x = x + layer.o(a.reshape(n, q_out))
-            h = rms_norm(x, layer.post_norm, c.rms_eps)
+            h = norm(x, layer.post_norm, c.rms_eps)
             gate, up = layer.gate_up(h).split((c.intermediate_size, c.intermediate_size), -1)
             x = x + layer.down(F.silu(gate) * up)
-        x = rms_norm(x[logit_rows], self.norm, c.rms_eps)
-        return self.lm_head(x)
+        x = norm(x[logit_rows], self.norm, c.rms_eps)
+        return self.lm_head(x).cpu()
 
 
 class _Taker:
     """Pulls named tensors out of a state dict, checking shapes, so a wrong checkpoint fails in one line."""
 
-    def __init__(self, weights: dict[str, torch.Tensor], family: str):
+    def __init__(self, weights: dict[str, torch.Tensor], family: str, device: torch.device):
         self.weights = weights
         self.family = family
+        self.device = device
 
     def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         t = self.weights.get(name)
@@ -138,4 +145,4 @@ class _Taker:
                            f"(a {self.family} model): re-export or re-convert the checkpoint")
         if tuple(t.shape) != shape:
             raise TfqError(f"checkpoint tensor {name} has shape {tuple(t.shape)}, config says {shape}")
-        return t.float().contiguous()
+        return t.float().contiguous().to(self.device)

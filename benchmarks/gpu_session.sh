@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The GPU checks, as one prepared run for a session that is lent a GPU (about 8 minutes on an H200).
+#
+#   OUT=gpu-out bash benchmarks/gpu_session.sh
+#
+# 1. the Triton tests on the GPU (kernels against torch and float64, paged == contiguous, the engine on the
+#    Triton backend alone vs together, paged, chunked and drafted, controls RED);
+# 2. the kernel check, `tfq kernels`, on the GPU: every check, dtype and control;
+# 3. kernel timings against torch SDPA (fp32, and bf16 flash) at 1/8/32 streams and 1k/8k/32k rows;
+# 4. `tfq together` on the GPU with a random model of the default model's shape (the real weights are
+#    491 MB and cannot travel to a machine without network): every arm must be EXACT, controls RED.
+# Logs and JSON land in $OUT (at most 8 files come back from the device tool).
+set -u -o pipefail
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
+py=python3
+status=0
+step() { echo "== $*"; }
+
+step "1/4 tests"
+$py -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_triton_engine.py \
+    tests/test_kernel_check.py 2>&1 | tee "$OUT/tests.log" || status=1
+
+step "2/4 tfq kernels"
+$py -m tfq kernels --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" || status=1
+
+step "3/4 timings"
+$py benchmarks/gpu_kernels.py 2>&1 | tee "$OUT/timings.log" || status=1
+
+step "4/4 tfq together on a default-shaped random model"
+model=/tmp/tfq-default-shape
+$py - "$model" <<'EOF' || status=1
+import sys
+from tiny import write_tiny_checkpoint
+write_tiny_checkpoint(sys.argv[1], family="qwen2", seed=7, layers=24, hidden=896, heads=14, kv_heads=2,
+                      head_dim=64, intermediate=4864, vocab=151936, max_positions=32768, rope_theta=1e6)
+EOF
+$py -m tfq together --model "$model" --set device=cuda --tokens 64 --evidence /tmp/together-evidence \
+    2>&1 | tee "$OUT/together.log" || status=1
+tar -czf "$OUT/together-evidence.tgz" -C /tmp together-evidence 2>/dev/null || true
+echo "== done, status $status"
+exit $status

@@ -1,0 +1,85 @@
+"""One interface to the kernels, two implementations: torch on the CPU, Triton on a GPU.
+
+The model, the cache and the kernel check hold a Backend and call its linear, rms_norm, attend and store;
+none of them asks where a tensor lives. Both implementations keep the arithmetic contract (DESIGN.md
+section 2); their bits differ from each other, and each obeys the exactness rule on its own.
+
+The Triton backend also runs on the CPU under TRITON_INTERPRET=1 (slowly): that is how the tests and CI
+check it without a GPU. The variable is read when the kernels are defined, so it must be set before
+kernels.triton_attention or kernels.triton_rowwise is first imported.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from tfq.errors import TfqError
+
+LinearFn = Callable[[torch.Tensor], torch.Tensor]
+TRITON_MODULES = ("kernels.triton_attention", "kernels.triton_rowwise")
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str  # torch | triton
+    device: torch.device
+    where: str  # "CPU", "interpreter (CPU)" or the GPU's name
+    linear: Callable[[torch.Tensor, torch.Tensor | None], LinearFn]  # (weight [out, in], bias) -> y = x W^T + b
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # (x [..., n], weight [n], eps)
+    attend: Callable[..., torch.Tensor]  # kernels.attention.attend's signature
+    store: Callable[..., None]  # (cache_k, cache_v, rows, k, v, dtype_name): new keys/values into the cache
+
+    @property
+    def interpreted(self) -> bool:
+        """Triton under TRITON_INTERPRET=1: the tests' harness, never a user's run."""
+        return self.where.startswith("interpreter")
+
+
+def torch_backend() -> Backend:
+    from kernels.attention import attend, write
+    from kernels.rowwise import rms_norm
+    from tfq.arithmetic import Linear
+
+    return Backend("torch", torch.device("cpu"), "CPU", Linear, rms_norm, attend, write)
+
+
+def triton_backend(device: torch.device | None = None) -> tuple[Backend | None, str]:
+    """The Triton kernels on CUDA, or under the interpreter on a machine without it; (None, why) if neither."""
+    cuda = torch.cuda.is_available()
+    if not cuda and not any(m in sys.modules for m in TRITON_MODULES):
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import kernels.triton_attention as ta
+        import kernels.triton_rowwise as tr
+    except ImportError as e:
+        return None, f"triton is not importable ({e})"
+    interpreted = type(ta._rows_kernel).__name__ == "InterpretedFunction"
+    if not cuda and not interpreted:
+        return None, ("the Triton kernels were imported without TRITON_INTERPRET=1 on a machine without CUDA; "
+                      "run in a fresh process")
+    if interpreted:
+        device, where = torch.device("cpu"), "interpreter (CPU)"
+    else:
+        device = torch.device(device if device is not None else "cuda")
+        where = torch.cuda.get_device_name(device)
+
+    def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> LinearFn:
+        return tr.TritonLinear(weight, bias, device)
+
+    return Backend("triton", device, where, linear, tr.rms_norm, ta.attend, ta.write), where
+
+
+def backend_for(device: torch.device) -> Backend:
+    """The kernels for `device`: torch on the CPU, Triton on CUDA."""
+    if device.type == "cpu":
+        return torch_backend()
+    if device.type != "cuda":
+        raise TfqError(f"device {device} is not supported; use cpu or cuda")
+    backend, why = triton_backend(device)
+    if backend is None or backend.device.type != "cuda":
+        raise TfqError(f"device {device}: the Triton kernels cannot run ({why}); use device: cpu")
+    return backend
