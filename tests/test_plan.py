@@ -206,6 +206,27 @@ def test_default_model_reads_only_its_config(monkeypatch, capsys):
     assert "streams 1-7: contiguous too, 4096 rows each, 672.0 MiB together" in out
 
 
+def test_device_line_says_where_and_which_kernels(tiny):
+    import torch
+
+    auto = "\n".join(plan_lines(Plan(), tiny, Plan().layout(tiny)))
+    here = "cuda:0 (auto: a CUDA GPU is here)" if torch.cuda.is_available() else "cpu (auto: no CUDA GPU here)"
+    assert f"device: {here}" in auto
+    plan = load_plan(None, env={"TFQ_DEVICE": "CPU"})
+    lay = plan.layout(tiny)
+    assert lay.device == "cpu"
+    assert "device: cpu (set by TFQ_DEVICE): torch kernels: oneDNN linear layers" in "\n".join(plan_lines(plan, tiny, lay))
+    assert plan_json(plan, tiny, lay)["plan"]["device"] == "cpu" and plan_json(plan, tiny, lay)["layout"]["device"] == "cpu"
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
+def test_a_gpu_plan_on_a_machine_without_one_is_one_line(tiny_dir, monkeypatch, capsys):
+    code, out, err = tfq(["plan", "--model", str(tiny_dir), "--set", "device=cuda"], {}, monkeypatch, capsys)
+    assert code == 2 and out == ""
+    assert err.startswith("tfq: device cuda (set by --set): this machine sees no CUDA GPU (torch ")
+    assert err.rstrip().endswith("; use device: cpu or auto") and len(err.splitlines()) == 1
+
+
 # ------------------------------------------------------------------------------------------ bad input
 
 BAD_FILES = [
@@ -231,6 +252,7 @@ BAD_FILES = [
     ("window: [\n", "not valid YAML"),
     ("draft: 7\n", "draft must be none, ngram"),
     ("model: 12\n", "model must be"),
+    ("device: gpu\n", "device must be auto, cpu, cuda or cuda:N (a GPU's index), not 'gpu'"),
 ]
 
 
@@ -256,6 +278,8 @@ BAD_OVERRIDES = [
     ({}, ["lanes"], "--set lanes: write --set key=value"),
     ({}, ["kv=1"], "--set kv=1: kv is a section"),
     ({}, ["lanes=3.5"], "--set lanes=3.5: lanes must be a positive integer"),
+    ({"TFQ_DEVICE": "tpu"}, [], "TFQ_DEVICE=tpu: device must be auto, cpu, cuda or cuda:N"),
+    ({}, ["device=cuda:99"], "device cuda:99 (set by --set): this machine sees"),
 ]
 
 
