@@ -80,3 +80,22 @@ def test_partial_differs_from_rows(cache):
     k, v, g = cache
     q = torch.randn(600, H, D, generator=g)
     assert not torch.equal(run_chunk(q, k, v, 0, 0, False), run_chunk(q, k, v, 0, 0, True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("partial", [False, True])
+def test_both_decode_layouts_give_the_same_bits(cache, dtype, partial, monkeypatch):
+    """Small decode groups repeat keys per query head, large ones loop over the heads: the same items."""
+    import kernels.attention as attention
+
+    k, v, g = cache
+    k, v = k.to(dtype), v.to(dtype)
+    qs = [torch.randn(H, D, generator=g) for _ in range(3)]
+    lengths = [700, 1, 300]
+    out = {}
+    for name, rows in (("repeat", 1 << 62), ("per head", 0)):
+        monkeypatch.setattr(attention, "PER_HEAD_ROWS", rows)
+        out[name] = run_decode(qs, k, v, [1024, 0, 2048], lengths, partial)
+    assert torch.equal(out["repeat"], out["per head"])
+    monkeypatch.setattr(attention, "PER_HEAD_ROWS", 1 << 62)
+    assert torch.equal(run_decode([qs[2]], k, v, [2048], [300], partial)[0], out["per head"][2])
