@@ -282,7 +282,7 @@ class TfqArm:
         from tfq.engine import Engine
 
         self.name, self.plan = name, plan
-        self.engine = Engine.from_plan(plan, layout, loaded, eos_ids=NO_EOS)
+        self.engine = Engine.from_plan(plan, layout, loaded, eos_ids=NO_EOS, threads=None)  # counts stay as set
 
     @property
     def cache_bytes(self) -> int:

@@ -52,13 +52,14 @@ class EngineSettings:
 
 class Engine:
     def __init__(self, model: Qwen, settings: EngineSettings, tokenizer=None, eos_ids: Sequence[int] = (),
-                 page_order_seed: int | None = None, keep_logits: bool = False, drafter=None):
+                 page_order_seed: int | None = None, keep_logits: bool = False, drafter=None, threads=None):
         self.model = model
         self.settings = settings
         self.tokenizer = tokenizer
         self.eos_ids = frozenset(eos_ids or (tokenizer.eos_ids if tokenizer is not None else ()))
         self.keep_logits = keep_logits
         self.drafter = drafter  # tfq.draft.Drafter or None
+        self.threads = threads  # tfq.threads.Threads (the CPU thread count follows the load) or None
         s = settings
         self.cache = KVCache(model.config, lanes=s.contiguous_lanes, window=s.window, page_rows=s.page_rows,
                              pool_pages=s.pool_pages, dtype=s.kv_dtype, page_order_seed=page_order_seed,
@@ -69,10 +70,13 @@ class Engine:
     def from_plan(cls, plan, layout, loaded, **kw) -> "Engine":
         """plan: tfq.plan.Plan, layout: its Layout, loaded: tfq.model.load.LoadedModel."""
         from tfq.draft import make_drafter
+        from tfq.threads import Threads
 
         settings = EngineSettings.from_plan(plan, layout)
         if "drafter" not in kw:
             kw["drafter"] = make_drafter(plan.draft, loaded, settings.lanes, settings.window)
+        if "threads" not in kw:
+            kw["threads"] = Threads.auto() if loaded.model.backend.name == "torch" else None
         return cls(loaded.model, settings, loaded.tokenizer, **kw)
 
     # -- public -------------------------------------------------------------------------------------------
@@ -103,6 +107,8 @@ class Engine:
                 self._propose(running)
                 running = self._reserve(running, lanes, waiting)
                 if running:
+                    if self.threads is not None:
+                        self.threads.step()
                     self._step(running, start, on_token)
                 for i, st in enumerate(lanes):
                     if st is not None and st.finish is not None:

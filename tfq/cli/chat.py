@@ -85,7 +85,7 @@ def _stream_one(engine, request: Request, err: Console) -> str:
     sys.stdout.write("\n")
     if result.error:
         raise TfqError(result.error)
-    _speed(err, len(result.ids), result.first_token_s, time.perf_counter() - t0, 1)
+    _speed(err, len(result.ids), result.first_token_s, time.perf_counter() - t0, 1, engine.threads)
     _acceptance(err, [result])
     return result.text
 
@@ -103,16 +103,21 @@ def _together(engine, requests: list[Request], err: Console) -> None:
         else:
             print(r.text)
     wall = time.perf_counter() - t0
-    _speed(err, sum(len(r.ids) for r in results), min(r.first_token_s for r in results), wall, len(results))
+    _speed(err, sum(len(r.ids) for r in results), min(r.first_token_s for r in results), wall, len(results),
+           engine.threads)
     _acceptance(err, results)
     if failed:
         raise typer.Exit(1)
 
 
-def _speed(err: Console, tokens: int, first: float, wall: float, streams: int) -> None:
+def _speed(err: Console, tokens: int, first: float, wall: float, streams: int, threads=None) -> None:
     decode = max(wall - first, 1e-9)
+    busy = ""
+    if threads is not None and threads.fewest < threads.most:  # tfq.threads.Threads
+        busy = (f" (other processes kept cores busy: down to {threads.fewest} of {threads.most} threads; "
+                f"the bits are the same)")
     err.print(f"[dim]{tokens} tokens in {wall:.1f} s; first token after {first:.2f} s; "
-              f"{max(tokens - streams, 0) / decode:.1f} tokens/s decoding[/]")
+              f"{max(tokens - streams, 0) / decode:.1f} tokens/s decoding{busy}[/]")
 
 
 def _acceptance(err: Console, results) -> None:
