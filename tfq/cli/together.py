@@ -25,14 +25,22 @@ SHOWN_PARTINGS = 3
 
 
 def default_suite() -> Path:
-    """examples/chats.yaml beside the package (a source checkout or an editable install), from any cwd."""
+    """The shipped 12-chat suite: examples/chats.yaml in a source checkout, else the copy the wheel carries
+    (package tfq.examples)."""
     import tfq
 
     path = Path(tfq.__file__).resolve().parent.parent / "examples" / "chats.yaml"
-    if not path.is_file():
-        raise TfqError(f"the shipped suite {path} is not there (tfq is installed without its examples); "
-                       f"pass --suite SUITE.yaml")
-    return path
+    if path.is_file():
+        return path
+    try:
+        from importlib.resources import files
+
+        shipped = files("tfq.examples") / "chats.yaml"
+        if shipped.is_file():
+            return Path(str(shipped))
+    except ModuleNotFoundError:
+        pass
+    raise TfqError(f"the shipped suite is not there ({path}, nor package tfq.examples); pass --suite SUITE.yaml")
 
 
 @app.command()

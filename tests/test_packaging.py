@@ -1,0 +1,45 @@
+"""The wheel carries every package and the shipped suite: a plain (non-editable) install runs `tfq together`."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_package_is_listed():
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for top in ("tfq", "kernels")
+             for p in (ROOT / top).rglob("__init__.py")}
+    assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages in pyproject.toml"
+
+
+def test_a_wheel_install_finds_the_suite(tmp_path):
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                            str(tmp_path / "dist"), str(ROOT)], capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr[-2000:]
+    wheel = next((tmp_path / "dist").glob("tfq-*.whl"))
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        z.extractall(tmp_path / "site")
+    assert {"tfq/examples/chats.yaml", "kernels/triton_rowwise.py", "tfq/model/default_config.json"} <= names
+    # from another folder, with the unpacked wheel first on the path and no .pth files read (-S): the
+    # editable install of this checkout, if any, stays out of the way
+    import site
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), *site.getsitepackages()])}
+    code = "import tfq; from tfq.cli.together import default_suite; from tfq.suite import load_suite; " \
+           "p = default_suite(); print(tfq.__file__, p, len(load_suite(p)))"
+    run = subprocess.run([sys.executable, "-S", "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    module, path, count = run.stdout.split()
+    site_dir = tmp_path / "site"
+    assert Path(module).is_relative_to(site_dir) and Path(path).is_relative_to(site_dir) and int(count) == 12
