@@ -1,5 +1,7 @@
 """Time tfq's Triton attention against torch SDPA on a GPU: decode (one query row per stream) and a prompt
-chunk, at 1, 8 and 32 streams of 1k, 8k and 32k cached rows.
+chunk, at 1, 8 and 32 streams of 1k, 8k and 32k cached rows. Then tfq's batch-invariant Triton linear
+layer against cuBLAS (F.linear in fp32 and bf16) on the default model's shapes, with whether each gives a
+row the same bits at every batch size.
 
     python benchmarks/gpu_kernels.py [--heads 14 --kv-heads 2 --head-dim 64 --chunk 128 --dtype fp32]
 
@@ -82,6 +84,31 @@ def bench_shape(b: int, n: int, a: argparse.Namespace, g: torch.Generator) -> No
           f"{(out - ref).abs().max().item():.2e}", flush=True)
 
 
+LINEAR_SHAPES = {"qkv": (896, 1152), "o": (896, 896), "gate_up": (896, 9728), "down": (4864, 896),
+                 "lm_head": (896, 151936)}
+LINEAR_ROWS = (1, 8, 32, 512)
+
+
+def bench_linear(g: torch.Generator) -> None:
+    from kernels.triton_rowwise import TritonLinear
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dev = torch.device("cuda")
+    print(f"\n{'layer':>8} {'rows':>5} | {'tfq':>8} {'cublas32':>8} {'cublas16':>8} (ms) | rows equal across batch "
+          f"sizes: tfq, cublas32")
+    for name, (n_in, n_out) in LINEAR_SHAPES.items():
+        w = torch.randn(n_out, n_in, device=dev, generator=g) / n_in ** 0.5
+        f, w16 = TritonLinear(w, None, dev), w.bfloat16()
+        x = torch.randn(max(LINEAR_ROWS), n_in, device=dev, generator=g)
+        full_tfq, full_cublas = f(x), F.linear(x, w)
+        for m in LINEAR_ROWS:
+            xm = x[:m]
+            same = (torch.equal(f(xm), full_tfq[:m]), torch.equal(F.linear(xm, w), full_cublas[:m]))
+            times = (timed(lambda: f(xm)), timed(lambda: F.linear(xm, w)), timed(lambda: F.linear(xm.bfloat16(), w16)))
+            print(f"{name:>8} {m:>5} | {times[0]:>8.3f} {times[1]:>8.3f} {times[2]:>8.3f}      | "
+                  f"{'yes' if same[0] else 'NO'}, {'yes' if same[1] else 'no'}", flush=True)
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("gpu_kernels: no CUDA device on this machine; GPU timings need one (the CPU runs `tfq kernels`)")
@@ -103,6 +130,7 @@ def main() -> None:
         for n in ROWS:
             bench_shape(b, n, a, g)
             torch.cuda.empty_cache()
+    bench_linear(g)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@
 # 1. the Triton tests on the GPU (kernels against torch and float64, paged == contiguous, the engine on the
 #    Triton backend alone vs together, paged, chunked and drafted, controls RED);
 # 2. the kernel check, `tfq kernels`, on the GPU: every check, dtype and control;
-# 3. kernel timings against torch SDPA (fp32, and bf16 flash) at 1/8/32 streams and 1k/8k/32k rows;
+# 3. kernel timings against torch SDPA (fp32, and bf16 flash) at 1/8/32 streams and 1k/8k/32k rows, and the
+#    Triton linear layer against cuBLAS on the default model's shapes (with each one's row invariance);
 # 4. `tfq together` on the GPU with a random model of the default model's shape (the real weights are
 #    491 MB and cannot travel to a machine without network): every arm must be EXACT, controls RED.
 # Logs and JSON land in $OUT (at most 8 files come back from the device tool).
