@@ -5,7 +5,7 @@ kernels). oneDNN's pre-packed fp32 inner product is invariant for M = 2..600 (me
 while rows are short (896), but not for long rows (4864, the MLP's down projection): one row goes through
 another kernel. So a lone row is padded to two. It is the fastest fp32 path here, and a private op, so
 `check_linear` proves it on the running build, and `check_layers` on the model's own layers, before tfq
-trusts it.
+trusts it. The same checks guard the Triton backend's linear layer and attention on a GPU (`ensure_exact`).
 """
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from kernels.backend import LinearFn
 from tfq.errors import TfqError
 
-LinearFn = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _onednn_available() -> bool:
