@@ -10,7 +10,8 @@
 # 3. kernel timings against torch SDPA (fp32, and bf16 flash) at 1/8/32 streams and 1k/8k/32k rows, and the
 #    Triton linear layer against cuBLAS on the default model's shapes (with each one's row invariance);
 # 4. `tfq together` on the GPU with a random model of the default model's shape (the real weights are
-#    491 MB and cannot travel to a machine without network): every arm must be EXACT, controls RED.
+#    491 MB and cannot travel to a machine without network): every arm must be EXACT, controls RED. Its
+#    tokenizer is the tests' small BPE, so the suite's prompts run longer (up to ~5k tokens): window 16384.
 # Logs and JSON land in $OUT (at most 8 files come back from the device tool).
 set -u -o pipefail
 OUT=${OUT:-gpu-out}
@@ -38,7 +39,7 @@ from tiny import write_tiny_checkpoint
 write_tiny_checkpoint(sys.argv[1], family="qwen2", seed=7, layers=24, hidden=896, heads=14, kv_heads=2,
                       head_dim=64, intermediate=4864, vocab=151936, max_positions=32768, rope_theta=1e6)
 EOF
-timeout 150 $py -m tfq together --model "$model" --set device=cuda --tokens 32 --evidence /tmp/together-evidence \
+timeout 150 $py -m tfq together --model "$model" --set device=cuda --set window=16384 --tokens 32 --evidence /tmp/together-evidence \
     2>&1 | tee "$OUT/together.log" || status=1
 tar -czf "$OUT/together-evidence.tgz" -C /tmp together-evidence 2>/dev/null || true
 echo "== done, status $status"
