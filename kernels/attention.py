@@ -94,12 +94,12 @@ def _memo(memo: dict, key, make: Callable[[], torch.Tensor]) -> torch.Tensor:
 
 
 def _gather(cache: torch.Tensor, rows: torch.Tensor, group: int) -> torch.Tensor:
-    """Keys or values of `rows` [B, Lpad] as fp32 [B * Hkv * group, Lpad, D], one copy per query head.
+    """Keys or values of `rows` [B, Lpad] as fp32 [B * Hkv * group, Lpad, D]: `group` copies of each KV
+    head (one per query head sharing it), or the KV heads once with group 1.
 
     The one way tfq reads a cache (lanes and pages alike); the result is contiguous, the fixed operand
-    layout of every product. Whole cache rows (every KV head of a position) are gathered first, then
-    widened and repeated per query head by one dense copy: gathering per head moves the same bytes in
-    pieces a quarter the size, several times slower.
+    layout of every product. Whole cache rows (every KV head of a position) are gathered, widened, then
+    laid out head by head.
     """
     hkv, dim = cache.shape[1:]
     b, lpad = rows.shape
