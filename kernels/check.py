@@ -40,6 +40,7 @@ MIN_NORMAL = {"fp32": 2.0 ** -126, "bf16": 2.0 ** -126, "fp16": 2.0 ** -14, "fp8
 CANARY_K, CANARY_V = 240.0, -208.0  # exact in every cache dtype, far from the data: a leak shows
 EDGE_ROWS = 16  # a stream written with rounding edge cases (ties, subnormals, overflow), stores only
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+KERNELS = ("rows", "partial", "rowwise")
 
 
 @dataclass
@@ -53,7 +54,7 @@ class CheckConfig:
     repeats: int = 5
     seed: int = 0
     dtypes: tuple[str, ...] = tuple(DTYPES)
-    kernels: tuple[str, ...] = ("rows", "partial")
+    kernels: tuple[str, ...] = ("rows", "partial", "rowwise")  # rowwise: the linear layers and RMS norm
 
     def validate(self) -> None:
         if self.heads < 1 or self.kv_heads < 1 or self.heads % self.kv_heads:
@@ -73,8 +74,12 @@ class CheckConfig:
             if d not in DTYPES:
                 raise TfqError(f"unknown cache dtype {d!r}; choose from {', '.join(DTYPES)}")
         for k in self.kernels:
-            if k not in ("rows", "partial"):
-                raise TfqError(f"unknown kernel {k!r}; choose rows or partial")
+            if k not in KERNELS:
+                raise TfqError(f"unknown kernel {k!r}; choose {', '.join(KERNELS)}")
+
+    @property
+    def attention(self) -> tuple[str, ...]:
+        return tuple(k for k in self.kernels if k in ("rows", "partial"))
 
 
 @dataclass
@@ -474,8 +479,10 @@ def _notes(**flags: bool) -> str:
 
 
 def steps(cfg: CheckConfig) -> int:
-    """Progress steps per backend: per dtype, stores, queries and rows per kernel, controls."""
-    return len(cfg.dtypes) * (2 + 2 * len(cfg.kernels))
+    """Progress steps per backend: per dtype, stores, queries and rows per attention kernel, controls; then the
+    row-wise layers."""
+    per_dtype = 2 + 2 * len(cfg.attention) if cfg.attention else 0
+    return len(cfg.dtypes) * per_dtype + ("rowwise" in cfg.kernels)
 
 
 def run_check(cfg: CheckConfig, backends: list[Backend],
@@ -483,13 +490,13 @@ def run_check(cfg: CheckConfig, backends: list[Backend],
     cfg.validate()
     cases: list[Case] = []
     for backend in backends:
-        for dtype in cfg.dtypes:
+        for dtype in cfg.dtypes if cfg.attention else ():  # the cache: stores, then the attention kernels
             label = f"{backend.name} {dtype}"
             progress(f"{label}: stores")
             bench = Bench(cfg, backend, dtype)
             cases += bench.check_stores()
             queries = {}
-            for kernel in cfg.kernels:
+            for kernel in cfg.attention:
                 progress(f"{label}: {kernel} queries")
                 case, queries[kernel] = bench.check_queries(kernel)
                 cases.append(case)
@@ -497,6 +504,11 @@ def run_check(cfg: CheckConfig, backends: list[Backend],
                 cases.append(bench.check_rows(kernel, queries[kernel]))
             progress(f"{label}: controls")
             cases += bench.controls(queries)
+        if "rowwise" in cfg.kernels:
+            from kernels.check_rowwise import check_rowwise
+
+            progress(f"{backend.name}: linear layers and RMS norm")
+            cases += check_rowwise(backend, cfg.heads, cfg.head_dim, cfg.repeats, cfg.seed)
     return cases
 
 

@@ -32,9 +32,11 @@ def test_torch_backend_passes_with_controls_red():
     cases = run_check(cfg, [torch_backend()])
     plain, controls = checks_and_controls(cases)
     assert passed(cases)
-    # stores and keep per dtype, queries and rows per kernel and dtype; five controls per dtype
-    assert len(plain) == len(cfg.dtypes) * (2 + 2 * len(cfg.kernels))
-    assert len(controls) == 5 * len(cfg.dtypes) and all(c.result == "RED" for c in controls)
+    # stores and keep per dtype, queries and rows per attention kernel and dtype; five controls per dtype;
+    # then the row-wise layers: two linear shapes and the norm, and one control
+    assert len(plain) == len(cfg.dtypes) * (2 + 2 * len(cfg.attention)) + 3
+    assert len(controls) == 5 * len(cfg.dtypes) + 1 and all(c.result == "RED" for c in controls)
+    assert {c.kernel for c in plain} >= {"linear", "linear (down)", "rms norm"}
     for c in plain:
         if c.bound is not None:
             assert c.worst <= c.bound
@@ -48,14 +50,14 @@ def test_triton_backend_passes_with_controls_red():
         pytest.skip(why)
     cases = run_check(replace(SMALL, dtypes=("fp8",)), [backend])  # the widest rounding, uint8 loads
     assert passed(cases), [(c.check, c.kernel, c.dtype, c.result, c.note) for c in cases if not c.ok]
-    assert sum(c.control for c in cases) == 5
+    assert sum(c.control for c in cases) == 6
 
 
 # -- mutants: kernels with real bugs must FAIL the check (not only the built-in controls) --------------------
 
-def _mutant(attend=None, store=None):
+def _mutant(attend=None, store=None, linear=None):
     b = torch_backend()
-    return replace(b, name="mutant", attend=attend or b.attend, store=store or b.store)
+    return replace(b, name="mutant", attend=attend or b.attend, store=store or b.store, linear=linear or b.linear)
 
 
 def _failures(backend, cfg=SMALL):
@@ -107,6 +109,15 @@ def test_a_stray_store_fails_keep_and_guards():
     assert any(c == "keep" for c, _ in bad) and any("canary changed" in n for _, n in bad)
 
 
+def test_a_batch_dependent_linear_fails():
+    """torch's plain F.linear on this CPU: MKL gives a row other bits at other batch sizes (DESIGN.md)."""
+    import torch.nn.functional as F
+
+    plain = _mutant(linear=lambda w, b: (lambda x: F.linear(x, w, b)))
+    bad = _failures(plain, replace(SMALL, kernels=("rowwise",)))
+    assert any("a row's bits change with the batch" in n for _, n in bad)
+
+
 # -- the command ----------------------------------------------------------------------------------------
 
 
@@ -116,7 +127,9 @@ def test_command_passes_and_writes_json(tmp_path, monkeypatch, capsys):
     code, out, _ = tfq(["kernels", "--backend", "torch", "--dtype", "bf16", "--json", str(path)], monkeypatch, capsys)
     assert code == 0 and "kernel check passed" in out and "control: pages swapped" in out and "RED" in out
     report = json.loads(path.read_text())
-    assert report["passed"] and {c["dtype"] for c in report["cases"]} == {"bf16"}
+    cache_cases = [c for c in report["cases"] if c["kernel"] in ("rows", "partial", "store")]
+    assert report["passed"] and {c["dtype"] for c in cache_cases} == {"bf16"}
+    assert {c["kernel"] for c in report["cases"]} >= {"linear", "linear (down)", "rms norm"}
     assert all(c["result"] in ("PASS", "RED") for c in report["cases"])
 
 

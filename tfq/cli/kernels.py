@@ -32,7 +32,8 @@ def kernels_command(
                                        "on CUDA or else under TRITON_INTERPRET=1)."),
     dtypes: List[str] = typer.Option([], "--dtype",
                                      help="Cache dtype fp32, bf16, fp16 or fp8 (repeatable; default: all)."),
-    kernels: List[str] = typer.Option([], "--kernel", help="rows or partial (repeatable; default: both)."),
+    kernels: List[str] = typer.Option([], "--kernel", help="rows, partial (attention) or rowwise (linear layers and RMS norm); repeatable, "
+                                                     "default: all three."),
     heads: int = typer.Option(8, "--heads", help="Query heads."),
     kv_heads: int = typer.Option(2, "--kv-heads", help="Key/value heads (GQA groups)."),
     head_dim: int = typer.Option(64, "--head-dim", help="Head size (a power of two)."),
@@ -43,8 +44,9 @@ def kernels_command(
     seed: int = typer.Option(0, "--seed", help="Seed of the random keys, values, queries and page order."),
     json_file: Optional[Path] = typer.Option(None, "--json", metavar="FILE", help="Also write the results as JSON."),
 ) -> None:
-    """Check the attention kernels: paged == contiguous in bits and within a float64 bound for queries, rows,
-    stores and keep; repeats identical; canaries untouched; controls RED."""
+    """Check the kernels: attention paged == contiguous in bits and within a float64 bound for queries, rows,
+    stores and keep; linear layers and RMS norm invariant to the batch and within a float64 bound; repeats
+    identical; canaries untouched; controls RED."""
     from kernels.backend import torch_backend, triton_backend
     from kernels.check import CheckConfig, passed, report_json, run_check, steps
 

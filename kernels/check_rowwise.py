@@ -1,0 +1,95 @@
+"""The kernel check's row-wise cases: a backend's linear layer and RMS norm give a row the same bits whatever
+rows share the call (fewer rows, the same rows in another order), the same bits on every repeat, and stay
+within a float64 bound. A control proves the batch check can fail: it must come out RED.
+
+Shapes follow the check's heads and head size: hidden = heads x head_dim, a square layer and a 4x wider
+down projection (the long rows that made oneDNN's lone row take another kernel on this CPU).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from kernels.backend import Backend
+
+U32 = 2.0 ** -24  # fp32 unit roundoff
+ROW_COUNTS = (1, 2, 3, 8, 17)
+ROWS = 33
+
+
+def linear_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """|fp32 x W^T - float64 x W^T| <= (K + 2) u sum_k |x_k w_k| for any summation order (first order)."""
+    return (x.shape[1] + 2) * U32 * (x.double().abs() @ w.double().abs().T)
+
+
+def norm_bound(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS norm: the mean of squares carries (n + 2) u, the square root and reciprocal a few more, each
+    relative; the result is off by at most (n/2 + 8) u relative, per element."""
+    ref = _norm64(x, w, eps)
+    return (x.shape[1] / 2 + 8) * U32 * ref.abs() + 1e-30
+
+
+def _norm64(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.double()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+
+
+def _batch_ok(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, full: torch.Tensor) -> bool:
+    """Fewer rows and reversed rows give every row its bits from the full call."""
+    for m in ROW_COUNTS:
+        if not torch.equal(f(x[:m]), full[:m]):
+            return False
+    return torch.equal(f(x.flip(0)), full.flip(0))
+
+
+def check_rowwise(backend: Backend, heads: int, head_dim: int, repeats: int, seed: int) -> list:
+    from kernels.check import Case
+
+    g = torch.Generator().manual_seed(seed)
+    dev = backend.device
+    hidden = heads * head_dim
+    cases = []
+    for name, (n_in, n_out) in (("linear", (hidden, hidden)), ("linear (down)", (4 * hidden, hidden))):
+        w = torch.randn(n_out, n_in, generator=g) / n_in ** 0.5
+        b = torch.randn(n_out, generator=g)
+        x = torch.randn(ROWS, n_in, generator=g)
+        f = backend.linear(w.to(dev), b.to(dev))
+        xd = x.to(dev)
+        outs = [f(xd) for _ in range(repeats)]
+        full = outs[0]
+        err = (full.cpu().double() - (x.double() @ w.double().T + b.double())).abs()
+        bound = linear_bound(x, w) + U32 * b.double().abs()  # the bias adds one rounding
+        flags = {"repeats": all(torch.equal(o, full) for o in outs), "batch": _batch_ok(f, xd, full),
+                 "bound": bool((err <= bound).all())}
+        cases.append(Case("rows", name, backend.name, "fp32", all(flags.values()), err.max().item(),
+                          bound.max().item(), _notes(flags)))
+        if name == "linear":
+            def seen(t: torch.Tensor, f=f) -> torch.Tensor:  # rows that see the batch: one last bit per row count
+                y = f(t)
+                return y if len(t) == ROWS else torch.nextafter(y, torch.full_like(y, float("inf")))
+            cases.append(Case("control: rows see the batch", name, backend.name, "fp32",
+                              not _batch_ok(seen, xd, seen(xd)), control=True, note="must fail: batch"))
+
+    x = torch.randn(ROWS, hidden, generator=g) * 3
+    w = 1 + 0.2 * torch.randn(hidden, generator=g)
+    eps = 1e-6
+
+    def norm(t: torch.Tensor) -> torch.Tensor:
+        return backend.rms_norm(t, w.to(dev), eps)
+
+    xd = x.to(dev)
+    outs = [norm(xd) for _ in range(repeats)]
+    full = outs[0]
+    err = (full.cpu().double() - _norm64(x, w, eps)).abs()
+    bound = norm_bound(x, w, eps)
+    flags = {"repeats": all(torch.equal(o, full) for o in outs), "batch": _batch_ok(norm, xd, full),
+             "bound": bool((err <= bound).all())}
+    cases.append(Case("rows", "rms norm", backend.name, "fp32", all(flags.values()), err.max().item(),
+                      bound.max().item(), _notes(flags)))
+    return cases
+
+
+def _notes(flags: dict[str, bool]) -> str:
+    words = {"repeats": "repeats differ", "batch": "a row's bits change with the batch", "bound": "over the bound"}
+    return "; ".join(words[k] for k, ok in flags.items() if not ok)
