@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 
 from kernels.backend import Backend
+from kernels.check import Case
 
 U32 = 2.0 ** -24  # fp32 unit roundoff
 ROW_COUNTS = (1, 2, 3, 8, 17)
@@ -43,9 +44,7 @@ def _batch_ok(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, full: 
     return torch.equal(f(x.flip(0)), full.flip(0))
 
 
-def check_rowwise(backend: Backend, heads: int, head_dim: int, repeats: int, seed: int) -> list:
-    from kernels.check import Case
-
+def check_rowwise(backend: Backend, heads: int, head_dim: int, repeats: int, seed: int) -> list[Case]:
     g = torch.Generator().manual_seed(seed)
     dev = backend.device
     hidden = heads * head_dim

@@ -16,7 +16,6 @@ import triton.language as tl
 
 # Every multiply and add rounds on its own, as in kernels/triton_attention.py.
 LAUNCH = dict(enable_fp_fusion=False)
-BLOCK_N, BLOCK_K = 32, 32  # fixed for every batch size (the heart of the invariance); see below for the interpreter
 
 
 @triton.jit
@@ -38,14 +37,12 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, st
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc, mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
-# Rows a program takes. On a GPU the ieee dot is one multiply-add chain per output element, the same at any
-# place in the block, and tl.dot needs 16 rows. The interpreter's dot is numpy's matmul, whose bits for a
-# row change with its place in the block (measured): there each row gets its own program.
+# Tiles, fixed for every batch size: the heart of the invariance. On a GPU the ieee dot is one multiply-add
+# chain per output element, the same at any place in the block, and tl.dot needs 16 rows. The interpreter's
+# dot is numpy's matmul, whose bits for a row change with its place in the block (measured): there each row
+# gets its own program, and wider tiles, since it pays per program and operation, not per element.
 INTERPRETED = type(_linear_kernel).__name__ == "InterpretedFunction"
-# It pays per program and per operation, not per element, so it also takes wider tiles.
-BLOCK_M = 1 if INTERPRETED else 16
-if INTERPRETED:
-    BLOCK_N, BLOCK_K = 128, 128
+BLOCK_M, BLOCK_N, BLOCK_K = (1, 128, 128) if INTERPRETED else (16, 32, 32)
 
 
 class TritonLinear:

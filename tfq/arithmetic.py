@@ -81,11 +81,18 @@ def check_rows(f: LinearFn, n_in: int, what: str, rows: int = 64, g: torch.Gener
                        f"among {rows} rows, {what}); exact mode cannot run here: {fix}")
 
 
-def check_layers(layers: dict, device: torch.device | str = "cpu", fix: str = TORCH_FIX) -> None:
-    """The same proof on a model's own linear layers (its real shapes and weights)."""
+def check_layers(layers: dict, backend) -> None:
+    """The same proof on a model's own linear layers (its real shapes and weights), on their backend."""
+    if backend.interpreted:  # too slow there; tests/test_triton_engine.py proves the same
+        return
     g = torch.Generator().manual_seed(4321)
     for name, f in layers.items():
-        check_rows(f, f.in_features, name, rows=CHECK_ROWS[-1] + 1, g=g, device=device, fix=fix)
+        check_rows(f, f.in_features, name, rows=CHECK_ROWS[-1] + 1, g=g, device=backend.device, fix=_fix(backend))
+
+
+def _fix(backend) -> str:
+    """How a user gets past a failed check on `backend`."""
+    return TORCH_FIX if backend.name == "torch" else "run on the CPU (device: cpu)"
 
 
 def check_attention(attend_fn=None, device: torch.device | str = "cpu", fix: str = "use the torch build tfq was "
@@ -114,7 +121,6 @@ def ensure_exact(backend=None) -> None:
         check_linear()
         check_attention()
     elif not backend.interpreted:  # too slow there; tests/test_triton_engine.py proves the same
-        fix = "run on the CPU (device: cpu)"
-        check_linear(backend.linear, device=backend.device, fix=fix)
-        check_attention(backend.attend, backend.device, fix)
+        check_linear(backend.linear, device=backend.device, fix=_fix(backend))
+        check_attention(backend.attend, backend.device, _fix(backend))
     _checked.add(key)

@@ -38,7 +38,7 @@ def read_sample() -> CpuSample | None:
                      t.user + t.system)
 
 
-def cores() -> int:
+def usable_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -53,7 +53,7 @@ class Threads:
         self.most = most or torch.get_num_threads()
         self.every_s = every_s
         self.sample = sample
-        self.cores = cores or globals()["cores"]()
+        self.cores = cores or usable_cores()
         self.last = sample()
         self.fewest = self.most  # the fewest threads used so far
 
