@@ -1,11 +1,13 @@
 """The CPU thread count follows the cores other processes leave free, and never changes a stream's bits."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tfq.engine import Engine, EngineSettings
+from tfq.errors import TfqError
 from tfq.stream import Request
-from tfq.threads import CpuSample, Threads, read_sample, thread_count_invariant
+from tfq.threads import CpuSample, Threads, fix_threads, ladder, read_sample
 
 
 class FakeCpu:
@@ -23,48 +25,84 @@ class FakeCpu:
         return CpuSample(self.t, self.busy, self.own_s)
 
 
-def test_threads_follow_the_free_cores(monkeypatch):
+def test_threads_follow_the_free_cores_down_and_back_up(monkeypatch):
     cpu = FakeCpu()
     monkeypatch.setattr("tfq.threads.time.monotonic", lambda: cpu.t)
     before = torch.get_num_threads()
+    asked: list[int] = []
+
+    def proved(n: int) -> bool:
+        asked.append(n)
+        return n != 4  # a count the guard refused on this (imagined) build
+
     try:
-        torch.set_num_threads(2)
-        policy = Threads(most=2, every_s=2.0, sample=cpu, cores=2)
+        torch.set_num_threads(6)
+        policy = Threads(most=6, every_s=2.0, sample=cpu, cores=6)
         cpu.advance(1.0, others=1.0, own=2.0)
-        policy.step()  # too soon: nothing sampled, nothing changed
-        assert torch.get_num_threads() == 2
-        cpu.advance(2.0, others=1.0, own=1.6)  # another process keeps a core busy
-        policy.step()
-        assert torch.get_num_threads() == 1 and policy.fewest == 1
-        cpu.advance(3.0, others=0.1, own=1.0)  # it is gone
-        policy.step()
-        assert torch.get_num_threads() == 2
-        cpu.advance(3.0, others=4.0, own=1.0)  # never below 1
-        policy.step()
-        assert torch.get_num_threads() == 1
-        policy.most = 1
-        cpu.advance(3.0, others=0.0, own=1.0)  # never above the starting count
-        policy.step()
-        assert torch.get_num_threads() == 1
+        policy.step(proved)  # too soon: nothing sampled, nothing changed
+        assert torch.get_num_threads() == 6
+        cpu.advance(2.0, others=1.0, own=5.0)  # another process keeps a core busy: 5 free, 4 refused, so 2
+        policy.step(proved)
+        assert torch.get_num_threads() == 2 and policy.fewest == 2 and asked == [4, 2]
+        cpu.advance(3.0, others=0.1, own=2.0)  # it is gone: back up to the starting count
+        policy.step(proved)
+        assert torch.get_num_threads() == 6
+        cpu.advance(3.0, others=9.0, own=1.0)  # never below 1
+        policy.step(proved)
+        assert torch.get_num_threads() == 1 and asked == [4, 2, 6, 1]  # 4 is not asked twice
+        torch.set_num_threads(3)
+        policy.restore()  # the next engine starts from the starting count, not from a busy spell's
+        assert torch.get_num_threads() == 6
     finally:
         torch.set_num_threads(before)
 
 
-def test_this_machine_can_be_sampled_and_the_build_is_thread_invariant():
+def test_the_policy_moves_on_a_ladder_of_proved_counts():
+    assert ladder(1) == [1]
+    assert ladder(2) == [2, 1]
+    assert ladder(6) == [6, 4, 2, 1]
+    assert ladder(64) == [64, 32, 16, 8, 4, 2, 1]
+
+
+def test_threads_fixed_by_the_user_turn_the_policy_off(monkeypatch):
+    before = torch.get_num_threads()
+    monkeypatch.delenv("TFQ_THREADS", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    try:
+        fix_threads(7)  # more than this machine's cores: exactly 7 all the same
+        assert torch.get_num_threads() == 7 and Threads.auto() is None
+        monkeypatch.setenv("TFQ_THREADS", "3")
+        fix_threads(None)
+        assert torch.get_num_threads() == 3
+        monkeypatch.setenv("TFQ_THREADS", "three")
+        with pytest.raises(TfqError, match="TFQ_THREADS"):
+            fix_threads(None)
+        with pytest.raises(TfqError, match="at least 1"):
+            fix_threads(0)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_this_machine_can_be_sampled():
     s = read_sample()
     assert s is not None and s.busy > 0 and s.own > 0
-    assert thread_count_invariant()
+
+
+COUNTS = (1, 2, 3, 4, 5, 8, 16)
 
 
 class Flip:
-    """A policy that changes the thread count before every forward."""
+    """A policy that changes the thread count before every forward, through 1 to 16 threads."""
 
     def __init__(self):
         self.steps = 0
 
-    def step(self) -> None:
+    def step(self, proved) -> None:
         self.steps += 1
-        torch.set_num_threads(1 + self.steps % 2)
+        torch.set_num_threads(COUNTS[self.steps % len(COUNTS)])
+
+    def restore(self) -> None:
+        pass
 
 
 def test_changing_threads_between_steps_keeps_every_bit(tiny_models):

@@ -19,8 +19,19 @@ class Feed:
     logits: int = 1  # how many of its last rows need logits (0: none)
 
 
-def forward(model, cache: KVCache, feeds: list[Feed], partial: bool) -> list[torch.Tensor]:
-    """Run every feed in one forward (cache first); returns each feed's logits rows [logits, vocab]."""
+@dataclass
+class StepRows:
+    """A forward's tensors: every feed's rows concatenated in feed order."""
+
+    ids: torch.Tensor  # [N]
+    positions: torch.Tensor  # [N]
+    cache_rows: torch.Tensor  # [N] where each row's key and value are stored
+    batch: AttentionBatch
+    logit_rows: torch.Tensor  # rows whose logits are drawn from, feed by feed
+    counts: list[int]  # logits rows of each feed
+
+
+def step_rows(cache: KVCache, feeds: list[Feed], partial: bool) -> StepRows:
     ids, positions, write_rows, logit_rows = [], [], [], []
     decode, chunks = [], []
     row = 0
@@ -35,10 +46,16 @@ def forward(model, cache: KVCache, feeds: list[Feed], partial: bool) -> list[tor
             chunks.append(Chunk(row, n, f.start, cache.key_rows(f.placement, f.start + n)))
         logit_rows.extend(range(row + n - f.logits, row + n))
         row += n
-    batch = AttentionBatch(_decode_group(cache, decode), chunks, partial)
-    logits = model.forward(torch.tensor(ids), torch.tensor(positions), cache, torch.cat(write_rows), batch,
-                           torch.tensor(logit_rows, dtype=torch.long))
-    return list(logits.split([f.logits for f in feeds]))
+    return StepRows(torch.tensor(ids), torch.tensor(positions), torch.cat(write_rows),
+                    AttentionBatch(_decode_group(cache, decode), chunks, partial),
+                    torch.tensor(logit_rows, dtype=torch.long), [f.logits for f in feeds])
+
+
+def forward(model, cache: KVCache, feeds: list[Feed], partial: bool) -> list[torch.Tensor]:
+    """Run every feed in one forward (cache first); returns each feed's logits rows [logits, vocab]."""
+    s = step_rows(cache, feeds, partial)
+    logits = model.forward(s.ids, s.positions, cache, s.cache_rows, s.batch, s.logit_rows)
+    return list(logits.split(s.counts))
 
 
 def _decode_group(cache: KVCache, decode: list[tuple[int, Feed]]) -> DecodeGroup | None:

@@ -109,3 +109,8 @@ class KVCache:
 
     def write(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.backend.store(self.k[layer], self.v[layer], rows.to(self.backend.device), k, v, self.dtype_name)
+
+    def stored(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        """What `write` left at `rows`, keys then values, as fp32 [N, 2 * kv_heads, head_dim] (for the guard)."""
+        rows = rows.to(self.backend.device)
+        return torch.cat([self.k[layer][rows].float(), self.v[layer][rows].float()], 1)

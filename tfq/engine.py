@@ -16,6 +16,7 @@ import torch
 
 from tfq.batch import Feed, forward
 from tfq.cache import KVCache
+from tfq.guard import prove
 from tfq.model.qwen import Qwen
 from tfq.sampling import digest, sample
 from tfq.stream import Request, Result, Stream
@@ -65,6 +66,21 @@ class Engine:
                              pool_pages=s.pool_pages, dtype=s.kv_dtype, page_order_seed=page_order_seed,
                              backend=model.backend)
         self.forwards = 0
+        self.proof = None  # tfq.guard.LayerProof: the model's layer proved row-invariant under these settings
+        if not model.backend.interpreted:  # under Triton's interpreter the tests prove the same, faster
+            self.proof = prove(model, s.kv_dtype, s.partial, torch.get_num_threads(), self.largest_forward,
+                               s.prefill_chunk)
+
+    @property
+    def largest_forward(self) -> int:
+        """Most rows one forward can hold: a prompt chunk, or a drafted verify, in every lane."""
+        guesses = self.drafter.k if self.drafter is not None else 0
+        return self.settings.lanes * max(self.settings.prefill_chunk, 1 + guesses)
+
+    def _proved(self, threads: int) -> bool:
+        """Whether the thread policy may switch to `threads` (proved once, on first wish)."""
+        return self.proof is None or self.proof.holds(threads, self.largest_forward,
+                                                      self.settings.prefill_chunk) is None
 
     @classmethod
     def from_plan(cls, plan, layout, loaded, **kw) -> "Engine":
@@ -108,7 +124,7 @@ class Engine:
                 running = self._reserve(running, lanes, waiting)
                 if running:
                     if self.threads is not None:
-                        self.threads.step()
+                        self.threads.step(self._proved)
                     self._step(running, start, on_token)
                 for i, st in enumerate(lanes):
                     if st is not None and st.finish is not None:
@@ -117,6 +133,8 @@ class Engine:
             for st in lanes:  # an interrupted run gives every page back
                 if st is not None:
                     self._leave(st, lanes)
+            if self.threads is not None:
+                self.threads.restore()
         total = time.perf_counter() - start
         return [self._result(st, total) for st in streams]
 

@@ -2,11 +2,14 @@
 
 With 2 threads on 2 cores and another process busy on one of them, every parallel region of a step waits
 for the thread whose core is taken: measured here, one stream's decode fell from 26 to 6 tokens/s, where 1
-thread ran at 15.6. tfq's bits do not depend on the thread count (checked on the running build before the
-count is ever changed, and in tests/test_threads.py), so the count may follow the machine: between steps,
-every few seconds, the engine reads how busy the other processes kept the cores (/proc/stat less this
-process's own CPU time) and sets the threads to the cores left, at least 1 and at most the starting count.
-Set OMP_NUM_THREADS to fix the count yourself.
+thread ran at 15.6. So between steps, every few seconds, the engine reads how busy the other processes kept
+the cores (/proc/stat less this process's own CPU time) and sets the threads to the cores left, at least 1
+and at most the starting count, down when the machine is busy and back up when it frees.
+
+A thread count is a chunking of the work, and chunkings can change bits (tfq/guard.py), so the policy only
+moves between counts the start-up guard proved on this build: a ladder of the starting count and the powers
+of two below it, each proved the first time the policy wants it (a count that fails is never used). Set
+`--threads N`, TFQ_THREADS or OMP_NUM_THREADS to fix the count yourself (tfq then proves N alone).
 """
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+FIXED_VARIABLES = ("TFQ_THREADS", "OMP_NUM_THREADS")
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,34 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def fix_threads(n: int | None) -> None:
+    """--threads N: exactly N torch threads (even past the cores: it is a chunking, and the bits are what the
+    check is about), and no policy. None: TFQ_THREADS if set, else leave torch's count alone."""
+    from tfq.errors import TfqError
+
+    if n is None:
+        text = os.environ.get("TFQ_THREADS", "").strip()
+        if not text:
+            return
+        try:
+            n = int(text)
+        except ValueError:
+            raise TfqError(f"TFQ_THREADS must be a whole number of threads, not {text!r}") from None
+    if n < 1:
+        raise TfqError(f"--threads must be at least 1, got {n}")
+    torch.set_num_threads(n)
+    os.environ["TFQ_THREADS"] = str(n)  # engines built later in this process keep it (Threads.auto)
+
+
+def ladder(most: int) -> list[int]:
+    """The counts the policy may pick, most first: the starting count and the powers of two below it."""
+    counts, n = {most}, 1
+    while n < most:
+        counts.add(n)
+        n *= 2
+    return sorted(counts, reverse=True)
+
+
 class Threads:
     """Sets torch's thread count from the cores other processes leave free; `step` runs between forwards."""
 
@@ -56,15 +89,17 @@ class Threads:
         self.cores = cores or usable_cores()
         self.last = sample()
         self.fewest = self.most  # the fewest threads used so far
+        self.refused: set[int] = set()  # counts the guard refused on this build
 
     @classmethod
     def auto(cls) -> "Threads | None":
-        """The policy, or None where the count must stay as it is (set by the user, or not provably safe)."""
-        if os.environ.get("OMP_NUM_THREADS") or torch.get_num_threads() < 2 or read_sample() is None:
+        """The policy, or None where the count must stay as it is (fixed by the user, or nothing to follow)."""
+        if any(os.environ.get(v) for v in FIXED_VARIABLES) or torch.get_num_threads() < 2 or read_sample() is None:
             return None
-        return cls() if thread_count_invariant() else None
+        return cls()
 
-    def step(self) -> None:
+    def step(self, proved: Callable[[int], bool]) -> None:
+        """Between forwards: follow the free cores, on counts `proved` says hold on this build."""
         last = self.last
         if last is None or time.monotonic() - last.wall < self.every_s:
             return
@@ -72,35 +107,19 @@ class Threads:
         if now is None or now.wall <= last.wall:
             return
         others = max(0.0, ((now.busy - last.busy) - (now.own - last.own)) / (now.wall - last.wall))
-        want = max(1, min(self.most, int(self.cores - others + 0.5)))
-        if want != torch.get_num_threads():
-            torch.set_num_threads(want)
-        self.fewest = min(self.fewest, want)
+        free = max(1, min(self.most, int(self.cores - others + 0.5)))
         self.last = now
+        for n in ladder(self.most):
+            if n > free or n in self.refused:
+                continue
+            if n != torch.get_num_threads() and not proved(n):
+                self.refused.add(n)
+                continue
+            if n != torch.get_num_threads():
+                torch.set_num_threads(n)
+            self.fewest = min(self.fewest, n)
+            return
 
-
-def thread_count_invariant() -> bool:
-    """Whether a long-row linear layer and the attention (chunk and decode) give the same bits on 1 thread as
-    on all of them."""
-    from kernels.attention import AttentionBatch, Chunk, DecodeGroup, attend
-    from tfq.arithmetic import Linear
-
-    g = torch.Generator().manual_seed(77)
-    f = Linear(torch.randn(96, 4864, generator=g))
-    x = torch.randn(8, 4864, generator=g)
-    k, v = torch.randn(640, 2, 64, generator=g), torch.randn(640, 2, 64, generator=g)
-    q = torch.randn(302, 6, 64, generator=g)
-    decode = DecodeGroup(torch.tensor([300, 301]), torch.stack([torch.arange(320), torch.arange(320, 640)]),
-                         torch.tensor([290, 17]))
-    batch = AttentionBatch(decode, [Chunk(0, 300, 0, torch.arange(320))], False)
-
-    def run() -> tuple[torch.Tensor, torch.Tensor]:
-        return f(x), attend(q, k, v, batch, 0.125)
-
-    many = torch.get_num_threads()
-    try:
-        wide = run()
-        torch.set_num_threads(1)
-        return all(torch.equal(a, b) for a, b in zip(run(), wide))
-    finally:
-        torch.set_num_threads(many)
+    def restore(self) -> None:
+        """Back to the starting count, so the next engine in this process starts where this one did."""
+        torch.set_num_threads(self.most)

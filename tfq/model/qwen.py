@@ -10,11 +10,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from typing import Callable
+
 import torch
-import torch.nn.functional as F
 
 from kernels.attention import AttentionBatch
 from kernels.backend import Backend, LinearFn, torch_backend
+from kernels.rowwise import silu
 from tfq.arithmetic import check_layers, ensure_exact
 from tfq.errors import TfqError
 from tfq.model.config import ModelConfig
@@ -24,6 +26,13 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     """Rotary embedding, half-split (neox) layout as in HF Qwen. x [N, heads, D]; cos [N, 1, D]; sin [N, 1, D]
     with its first half negated, so that x * cos + roll(x) * sin is HF's x * cos + rotate_half(x) * sin."""
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+
+
+Tap = Callable[[str, torch.Tensor], torch.Tensor]  # (op name, its output) -> the output, unchanged
+
+
+def untapped(name: str, t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 @dataclass
@@ -79,6 +88,8 @@ class Qwen:
         self.inv_freq = inv_freq
         self._rope_rows = 0
         self.scale = 1.0 / math.sqrt(c.head_dim)
+        self.act = silu  # the MLP's activation; the guard's tests swap in flawed ones and must see them
+        self.proved: dict = {}  # what the start-up guard proved on this model (tfq.guard), by its settings
         first = self.layers[0]
         check_layers({"qkv": first.qkv, "o": first.o, "gate_up": first.gate_up, "down": first.down,
                       "lm_head": self.lm_head}, backend)
@@ -101,31 +112,45 @@ class Qwen:
                 batch: AttentionBatch, logit_rows: torch.Tensor) -> torch.Tensor:
         """ids, positions, cache_rows: [N] (cache_rows: where each row's key and value are stored).
         Returns fp32 logits [len(logit_rows), vocab] on the CPU (where sampling and digests run)."""
-        c = self.config
-        n = ids.shape[0]
-        dev, norm, attend = self.backend.device, self.backend.rms_norm, self.backend.attend
+        dev = self.backend.device
         ids, positions, logit_rows = ids.to(dev), positions.to(dev), logit_rows.to(dev)
-        q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         cos, sin = self._rope(positions)
         x = self.embed[ids]
         for i, layer in enumerate(self.layers):
-            h = norm(x, layer.input_norm, c.rms_eps)
-            qk, v = layer.qkv(h).split((q_out + kv_out, kv_out), -1)
-            qk = qk.reshape(n, c.num_heads + c.num_kv_heads, c.head_dim)
-            v = v.reshape(n, c.num_kv_heads, c.head_dim)
-            if layer.q_norm is not None:
-                qk = torch.cat([norm(qk[:, :c.num_heads], layer.q_norm, c.rms_eps),
-                                norm(qk[:, c.num_heads:], layer.k_norm, c.rms_eps)], 1)
-            qk = rotate(qk, cos, sin)  # queries and keys in one go
-            q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
-            cache.write(i, cache_rows, k, v)  # cache first: new keys are read back like old ones
-            a = attend(q, cache.k[i], cache.v[i], batch, self.scale)
-            x = x + layer.o(a.reshape(n, q_out))
-            h = norm(x, layer.post_norm, c.rms_eps)
-            gate, up = layer.gate_up(h).split((c.intermediate_size, c.intermediate_size), -1)
-            x = x + layer.down(F.silu(gate) * up)
-        x = norm(x[logit_rows], self.norm, c.rms_eps)
-        return self.lm_head(x).cpu()
+            x = self.decoder_layer(layer, x, cos, sin, cache, i, cache_rows, batch)
+        return self.logits(x[logit_rows])
+
+    def decoder_layer(self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, index: int,
+                      cache_rows: torch.Tensor, batch: AttentionBatch, tap: Tap = untapped) -> torch.Tensor:
+        """One decoder layer over the forward's rows x [N, hidden]; its keys and values go to layer `index` of
+        the cache. `tap` sees every op's output (the start-up guard compares them row by row)."""
+        c = self.config
+        n = x.shape[0]
+        norm = self.backend.rms_norm
+        q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        h = tap("input norm", norm(x, layer.input_norm, c.rms_eps))
+        qk, v = tap("qkv", layer.qkv(h)).split((q_out + kv_out, kv_out), -1)
+        qk = qk.reshape(n, c.num_heads + c.num_kv_heads, c.head_dim)
+        v = v.reshape(n, c.num_kv_heads, c.head_dim)
+        if layer.q_norm is not None:
+            qk = tap("q/k norm", torch.cat([norm(qk[:, :c.num_heads], layer.q_norm, c.rms_eps),
+                                            norm(qk[:, c.num_heads:], layer.k_norm, c.rms_eps)], 1))
+        qk = tap("rotary", rotate(qk, cos, sin))  # queries and keys in one go
+        q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
+        cache.write(index, cache_rows, k, v)  # cache first: new keys are read back like old ones
+        if tap is not untapped:
+            tap("cache store", cache.stored(index, cache_rows))
+        a = tap("attention", self.backend.attend(q, cache.k[index], cache.v[index], batch, self.scale))
+        x = tap("attention residual", x + tap("o", layer.o(a.reshape(n, q_out))))
+        h = tap("post norm", norm(x, layer.post_norm, c.rms_eps))
+        gate, up = tap("gate_up", layer.gate_up(h)).split((c.intermediate_size, c.intermediate_size), -1)
+        mixed = tap("silu * up", tap("silu", self.act(gate)) * up)
+        return tap("mlp residual", x + tap("down", layer.down(mixed)))
+
+    def logits(self, x: torch.Tensor, tap: Tap = untapped) -> torch.Tensor:
+        """The final norm and the head over the rows that draw; fp32 logits on the CPU."""
+        h = tap("final norm", self.backend.rms_norm(x, self.norm, self.config.rms_eps))
+        return tap("head", self.lm_head(h)).cpu()
 
 
 class _Taker:

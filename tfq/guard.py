@@ -1,0 +1,249 @@
+"""The start-up guard: the loaded model's own decoder layer, head and sampler, proved row-invariant on the
+running build at every thread count the engine uses, before a stream runs.
+
+Why a whole layer and not only the kernels: every op of the forward can give a row other bits when other
+rows share its call. torch splits an elementwise op into one chunk per thread, and `F.silu` finishes each
+chunk's last partial vector with the scalar exp: at 3 threads a row's SiLU bits change with the number of
+rows beside it, where 1 and 2 threads never showed it. So the guard runs what the engine runs.
+
+What runs: five probe streams (a first token, a decode deep in a lane, a draft verify on pages, a prompt
+chunk from position 0 on pages, a chunk crossing a split in a lane) go through layer 0 of the model with its
+real weights, the final norm, the head and the sampler: first each probe alone, then in scenes: all five in
+order, reversed, two decode rows, and the largest forward the plan allows (`lanes x prefill_chunk` rows,
+filled with other streams' prompt chunks) with the probes first, among the fillers and last. Every
+op's output rows (norms, qkv, q/k norm, rotary, cache store, attention, o, residuals, gate_up, the activation,
+down, final norm, head) and the drawn tokens must equal the runs alone bit for bit, and so at every thread
+count proved: references are taken once, at the first count. The first op that differs is named.
+
+The proof is remembered on the model (`model.proved`) by its settings, so engines built later on the same
+model (every arm of `tfq together`) pay for it once.
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from tfq.batch import Feed, step_rows
+from tfq.cache import KVCache, Placement
+from tfq.errors import TfqError
+from tfq.sampling import sample
+from tfq.tiles import KEY_TILE
+
+LANE_WINDOW = 384  # rows of each probe lane: the deepest probe sits at position 300, past a 256-row split
+
+
+@dataclass(frozen=True)
+class Probe:
+    name: str
+    start: int  # position of its first row
+    count: int  # rows it brings to a forward
+    lane: bool  # contiguous lane (else pages)
+    logits: int  # of its last rows, how many draw
+
+PROBES = (
+    Probe("first token", 0, 1, False, 1),
+    Probe("decode at 300", 300, 1, True, 1),
+    Probe("draft verify", 70, 5, False, 5),
+    Probe("prompt chunk", 0, 37, False, 1),
+    Probe("chunk at 230", 230, 45, True, 1),
+)
+SAMPLE = dict(temperature=0.8, top_p=0.9, seed=7)  # besides greedy: a seeded top-p draw per logits row
+
+
+@dataclass
+class Record:
+    """Every tapped op's output rows of each probe in a forward: op name -> probe name -> its rows."""
+
+    ops: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Failure:
+    op: str
+    probe: str
+    scene: str
+    threads: int
+
+    def message(self) -> str:
+        return (f"this build's {self.op} is not row-invariant at {self.threads} thread"
+                f"{'s' * (self.threads != 1)} (the {self.probe} probe's bits change {self.scene}); exact mode "
+                f"cannot run at this count: pick another with --threads N (or OMP_NUM_THREADS), or use the torch "
+                f"build tfq was measured on")
+
+
+class _Tap:
+    """Keeps the probes' rows of every op it sees."""
+
+    def __init__(self, keep: dict[str, slice], record: Record):
+        self.keep, self.record = keep, record
+
+    def __call__(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        self.record.ops[name] = {probe: t[rows].float().cpu().clone() for probe, rows in self.keep.items()}
+        return t
+
+
+class LayerProof:
+    """The guard for one model under one cache dtype and attention arithmetic."""
+
+    def __init__(self, model, kv_dtype: str, partial: bool):
+        self.model, self.kv_dtype, self.partial = model, kv_dtype, partial
+        self.reference: Record | None = None
+        self.proved: dict[int, int] = {}  # thread count -> most rows in one forward proved at it
+        self.refused: dict[int, Failure] = {}
+        self.seconds = 0.0  # spent proving, in all
+
+    def holds(self, threads: int, rows: int, chunk: int) -> Failure | None:
+        """Prove the layer at `threads` threads for forwards of up to `rows` rows made of streams' chunks of up
+        to `chunk` rows (once; remembered)."""
+        if threads in self.refused:
+            return self.refused[threads]
+        if self.proved.get(threads, 0) >= rows:
+            return None
+        t0 = time.perf_counter()
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            failure = self._prove(threads, rows, chunk)
+        finally:
+            torch.set_num_threads(before)
+            self.seconds += time.perf_counter() - t0
+        if failure is None:
+            self.proved[threads] = rows
+        else:
+            self.refused[threads] = failure
+        return failure
+
+    # -- the scenes ------------------------------------------------------------------------------------
+    def _prove(self, threads: int, rows: int, chunk: int) -> Failure | None:
+        bench = _Bench(self.model, self.kv_dtype, self.partial, rows, chunk)
+        alone = bench.alone()
+        alone.ops["sampler"] = _draws(alone)  # a function of one logits row: proved per thread count only
+        if self.reference is None:  # references are taken at the first count proved
+            self.reference = alone
+        else:
+            failure = _compare(self.reference, alone, "from one thread count to another", threads)
+            if failure:
+                return failure
+        probes = list(PROBES)
+        scenes = {
+            "when all five share a forward": probes,
+            "when all five share a forward in reverse order": probes[::-1],
+            "beside another decode row": [probes[1], probes[0]],
+            f"in a forward of {bench.rows} rows": bench.mixed(),
+        }
+        for scene, streams in scenes.items():
+            failure = _compare(self.reference, bench.run(streams), scene, threads)
+            if failure:
+                return failure
+        return None
+
+
+def _draws(record: Record) -> dict[str, torch.Tensor]:
+    """The tokens the sampler draws from each probe's logits rows: greedy, and a seeded top-p draw."""
+    drawn = {}
+    for p in PROBES:
+        position = p.start + p.count  # where a drawn token would sit
+        drawn[p.name] = torch.tensor([[sample(row, 0.0, 1.0, 0, position), sample(row, position=position, **SAMPLE)]
+                                      for row in record.ops["head"][p.name]])
+    return drawn
+
+
+def _compare(reference: Record, got: Record, scene: str, threads: int) -> Failure | None:
+    for op, want in reference.ops.items():  # in forward order: the first op that differs is the culprit
+        for probe, rows in got.ops.get(op, {}).items():
+            if not torch.equal(rows, want[probe]):
+                return Failure(op, probe, scene, threads)
+    return None
+
+
+Stream = Probe  # a filler is a stream like a probe, only never compared
+
+
+class _Bench:
+    """A one-layer cache holding every stream of the scenes, reset before each forward."""
+
+    def __init__(self, model, kv_dtype: str, partial: bool, rows: int, chunk: int):
+        self.model, self.partial = model, partial
+        probe_rows = sum(p.count for p in PROBES)
+        self.rows = max(rows, probe_rows)
+        self.fillers: list[Stream] = []  # other streams' prompt chunks, up to the largest forward
+        left, i = self.rows - probe_rows, 0
+        while left > 0:
+            n = min(left, chunk)
+            self.fillers.append(Stream(f"filler {i}", 0, n, False, 1))
+            left, i = left - n, i + 1
+        paged = [s for s in list(PROBES) + self.fillers if not s.lane]
+        pages = sum(-(-(s.start + s.count) // KEY_TILE) for s in paged)
+        config = replace(model.config, num_layers=1)
+        self.cache = KVCache(config, lanes=2, window=LANE_WINDOW, page_rows=KEY_TILE, pool_pages=pages,
+                             dtype=kv_dtype, page_order_seed=11, backend=model.backend)
+        self.places: dict[str, Placement] = {}
+        lanes = iter(range(2))
+        for s in list(PROBES) + self.fillers:
+            place = self.cache.lane(next(lanes)) if s.lane else self.cache.paged()
+            if not self.cache.grow(place, s.start + s.count):
+                raise AssertionError(f"guard cache too small for {s.name}")
+            self.places[s.name] = place
+        dev = model.backend.device
+        c = model.config
+        for i, st in enumerate(list(PROBES) + self.fillers):  # old keys and values each stream attends to
+            g = torch.Generator().manual_seed(2024 + i)  # the same in every bench, whatever its pool
+            n = st.start + st.count
+            k, v = (torch.randn(n, c.num_kv_heads, c.head_dim, generator=g).to(dev) for _ in range(2))
+            self.cache.write(0, self.cache.rows(self.places[st.name], 0, n), k, v)
+        self.snapshot = [t.clone() for t in self.cache.k + self.cache.v]
+        vocab = model.config.vocab_size
+        gen = random.Random(5)
+        self.tokens = {s.name: [gen.randrange(vocab) for _ in range(s.count)] for s in list(PROBES) + self.fillers}
+
+    def mixed(self) -> list[Stream]:
+        """The largest forward: probes spread among the fillers, first, inside and last, in another order."""
+        order = [PROBES[i] for i in (3, 0, 4, 2)]
+        streams: list[Stream] = [order[0]]
+        for i, filler in enumerate(self.fillers):
+            streams.append(filler)
+            if i + 1 < len(order):
+                streams.append(order[i + 1])
+        streams += [p for p in order if p not in streams] + [PROBES[1]]
+        return streams
+
+    def alone(self) -> Record:
+        records = [self.run([p]) for p in PROBES]
+        return Record({op: {p.name: r.ops[op][p.name] for p, r in zip(PROBES, records)} for op in records[0].ops})
+
+    def run(self, streams: list[Stream]) -> Record:
+        """One forward of `streams` through layer 0, the head and the sampler; the probes' rows kept."""
+        for t, saved in zip(self.cache.k + self.cache.v, self.snapshot):
+            t.copy_(saved)
+        feeds = [Feed(self.places[s.name], s.start, self.tokens[s.name], s.logits) for s in streams]
+        s = step_rows(self.cache, feeds, self.partial)
+        probes = {p.name for p in PROBES}
+        keep, keep_logits, row, logit_row = {}, {}, 0, 0
+        for st in streams:
+            if st.name in probes:
+                keep[st.name] = slice(row, row + st.count)
+                keep_logits[st.name] = slice(logit_row, logit_row + st.logits)
+            row, logit_row = row + st.count, logit_row + st.logits
+        record = Record()
+        model, dev = self.model, self.model.backend.device
+        with torch.inference_mode():
+            cos, sin = model._rope(s.positions.to(dev))
+            x = model.embed[s.ids.to(dev)]
+            x = model.decoder_layer(model.layers[0], x, cos, sin, self.cache, 0, s.cache_rows, s.batch,
+                                    _Tap(keep, record))
+            logits = model.logits(x[s.logit_rows.to(dev)], _Tap(keep_logits, record))
+        return record
+
+
+def prove(model, kv_dtype: str, partial: bool, threads: int, rows: int, chunk: int) -> LayerProof:
+    """The model's proof for these settings, proved at `threads` for forwards of up to `rows` rows (streams'
+    chunks of up to `chunk` rows); raises TfqError naming the op and the thread count where a row's bits
+    depend on its batch."""
+    proof = model.proved.setdefault((kv_dtype, partial), LayerProof(model, kv_dtype, partial))
+    failure = proof.holds(threads, rows, chunk)
+    if failure is not None:
+        raise TfqError(failure.message())
+    return proof
