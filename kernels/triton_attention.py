@@ -109,6 +109,21 @@ def _rows_kernel(q_ptr, out_ptr, k_ptr, v_ptr, table_ptr, item_row_ptr, item_pos
     tl.store(ptr, acc / l[:, None], mask=g[:, None] < GROUP)
 
 
+def scratch_elements(items: int, kv_heads: int, max_splits: int, block_g: int, dim: int) -> int:
+    """fp32 elements of the `partial` accumulator scratch: a [BLOCK_G, D] block per (item, KV head, split).
+    A 32k window with many streams takes past 2**31 of them (lanes 64 x prefill_chunk 512 items x 2 KV heads x
+    128 splits x 16 x 64 = 2**33), so the kernels index the scratch in int64 (`_scratch_slot`)."""
+    return items * kv_heads * max_splits * block_g * dim
+
+
+@triton.jit
+def _scratch_slot(item, kv_head, split, n_kv, max_splits, BLOCK_G: tl.constexpr):
+    """The BLOCK_G slots (int64) of (item, KV head, split) in the m and l scratch; the accumulator's rows are
+    slot * D + d. Program ids and sizes arrive as int32: widen before multiplying so nothing wraps."""
+    base = (item.to(tl.int64) * n_kv + kv_head) * max_splits + split
+    return base * BLOCK_G + tl.arange(0, BLOCK_G)
+
+
 @triton.jit
 def _partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, item_row_ptr, item_pos_ptr, item_table_ptr, scale,
                     m_ptr, l_ptr, acc_ptr, n_kv, max_splits,
@@ -130,9 +145,8 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, item_row_ptr, item_pos_ptr, 
     t_end = tl.minimum(t_begin + SPLIT, n_tiles)  # a split past the row's keys loops nothing (merge skips it)
     m, l, acc = _tile_loop(q, q_pos, table, k_ptr, v_ptr, kv_head, stride_kr, stride_kh, stride_vr, stride_vh,
                            t_begin, t_end, m, l, acc, TILE, D, FP8)
-    g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, D)
-    slot = ((item * n_kv + kv_head) * max_splits + split) * BLOCK_G + g
+    slot = _scratch_slot(item, kv_head, split, n_kv, max_splits, BLOCK_G)
     tl.store(m_ptr + slot, m)
     tl.store(l_ptr + slot, l)
     tl.store(acc_ptr + slot[:, None] * D + d[None, :], acc)
@@ -150,14 +164,13 @@ def _merge_kernel(out_ptr, item_row_ptr, item_pos_ptr, m_ptr, l_ptr, acc_ptr, n_
     n_splits = (q_pos // TILE) // SPLIT + 1
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, D)
-    base = (item * n_kv + kv_head) * max_splits
     big = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     for s in range(0, n_splits):
-        big = tl.maximum(big, tl.load(m_ptr + (base + s) * BLOCK_G + g))
+        big = tl.maximum(big, tl.load(m_ptr + _scratch_slot(item, kv_head, s, n_kv, max_splits, BLOCK_G)))
     l = tl.zeros((BLOCK_G,), tl.float32)
     acc = tl.zeros((BLOCK_G, D), tl.float32)
     for s in range(0, n_splits):
-        slot = (base + s) * BLOCK_G + g
+        slot = _scratch_slot(item, kv_head, s, n_kv, max_splits, BLOCK_G)
         w = tl.exp(tl.load(m_ptr + slot) - big)
         l = l + tl.load(l_ptr + slot) * w
         acc = acc + tl.load(acc_ptr + slot[:, None] * D + d[None, :]) * w[:, None]
@@ -220,9 +233,9 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
                                      **common)
         return out
     max_splits = -(-max_keys // SPLIT_ROWS)
-    m = torch.empty(n_items * hkv * max_splits * block_g, device=q.device)
+    m = torch.empty(scratch_elements(n_items, hkv, max_splits, block_g, 1), device=q.device)
     l = torch.empty_like(m)
-    acc = torch.empty(m.numel() * dim, device=q.device)
+    acc = torch.empty(scratch_elements(n_items, hkv, max_splits, block_g, dim), device=q.device)
     _partial_kernel[(n_items, hkv, max_splits)](q, k_cache, v_cache, table, item_row, item_pos, item_table, scale,
                                                 m, l, acc, hkv, max_splits, q.stride(0), q.stride(1), *strides,
                                                 FP8=fp8, SPLIT=SPLIT_TILES, **common)

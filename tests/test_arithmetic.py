@@ -9,16 +9,36 @@ from tfq.arithmetic import Linear, check_linear
 from tfq.errors import TfqError
 
 
-@pytest.mark.parametrize("n_in, n_out", [(896, 1152), (896, 9728), (4864, 896), (128, 512)])
-def test_linear_row_bits_do_not_change_with_rows(n_in, n_out):
+# The default model's layers (qkv, o, gate_up, down) and the sizes the engine runs them at: every row count
+# from 1 to 64, then steps across the powers of two up to the default plan's largest forward (8 lanes x
+# 512-row chunks); the head only ever sees the rows that draw (lanes x (1 + guesses)), so up to 64 and a few more.
+LAYERS = [(896, 1152), (896, 896), (896, 9728), (4864, 896)]
+LARGEST = 8 * 512
+STEPS = (65, 127, 129, 255, 257, 511, 513, 1023, 1025, 2047, 2049, 4095)
+
+
+def sweep(f, x: torch.Tensor, sizes) -> list[int]:
+    """Row counts at which a prefix's rows differ from the same rows in the full call."""
+    full = f(x)
+    bad = [m for m in sizes if not torch.equal(f(x[:m]), full[:m])]
+    if not torch.equal(f(x.flip(0)), full.flip(0)):
+        bad.append(-len(x))  # a row's place in the batch changed its bits
+    return bad
+
+
+@pytest.mark.parametrize("n_in, n_out", LAYERS)
+def test_linear_row_bits_hold_at_every_size_the_engine_runs(n_in, n_out):
     g = torch.Generator().manual_seed(n_in + n_out)
     f = Linear(torch.randn(n_out, n_in, generator=g), torch.randn(n_out, generator=g))
-    x = torch.randn(64, n_in, generator=g)
-    full = f(x)
-    for m in range(1, 65):
-        assert torch.equal(f(x[:m]), full[:m]), m
-    big = torch.randn(512, n_in, generator=g)
-    assert torch.equal(f(big)[:64], f(big[:64]))
+    x = torch.randn(LARGEST, n_in, generator=g)
+    assert sweep(f, x, [*range(1, 65), *STEPS]) == []
+
+
+def test_the_head_row_bits_hold_at_every_size_it_runs():
+    g = torch.Generator().manual_seed(151936)
+    f = Linear(torch.randn(151936, 896, generator=g))
+    x = torch.randn(96, 896, generator=g)
+    assert sweep(f, x, [*range(1, 65), 80]) == []
 
 
 def test_guard_accepts_the_engine_linear():

@@ -67,3 +67,30 @@ def test_transformers_runs_beside_tfqs_kernels_package(tiny_dirs):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "torch.Size([1, 3," in r.stdout
+
+
+@pytest.mark.parametrize("scaling", [{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+                                     {"rope_type": "linear", "factor": 2.0}])
+def test_scaled_rotary_matches_transformers(tmp_path, scaling):
+    """A config with rope scaling runs scaled (it used to run as if it had none): logits as HF computes them."""
+    import json
+
+    from tiny import write_tiny_checkpoint
+    from tfq.model.load import load_model
+
+    folder = write_tiny_checkpoint(tmp_path / "yarn", family="qwen2", seed=3)
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_scaling"] = scaling
+    (folder / "config.json").write_text(json.dumps(config))
+    loaded = load_model(str(folder), progress=False)
+    prompt = tuple(torch.randint(0, 512, (200,), generator=torch.Generator().manual_seed(8)).tolist())
+    got = Engine(loaded.model, EngineSettings(window=512, lanes=1), eos_ids=(), keep_logits=True).generate(
+        [Request(prompt, max_tokens=4)])[0]
+    with torch.no_grad():
+        ref = hf_model(folder)(torch.tensor([prompt + tuple(got.ids[:-1])])).logits[0, len(prompt) - 1:]
+    ours = torch.stack(got.logits)
+    assert (ours - ref).abs().max() <= 1e-4 * ref.abs().max()
+    unscaled = load_model(str(write_tiny_checkpoint(tmp_path / "plain", family="qwen2", seed=3)), progress=False)
+    plain = Engine(unscaled.model, EngineSettings(window=512, lanes=1), eos_ids=(), keep_logits=True).generate(
+        [Request(prompt, max_tokens=1)])[0]
+    assert (plain.logits[0] - ref[0]).abs().max() > 1e-3 * ref.abs().max()  # the scaling is really applied

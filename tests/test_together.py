@@ -139,7 +139,7 @@ def test_shipped_suite_from_any_cwd(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     chats = load_suite(default_suite())
     assert len(chats) == 12 and len({c.name for c in chats}) == 12
-    assert any(c.temperature > 0 and c.seed for c in chats)
+    assert any((c.temperature or 0) > 0 and c.seed for c in chats)
     assert any(sum(m["role"] == "user" for m in c.messages) > 1 for c in chats)
     assert any(any("\u4e00" <= ch <= "\u9fff" for ch in c.messages[-1]["content"]) for c in chats)
     assert max(len(c.messages[-1]["content"]) for c in chats) > 6000  # the long review (about 1,950 tokens)
@@ -218,6 +218,8 @@ def test_ctrl_c_leaves_evidence_marked_incomplete(tiny_dirs, suite_file, tmp_pat
     ([], "- name: x\n  max_tokens: 3\n", "chat 1 has no messages"),
     (["--plan", "nope.yaml"], None, "plan file 'nope.yaml' not found"),
     (["--evidence", str(Path(__file__).parent)], None, "is not empty; give a new one with --evidence DIR"),
+    (["--json", "/no/such/folder/s.json"], None, "folder /no/such/folder does not exist"),
+    (["--threads", "0"], None, "--threads must be at least 1"),
 ])
 def test_bad_input_is_one_line_and_exit_2(extra, suite_text, message, tiny_dirs, suite_file, tmp_path, monkeypatch,
                                           capsys):
@@ -240,3 +242,53 @@ def test_default_model_few_tokens(tmp_path, monkeypatch, capsys):
     summary = json.loads((tmp_path / "ev" / "summary.json").read_text())
     assert [(a["arm"], a["verdict"], a["equal_logits"]) for a in summary["arms"]] == [("whole", EXACT, 12),
                                                                                      ("paged", EXACT, 12)]
+
+
+@pytest.fixture
+def restored_threads(monkeypatch):
+    """--threads sets torch's count and TFQ_THREADS for the process: both come back after the test."""
+    import torch
+
+    before = torch.get_num_threads()
+    monkeypatch.delenv("TFQ_THREADS", raising=False)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_threads_option_runs_exactly_n_and_the_evidence_names_the_build(tiny_dirs, suite_file, tmp_path, monkeypatch,
+                                                                       capsys, restored_threads):
+    code, out, err = tfq(base_args(tiny_dirs, suite_file, tmp_path) + ["--tokens", "4", "--arms", "whole",
+                                                                       "--threads", "5"], monkeypatch, capsys)
+    assert code == 0, out + err
+    build = json.loads((tmp_path / "ev" / "summary.json").read_text())["versions"]["build"]
+    assert build["threads"] == 5 and build["thread_policy"] == "fixed by TFQ_THREADS"
+    assert build["torch_isa"] and build["cpu"] and build["onednn"]
+    assert "threads: 5 (fixed by TFQ_THREADS)" in out
+
+
+@pytest.fixture(scope="module")
+def four_chats(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("four") / "four.yaml"
+    path.write_text(yaml.safe_dump(yaml.safe_load(default_suite().read_text())[:4], allow_unicode=True))
+    return path
+
+
+def digests(folder: Path) -> list:
+    return [c["digests"] for c in json.loads((folder / "reference.json").read_text())["chats"]]
+
+
+@pytest.mark.slow
+def test_default_model_at_3_and_4_threads(four_chats, tmp_path, monkeypatch, capsys, restored_threads):
+    """The rule where this machine's 2 cores never showed a flaw: 3 and 4 threads, every arm against the runs
+    alone, and the runs alone equal across 2, 3 and 4 threads."""
+    arms = "whole,paged,chunked,preempted,drafted"
+    runs = {}
+    for count in (2, 3, 4):
+        ev = tmp_path / f"ev{count}"
+        code, out, err = tfq(["together", "--suite", str(four_chats), "--tokens", "12", "--arms", arms,
+                              "--threads", str(count), "--evidence", str(ev), "--quiet"], monkeypatch, capsys)
+        assert code == 0, out + err
+        summary = json.loads((ev / "summary.json").read_text())
+        assert [a["verdict"] for a in summary["arms"]] == [EXACT] * 5 and summary["versions"]["build"]["threads"] == count
+        runs[count] = digests(ev)
+    assert runs[2] == runs[3] == runs[4]

@@ -47,19 +47,24 @@ def test_linear_rows_do_not_depend_on_the_batch(n_in, n_out, bias):
     assert (full.double() - exact).abs().max() <= bound
 
 
-def test_the_guard_catches_a_linear_whose_rows_depend_on_their_place():
-    """Control: in the interpreter, 16 rows a program make a row's bits depend on its place in the block
-    (numpy's matmul); the start-up guard must refuse that kernel, and accept the one tfq runs."""
-    if not BACKEND.interpreted:
-        pytest.skip("the control's fault is the interpreter's")
+def test_the_guard_catches_a_linear_whose_rows_depend_on_the_batch():
+    """Control: a Triton linear that, like cuBLAS, takes another kernel for bigger batches must be refused by the
+    start-up guard, and the one tfq runs accepted. The other kernel is built to round differently (every
+    output one step of 2**-20 apart), so the control fails by construction, whatever numpy's matmul does."""
     from kernels.triton_rowwise import TritonLinear
 
     g = torch.Generator().manual_seed(5)
-    w, b = torch.randn(64, 96, generator=g), torch.randn(64, generator=g)
-    check_rows(TritonLinear(w, b), 96, "tfq's", rows=24, g=torch.Generator().manual_seed(1))
+    w, b = torch.randn(64, 96, generator=g).to(DEV), torch.randn(64, generator=g).to(DEV)
+    tfq_linear = TritonLinear(w, b)
+    check_rows(tfq_linear, 96, "tfq's", rows=24, g=torch.Generator().manual_seed(1), device=DEV)
+
+    def by_batch(x: torch.Tensor) -> torch.Tensor:
+        y = tfq_linear(x)
+        return y if len(x) <= 8 else y * (1 + 2.0 ** -20)
+
     with pytest.raises(TfqError, match="not batch-invariant"):
-        check_rows(TritonLinear(w, b, block_m=16), 96, "sixteen rows a program", rows=24,
-                   g=torch.Generator().manual_seed(1))
+        check_rows(by_batch, 96, "a kernel picked by batch size", rows=24, g=torch.Generator().manual_seed(1),
+                   device=DEV)
 
 
 def test_rms_norm_rows_do_not_depend_on_the_batch():

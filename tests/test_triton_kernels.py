@@ -15,6 +15,8 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' import (read when they are decorated)
 pytest.importorskip("triton")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from kernels import triton_attention as ta  # noqa: E402
 from kernels.attention import AttentionBatch, Chunk, DecodeGroup, tile_count  # noqa: E402
@@ -179,6 +181,51 @@ def test_gqa_groups(heads, kv_heads):
     decode, chunks = [(a, 39), (b, 129)], [(b, 62, 4)]
     for partial in (False, True):
         s.check_rows(rows_of(decode, chunks), s.triton(*s.batch(decode, chunks, "paged", partial)), partial)
+
+
+def plan_32k_scratch():
+    """(items, KV heads, splits, BLOCK_G, D) of the largest `partial` forward a 32k plan on the default model
+    allows: every one of 64 lanes brings a full prefill chunk whose keys reach the window."""
+    import json
+
+    import triton
+
+    from tfq.model.config import ModelConfig
+    from tfq.model.source import SHIPPED_DEFAULT_CONFIG
+    from tfq.plan import Plan
+    from tfq.tiles import SPLIT_ROWS
+
+    cfg = ModelConfig.from_dict(json.loads(SHIPPED_DEFAULT_CONFIG.read_text()))
+    plan = Plan(window=32768, lanes=64)
+    block_g = max(16, triton.next_power_of_2(cfg.group))
+    return plan.lanes * plan.prefill_chunk, cfg.num_kv_heads, -(-plan.window // SPLIT_ROWS), block_g, cfg.head_dim
+
+
+def test_partial_scratch_of_a_32k_plan_is_past_int32():
+    items, kv_heads, splits, block_g, dim = plan_32k_scratch()
+    assert (items, kv_heads, splits, block_g, dim) == (32768, 2, 128, 16, 64)
+    assert ta.scratch_elements(items, kv_heads, splits, block_g, dim) - 1 > 2**31 - 1
+
+
+@triton.jit
+def _scratch_offsets_kernel(out_ptr, item, kv_head, split, n_kv, max_splits, BLOCK_G: tl.constexpr,
+                            D: tl.constexpr):
+    """The accumulator offsets `_partial_kernel` and `_merge_kernel` use for (item, kv_head, split)."""
+    slot = ta._scratch_slot(item, kv_head, split, n_kv, max_splits, BLOCK_G)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, D)
+    tl.store(out_ptr + g[:, None] * D + d[None, :], slot[:, None] * D + d[None, :])
+
+
+def test_partial_scratch_offsets_are_int64():
+    """The last (item, KV head, split) of the 32k plan: its offsets (past 2**31) come out whole, not wrapped.
+    The ids arrive as int32 scalars, as program ids do."""
+    items, kv_heads, splits, block_g, dim = plan_32k_scratch()
+    out = torch.zeros(block_g, dim, dtype=torch.int64, device=DEV)
+    _scratch_offsets_kernel[(1,)](out, items - 1, kv_heads - 1, splits - 1, kv_heads, splits, BLOCK_G=block_g, D=dim)
+    last = ta.scratch_elements(items, kv_heads, splits, block_g, dim) - 1
+    want = torch.arange(last - block_g * dim + 1, last + 1, dtype=torch.int64).view(block_g, dim)
+    assert torch.equal(out.cpu(), want)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))

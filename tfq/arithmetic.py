@@ -58,7 +58,9 @@ def check_linear(make: Callable[[torch.Tensor, torch.Tensor], LinearFn] = Linear
     """Refuse to run if a linear row's bits change with the number of rows in the matmul.
 
     Checks a few shapes like the model's (square, wide, tall) at the row counts where MKL and oneDNN switch
-    kernels, against one call of `rows` rows. The full sweep M = 1..512 lives in the tests.
+    kernels, against one call of `rows` rows. tests/test_arithmetic.py sweeps the default model's shapes at
+    every size the engine runs (1..64 rows, then steps up to 4096; the head up to 80), and tfq/guard.py
+    proves the loaded model's own layer up to the plan's largest forward at start.
     """
     g = torch.Generator().manual_seed(1234)
     for n_in, n_out in ((96, 96), (64, 352), (352, 64), (896, 128), (4864, 64)):

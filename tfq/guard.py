@@ -20,6 +20,7 @@ model (every arm of `tfq together`) pay for it once.
 """
 from __future__ import annotations
 
+import os
 import random
 import time
 from dataclasses import dataclass, field, replace
@@ -247,3 +248,65 @@ def prove(model, kv_dtype: str, partial: bool, threads: int, rows: int, chunk: i
     if failure is not None:
         raise TfqError(failure.message())
     return proof
+
+
+def build_facts() -> dict:
+    """What the bits are promised for: one torch build on one CPU type (any thread count, any batch)."""
+    import platform
+
+    import torch
+
+    from tfq.threads import FIXED_VARIABLES
+
+    fixed = next((v for v in FIXED_VARIABLES if os.environ.get(v)), None)
+    return {
+        "torch": torch.__version__,
+        "cpu": _cpu_model(),
+        "machine": platform.machine(),
+        "torch_isa": torch.backends.cpu.get_cpu_capability(),
+        "onednn": _onednn_facts(),
+        "threads": torch.get_num_threads(),
+        "thread_policy": f"fixed by {fixed}" if fixed else "follows the free cores, proved counts only",
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown"
+
+
+def _onednn_facts() -> str:
+    """oneDNN's version and the ISA it dispatches to, from its own verbose lines (written to fd 1)."""
+    import sys
+    import tempfile
+
+    import torch
+
+    if not torch.backends.mkldnn.is_available():
+        return "not in this build"
+    from tfq.arithmetic import Linear
+
+    lin = Linear(torch.ones(8, 8))
+    sys.stdout.flush()
+    with tempfile.TemporaryFile() as f:
+        saved = os.dup(1)
+        os.dup2(f.fileno(), 1)
+        try:
+            with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+                lin(torch.ones(2, 8))
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+        f.seek(0)
+        lines = f.read().decode(errors="replace").splitlines()
+    version = next((ln.split("info,", 1)[1] for ln in lines if ",info,oneDNN" in ln), "oneDNN")
+    isa = next((ln.split("isa:", 1)[1] for ln in lines if ",isa:" in ln), "ISA not reported")
+    return f"{version.split(' (')[0]}, {isa}"

@@ -1,6 +1,7 @@
 """A suite of chats (YAML): what `tfq together` checks and what `tfq chat --prompts` can run."""
 from __future__ import annotations
 
+import codecs
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,12 +14,14 @@ ROLES = ("system", "user", "assistant")
 
 @dataclass(frozen=True)
 class Chat:
+    """A chat and the settings it fixes itself; None leaves a setting to the command line (0 is a setting)."""
+
     name: str
     messages: tuple[dict, ...]
     max_tokens: int | None = None
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
 
 
 def chat_from_prompt(prompt: str, name: str, system: str | None = None) -> Chat:
@@ -50,17 +53,40 @@ def parse_suite(doc, where: str) -> list[Chat]:
             chat = Chat(
                 name=str(item.get("name") or f"chat{i + 1}"),
                 messages=tuple({"role": m["role"], "content": m["content"]} for m in messages),
-                max_tokens=None if item.get("max_tokens") is None else int(item["max_tokens"]),
-                temperature=float(item.get("temperature", 0.0)),
-                top_p=float(item.get("top_p", 1.0)),
-                seed=int(item.get("seed", 0)),
+                max_tokens=_given(item, "max_tokens", int),
+                temperature=_given(item, "temperature", float),
+                top_p=_given(item, "top_p", float),
+                seed=_given(item, "seed", int),
             )
         except (TypeError, ValueError) as e:
             raise TfqError(f"{at}: {e}") from None
-        if chat.max_tokens is not None and chat.max_tokens < 1 or chat.temperature < 0 or not 0 < chat.top_p <= 1:
+        if ((chat.max_tokens is not None and chat.max_tokens < 1)
+                or (chat.temperature is not None and not chat.temperature >= 0)
+                or (chat.top_p is not None and not 0 < chat.top_p <= 1)):
             raise TfqError(f"{at}: max_tokens must be >= 1, temperature >= 0, top_p in (0, 1]")
         chats.append(chat)
     return chats
+
+
+def _given(item: dict, key: str, kind: type):
+    """The chat's own value of `key`, or None when it does not set one (`key:` with no value sets none)."""
+    value = item.get(key)
+    return None if value is None else kind(value)
+
+
+def read_text(path: Path) -> str:
+    """The file as UTF-8 text (a leading byte-order mark is dropped); one line naming the bad byte if not."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise TfqError(f"{path}: cannot read it ({e.strerror or e})") from None
+    skip = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+    try:
+        return data[skip:].decode("utf-8")
+    except UnicodeDecodeError as e:
+        at = skip + e.start
+        raise TfqError(f"{path}: not UTF-8 text (byte 0x{data[at]:02x} at offset {at}); "
+                       f"save the file as UTF-8") from None
 
 
 def load_suite(path: str | Path) -> list[Chat]:
@@ -68,7 +94,7 @@ def load_suite(path: str | Path) -> list[Chat]:
     if not path.is_file():
         raise TfqError(f"{path}: no such suite file")
     try:
-        doc = yaml.safe_load(path.read_text())
+        doc = yaml.safe_load(read_text(path))
     except yaml.YAMLError as e:
         raise TfqError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
     return parse_suite(doc, str(path))
@@ -81,7 +107,7 @@ def load_prompts(path: str | Path) -> list[Chat]:
         return load_suite(path)
     if not path.is_file():
         raise TfqError(f"{path}: no such prompts file")
-    lines = [ln.strip() for ln in path.read_text().splitlines() if ln.strip()]
+    lines = [ln.strip() for ln in read_text(path).splitlines() if ln.strip()]
     if not lines:
         raise TfqError(f"{path}: no prompts in it (one prompt per line)")
     return [chat_from_prompt(ln, f"p{i + 1}") for i, ln in enumerate(lines)]

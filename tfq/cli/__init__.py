@@ -15,6 +15,23 @@ app = typer.Typer(
 )
 
 
+def output_file(path: str | None, option: str = "--json") -> None:
+    """Refuse, before any work, a file the run could not write at its end ('-' is stdout)."""
+    import os
+    from pathlib import Path
+
+    if path is None or path == "-":
+        return
+    target = Path(path)
+    folder = target.parent if str(target.parent) else Path(".")
+    if target.is_dir():
+        raise TfqError(f"{option} {path} is a folder; give a file path")
+    if not folder.is_dir():
+        raise TfqError(f"{option} {path}: folder {folder} does not exist; create it or give another path")
+    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise TfqError(f"{option} {path}: not writable here; give another path")
+
+
 def main() -> None:
     # Subcommands register themselves on import.
     from tfq.cli import bench, chat, kernels, plan, together  # noqa: F401

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from tfq.cli import app
+from tfq.cli import app, output_file
 from tfq.errors import TfqError
 
 
@@ -44,6 +44,7 @@ def bench_command(
     settings = BenchSettings(lanes=parse_lanes(lanes), prompt_tokens=prompt_tokens, tokens=tokens, repeats=repeats,
                              peer=peer.strip().lower(), arms=parse_arms(arms), seed=seed, threads=threads)
     check_settings(settings)
+    output_file(json_file)
     the_plan, config, layout = resolve_plan(plan, model, sets, quiet, err)
     check_against_plan(settings, the_plan)
     if layout.device != "cpu":

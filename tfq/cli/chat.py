@@ -10,18 +10,23 @@ from rich.console import Console
 
 from tfq.cli import app
 from tfq.errors import TfqError
+from tfq.threads import fix_threads
 from tfq.stream import Request
 from tfq.suite import Chat, chat_from_prompt, load_prompts
 
 
 def requests_for(chats: list[Chat], tokenizer, max_tokens: int, temperature: float, top_p: float,
                  seed: int) -> list[Request]:
-    """Chats -> engine requests; a chat's own settings win over the command line's."""
+    """Chats -> engine requests; a chat's own settings win over the command line's whenever it sets them
+    (temperature 0 or seed 0 included): only None takes the command line's."""
+    def own(value, default):
+        return value if value is not None else default
+
     return [Request(prompt=tuple(tokenizer.chat_ids(list(c.messages))),
-                    max_tokens=c.max_tokens or max_tokens,
-                    temperature=c.temperature if c.temperature else temperature,
-                    top_p=c.top_p if c.top_p != 1.0 else top_p,
-                    seed=c.seed or seed, label=c.name) for c in chats]
+                    max_tokens=own(c.max_tokens, max_tokens),
+                    temperature=own(c.temperature, temperature),
+                    top_p=own(c.top_p, top_p),
+                    seed=own(c.seed, seed), label=c.name) for c in chats]
 
 
 @app.command()
@@ -38,6 +43,8 @@ def chat(
     seed: int = typer.Option(0, "--seed", help="Seed of the per-position draws (temperature > 0)."),
     draft: Optional[str] = typer.Option(None, "--draft", help="none | ngram[:K] | a draft checkpoint (plan key draft)."),
     sets: List[str] = typer.Option([], "--set", help="Plan override key=value (after TFQ_* variables)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Exactly N torch threads, even past the cores "
+                                          "(default: follow the free cores)."),
     quiet: bool = typer.Option(False, "--quiet", help="Hide the plan lines."),
 ) -> None:
     """Chat with the model; replies stream as they are generated."""
@@ -53,6 +60,7 @@ def chat(
     Request((0,), **{k: v for k, v in settings.items() if k != "seed"}).validate()
     if draft is not None:
         sets = [*sets, f"draft={draft}"]
+    fix_threads(threads)
     the_plan, _, layout = resolve_plan(plan, model, sets, quiet, err)
     with err.status("loading the model"):
         loaded = load_model(the_plan.model, device=layout.device)

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from tfq.cli import app
+from tfq.cli import app, output_file
 from tfq.errors import TfqError
 
 
@@ -56,6 +56,7 @@ def kernels_command(
                       page_rows=page_rows, chunk_rows=chunk_rows, repeats=repeats, seed=seed,
                       dtypes=tuple(dtypes) or defaults.dtypes, kernels=tuple(kernels) or defaults.kernels)
     cfg.validate()
+    output_file(None if json_file is None else str(json_file))
     for b in backends:
         if b not in ("torch", "triton"):
             raise TfqError(f"--backend {b!r}: choose torch or triton")

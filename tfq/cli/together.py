@@ -13,8 +13,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from tfq.cli import app
+from tfq.cli import app, output_file
 from tfq.errors import TfqError
+from tfq.threads import fix_threads
 from tfq.together import EXACT, RED, ArmRun, Check, Listener, arm_names, check_options, select_arms
 
 # About eight minutes for the whole default check on 2 CPU cores; `--tokens 300`, the field report's length,
@@ -55,6 +56,8 @@ def together(
     evidence: Optional[str] = typer.Option(None, "--evidence", help="Evidence folder (default evidence/together-TIME)."),
     json_file: Optional[str] = typer.Option(None, "--json", help="Also write the summary JSON here ('-': stdout)."),
     sets: List[str] = typer.Option([], "--set", help="Plan override key=value (after TFQ_* variables)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Exactly N torch threads, even past the cores "
+                                          "(default: follow the free cores); prove the rule at your count."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress and no plan lines: the table only."),
 ) -> None:
     """The exactness check: every arm must equal the chats alone, token ids and logits bits; controls must differ."""
@@ -67,6 +70,8 @@ def together(
     if tokens < 1:
         raise TfqError(f"--tokens must be at least 1, got {tokens}")
     chosen = select_arms(arms)
+    output_file(json_file)
+    fix_threads(threads)
     suite_path = Path(suite) if suite else default_suite()
     chats = load_suite(suite_path)
     the_plan, config, layout = resolve_plan(plan, model, sets, True, None)
@@ -108,6 +113,7 @@ def together(
             out.print(f"[bold]{run.arm.name}[/]: {run.note}", highlight=False)
     if not quiet:
         _print_plans(out, check)
+    out.print(_build_line(check.versions["build"]), highlight=False, soft_wrap=True)
     state = "complete" if check.complete else f"[yellow]interrupted in {check.interrupted_in}[/]"
     out.print(f"{state}; {total:.0f} s in all ({check.seconds:.0f} s running the suite); evidence in {folder}",
               highlight=False)
@@ -145,6 +151,12 @@ def _table(check: Check) -> Table:
         table.add_row(run.arm.name + (" (control)" if run.arm.control else ""), mode, f"{run.equal_ids}/{n}",
                       f"{run.equal_logits}/{n}", where or "-", f"[{color}]{run.verdict}[/]", f"{run.seconds:.0f} s")
     return table
+
+
+def _build_line(b: dict) -> str:
+    """The thread count and the build the verdicts hold for."""
+    return (f"threads: {b['threads']} ({b['thread_policy']}); {b['cpu']}, torch {b['torch']} ({b['torch_isa']}), "
+            f"{b['onednn']}")
 
 
 def _print_plans(out: Console, check: Check) -> None:

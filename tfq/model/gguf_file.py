@@ -16,6 +16,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from tfq.errors import TfqError
+from tfq.model.config import ModelConfig
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -233,7 +234,49 @@ def hf_config(h: GgufHeader) -> dict:
     }
     if arch == "qwen3":
         config["attention_bias"] = False
+    scaling = _rope_scaling(h, arch)
+    if scaling:
+        config["rope_scaling"] = scaling
+    ModelConfig.from_dict(config, str(h.path))  # refuse here what the converted folder would be refused for
     return config
+
+
+# llama.cpp's rope.scaling keys that tfq does not compute, and their values that change nothing.
+_NEUTRAL_SCALING = {"attn_factor": (1.0,), "yarn_log_multiplier": (0.0,), "yarn_ext_factor": (-1.0, 1.0),
+                    "yarn_attn_factor": (1.0,), "finetuned": (True, False)}
+
+
+def _rope_scaling(h: GgufHeader, arch: str) -> dict | None:
+    """config.json's rope_scaling of a file written by llama.cpp's converter (`{arch}.rope.scaling.*`), or None.
+
+    The converter writes type, factor and original_context_length for a yarn or linear checkpoint. Read as
+    llama.cpp reads them: no type means linear, type none or a linear factor of 0 means no scaling. A key tfq
+    would have to guess the meaning of is refused rather than dropped (dropping it runs the model wrong)."""
+    prefix = f"{arch}.rope.scaling."
+    md = {k[len(prefix):]: v for k, v in h.metadata.items() if k.startswith(prefix)}
+    if "factor" not in md and f"{arch}.rope.scale_linear" in h.metadata:
+        md["factor"] = h.metadata[f"{arch}.rope.scale_linear"]  # the key's older name
+    kind = md.pop("type", "linear")
+    if kind == "none" or (kind == "linear" and not md.get("factor")):
+        return None
+    if kind not in ("linear", "yarn"):
+        raise TfqError(f"{h.path}: GGUF {prefix}type {kind!r} is not supported; tfq runs none, linear and yarn "
+                       f"rope scaling")
+    if not md.get("factor"):
+        raise TfqError(f"{h.path}: GGUF {prefix}type is yarn but {prefix}factor is missing or 0; "
+                       f"the file is incomplete: convert the checkpoint again")
+    out: dict[str, Any] = {"rope_type": kind, "factor": _float32_repr(md.pop("factor"))}
+    if kind == "yarn":
+        if "original_context_length" in md:
+            out["original_max_position_embeddings"] = int(md.pop("original_context_length"))
+        for key in ("beta_fast", "beta_slow"):
+            if f"yarn_{key}" in md:
+                out[key] = _float32_repr(md.pop(f"yarn_{key}"))
+    for key, value in md.items():
+        if value not in _NEUTRAL_SCALING.get(key, ()):
+            raise TfqError(f"{h.path}: GGUF metadata {prefix}{key} = {value!r} is not supported; tfq computes "
+                           f"{kind} rope scaling from type, factor and original_context_length only")
+    return out
 
 
 def hf_name(name: str) -> str:

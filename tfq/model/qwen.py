@@ -20,6 +20,7 @@ from kernels.rowwise import silu
 from tfq.arithmetic import check_layers, ensure_exact
 from tfq.errors import TfqError
 from tfq.model.config import ModelConfig
+from tfq.model.rope import rope_tables
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -84,8 +85,6 @@ class Qwen:
         self.norm = take("model.norm.weight", (c.hidden_size,))
         head = self.embed if c.tie_embeddings else take("lm_head.weight", (c.vocab_size, c.hidden_size))
         self.lm_head = Linear(head)
-        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64).float() / c.head_dim))
-        self.inv_freq = inv_freq
         self._rope_rows = 0
         self.scale = 1.0 / math.sqrt(c.head_dim)
         self.act = silu  # the MLP's activation; the guard's tests swap in flawed ones and must see them
@@ -98,13 +97,11 @@ class Qwen:
         need = int(positions.max()) + 1
         if need > self._rope_rows:  # one table for every position: a row's angles never depend on the batch
             rows = max(need, 2 * self._rope_rows, 4096)
-            freqs = torch.outer(torch.arange(rows, dtype=torch.float32), self.inv_freq)
-            emb = torch.cat((freqs, freqs), -1)
-            sin = emb.sin()
-            sin[:, : freqs.shape[1]].neg_()
+            cos, sin = rope_tables(self.config, rows)  # the attention factor applied after cos/sin, as HF does
+            sin[:, : sin.shape[1] // 2].neg_()
             # computed on the CPU on every backend, so both see the same angles
             dev = self.backend.device
-            self._cos, self._sin, self._rope_rows = emb.cos().to(dev), sin.to(dev), rows
+            self._cos, self._sin, self._rope_rows = cos.to(dev), sin.to(dev), rows
         return self._cos[positions][:, None, :], self._sin[positions][:, None, :]
 
     @torch.inference_mode()
