@@ -37,10 +37,10 @@ def timed(fn, reps: int = 10) -> float:
 
 def bench_shape(b: int, n: int, a: argparse.Namespace, g: torch.Generator) -> None:
     """One row of the table: b streams of n cached rows each."""
-    from kernels.attention import AttentionBatch, Chunk, DecodeGroup
-    from kernels.triton_attention import attend, write
-    from tfq.cache import DTYPES
-    from tfq.tiles import KEY_TILE
+    from tfq.kernels.attention import AttentionBatch, Chunk, DecodeGroup
+    from tfq.kernels.triton_attention import attend, write
+    from tfq.kernels.contract import CACHE_DTYPES as DTYPES
+    from tfq.kernels.contract import KEY_TILE
 
     dev, h, hkv, d = torch.device("cuda"), a.heads, a.kv_heads, a.head_dim
     scale = 1 / math.sqrt(d)
@@ -90,7 +90,7 @@ LINEAR_ROWS = (1, 8, 32, 512)
 
 
 def bench_linear(g: torch.Generator) -> None:
-    from kernels.triton_rowwise import TritonLinear
+    from tfq.kernels.triton_rowwise import TritonLinear
 
     torch.backends.cuda.matmul.allow_tf32 = False
     dev = torch.device("cuda")
@@ -112,7 +112,7 @@ def bench_linear(g: torch.Generator) -> None:
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("gpu_kernels: no CUDA device on this machine; GPU timings need one (the CPU runs `tfq kernels`)")
-    from tfq.cache import DTYPES
+    from tfq.kernels.contract import CACHE_DTYPES as DTYPES
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--heads", type=int, default=14)

@@ -1,1 +1,1 @@
-"""Attention kernels: torch for the CPU (attention.py), Triton for GPUs."""
+"""The kernels: one interface (backend.py), torch for the CPU (attention.py, rowwise.py), Triton for GPUs\n(triton_attention.py, triton_rowwise.py), and the contract they share with the engine (contract.py).\nInstalled as tfq.kernels; nothing here imports the rest of tfq."""

@@ -1,4 +1,4 @@
-"""Attention over a KV cache in torch (the CPU path), in the two arithmetics of DESIGN.md section 2.
+"""Attention over a KV cache in torch (the CPU path), in the two arithmetics of docs/contract.md.
 
 `rows`: one pass over the stream's keys in KEY_TILE-row tiles, online softmax in fp32 (running max m,
 sum l, accumulator), one division by l at the end. `partial`: the same tile loop restarted at every
@@ -16,13 +16,11 @@ cache module derives from a lane's base or a stream's page table: paged and cont
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from tfq.cache import SATURATE
-from tfq.tiles import KEY_TILE, SPLIT_ROWS
+from .contract import KEY_TILE, SATURATE, SPLIT_ROWS, AttentionBatch, Chunk, DecodeGroup
 
 NEG_INF = float("-inf")
 # Decode groups of at least this many key rows (streams x padded rows) run one product per query head of a
@@ -30,34 +28,6 @@ NEG_INF = float("-inf")
 # the same M = 1 items, so the bits are the same (tests/test_attention.py, and the start-up guard).
 PER_HEAD_ROWS = 512
 CHUNK_BLOCK = 64  # query rows of a prompt chunk attended at a time
-
-
-@dataclass
-class DecodeGroup:
-    """Streams that each bring one query row to this forward."""
-
-    q_rows: torch.Tensor  # [B] rows of the forward's q holding each stream's query
-    cache_rows: torch.Tensor  # [B, Lpad] physical cache row of each key position (Lpad: tiles of the longest)
-    lengths: torch.Tensor  # [B] keys each stream attends to (its query sits at position length - 1)
-    memo: dict = field(default_factory=dict, repr=False)  # indices and masks, computed once per forward
-
-
-@dataclass
-class Chunk:
-    """One stream bringing R >= 1 consecutive query rows (a prompt chunk, a draft verify)."""
-
-    q_start: int  # first row of the forward's q
-    count: int  # R
-    first_pos: int  # position of the first query row
-    cache_rows: torch.Tensor  # [Lpad] physical cache row of each key position up to first_pos + R
-    memo: dict = field(default_factory=dict, repr=False)
-
-
-@dataclass
-class AttentionBatch:
-    decode: DecodeGroup | None
-    chunks: list[Chunk]
-    partial: bool  # which arithmetic this forward runs
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
@@ -213,32 +183,3 @@ def _merge(states: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     for m, part in states:
         acc = torch.addcmul(acc, part, torch.exp(m - big)[:, None])  # an empty split: weight exp(-inf) = 0
     return acc[:, :-1] / acc[:, -1:]
-
-
-def check_attention(attend_fn=None, device: torch.device | str = "cpu") -> str | None:
-    """Prove on the running build that a row's attention bits do not depend on how it is computed.
-
-    A row at position p, taken from one prompt chunk, must equal the same row as a one-row decode beside a
-    stream of another length, in both arithmetics. Returns None when it holds, else what differed.
-    """
-    attend_fn = attend_fn or attend
-    g = torch.Generator().manual_seed(99)
-    hkv, group, dim, length = 2, 3, 64, 2 * SPLIT_ROWS + 40
-    k = torch.randn(4 * length, hkv, dim, generator=g).to(device)
-    v = torch.randn(4 * length, hkv, dim, generator=g).to(device)
-    q = torch.randn(length, hkv * group, dim, generator=g).to(device)
-    pad = tile_count(length) * KEY_TILE
-    rows = torch.arange(pad)
-    for partial in (False, True):
-        whole = attend_fn(q, k, v, AttentionBatch(None, [Chunk(0, length, 0, rows)], partial), 0.125)
-        for pos in (0, KEY_TILE, SPLIT_ROWS + 7, length - 1):
-            other = torch.arange(2 * length, 2 * length + pad)
-            d = DecodeGroup(torch.tensor([0, 1]), torch.stack([other, rows]), torch.tensor([length - 3, pos + 1]))
-            one = attend_fn(torch.stack([q[5], q[pos]]), k, v, AttentionBatch(d, [], partial), 0.125)[1]
-            # alone, with only its own tiles: a small group (the other decode layout of the torch kernels)
-            own = rows[:tile_count(pos + 1) * KEY_TILE][None]
-            alone = attend_fn(q[pos][None], k, v, AttentionBatch(DecodeGroup(torch.tensor([0]), own,
-                                                                             torch.tensor([pos + 1])), [], partial), 0.125)[0]
-            if not (torch.equal(one, whole[pos]) and torch.equal(alone, whole[pos])):
-                return f"{'partial' if partial else 'rows'} attention at position {pos}: decode != prompt chunk"
-    return None

@@ -1,8 +1,8 @@
 """One interface to the kernels, two implementations: torch on the CPU, Triton on a GPU.
 
 The model, the cache and the kernel check hold a Backend and call its linear, rms_norm, attend and store;
-none of them asks where a tensor lives. Both implementations keep the arithmetic contract (DESIGN.md
-section 2); their bits differ from each other, and each obeys the exactness rule on its own.
+none of them asks where a tensor lives. Both implementations keep the arithmetic contract (docs/contract.md);
+their bits differ from each other, and each obeys the exactness rule on its own.
 
 The Triton backend also runs on the CPU under TRITON_INTERPRET=1 (slowly): that is how the tests and CI
 check it without a GPU. The variable is read when the kernels are defined, so it must be set before
@@ -17,10 +17,9 @@ from typing import Callable
 
 import torch
 
-from tfq.errors import TfqError
+from .contract import LinearFn
 
-LinearFn = Callable[[torch.Tensor], torch.Tensor]
-TRITON_MODULES = ("kernels.triton_attention", "kernels.triton_rowwise")
+TRITON_MODULES = tuple(f"{__package__}.{m}" for m in ("triton_attention", "triton_rowwise"))
 
 
 @dataclass(frozen=True)
@@ -40,9 +39,8 @@ class Backend:
 
 
 def torch_backend() -> Backend:
-    from kernels.attention import attend, write
-    from kernels.rowwise import rms_norm
-    from tfq.arithmetic import Linear
+    from .attention import attend, write
+    from .rowwise import Linear, rms_norm
 
     return Backend("torch", torch.device("cpu"), "CPU", Linear, rms_norm, attend, write)
 
@@ -53,8 +51,8 @@ def triton_backend(device: torch.device | None = None) -> tuple[Backend | None, 
     if not cuda and not any(m in sys.modules for m in TRITON_MODULES):
         os.environ["TRITON_INTERPRET"] = "1"
     try:
-        import kernels.triton_attention as ta
-        import kernels.triton_rowwise as tr
+        from . import triton_attention as ta
+        from . import triton_rowwise as tr
     except ImportError as e:
         return None, f"triton is not importable ({e})"
     interpreted = type(ta._rows_kernel).__name__ == "InterpretedFunction"
@@ -71,15 +69,3 @@ def triton_backend(device: torch.device | None = None) -> tuple[Backend | None, 
         return tr.TritonLinear(weight, bias, device)
 
     return Backend("triton", device, where, linear, tr.rms_norm, ta.attend, ta.write), where
-
-
-def backend_for(device: torch.device) -> Backend:
-    """The kernels for `device`: torch on the CPU, Triton on CUDA."""
-    if device.type == "cpu":
-        return torch_backend()
-    if device.type != "cuda":
-        raise TfqError(f"device {device} is not supported; use cpu or cuda")
-    backend, why = triton_backend(device)
-    if backend is None or backend.device.type != "cuda":
-        raise TfqError(f"device {device}: the Triton kernels cannot run ({why}); use device: cpu")
-    return backend

@@ -1,11 +1,47 @@
-"""The model's per-row norm and its activation in torch (the CPU path); the linear layers are tfq.arithmetic.Linear.
+"""The model's per-row layers in torch (the CPU path): the linear layer, RMS norm and the activation.
 
-Norms are measured batch-invariant on this CPU: a row's mean over its own last dimension does not depend on
-the other rows. The start-up guard (tfq/guard.py) proves both on the running build at every thread count.
+Each gives a row the same bits whatever other rows share its call, at any thread count. That is measured,
+not promised by torch, so the start-up proofs (tfq/proofs/startup.py) check all three on the running build.
+
+The linear layer: on this CPU plain fp32 `F.linear` gives a row different bits for M = 1, 2-3 and >= 4 (MKL
+picks other kernels). oneDNN's pre-packed fp32 inner product is invariant from 2 rows up (swept to 4096 in
+tests/test_arithmetic.py), and for 1 row too while rows are short (896), but not for long rows (4864, the
+MLP's down projection): one row goes through another kernel. So a lone row is padded to two.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+
+def _onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class Linear:
+    """y = x W^T + b in fp32, row-invariant. Weights are packed once for oneDNN when it is there."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.out_features, self.in_features = weight.shape
+        weight = weight.detach().float().contiguous()
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.packed = _onednn_available()
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.packed else weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.packed:
+            return _rowwise_linear(x, self.weight, self.bias)
+        if x.shape[0] == 1:  # oneDNN runs one row through another kernel (other bits for long rows): pad to two
+            return self._packed(torch.cat([x, x.new_zeros(x.shape)]))[:1]
+        return self._packed(x)
+
+    def _packed(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+
+def _rowwise_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    # Fallback without oneDNN: one matrix-vector product per row is invariant by construction (slow).
+    return torch.stack([F.linear(row[None], w, b)[0] for row in x]) if len(x) else F.linear(x, w, b)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Attention and cache stores in Triton (the GPU path; the CPU runs them under TRITON_INTERPRET=1).
 
-Same two arithmetics and the same interface as kernels/attention.py (DESIGN.md section 2):
+Same two arithmetics and the same interface as kernels/attention.py (docs/contract.md):
 - `rows`: one program per (query row, KV head) runs one pass over KEY_TILE-row key tiles with an online
   softmax in fp32 and divides by l once at the end. The program holds every query head of its KV head (GQA).
 - `partial`: one program per (query row, KV head, split) runs the same tile loop over its SPLIT_ROWS keys
@@ -22,8 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention import AttentionBatch
-from tfq.tiles import KEY_TILE, SPLIT_ROWS
+from .contract import KEY_TILE, SPLIT_ROWS, AttentionBatch
 
 SPLIT_TILES = SPLIT_ROWS // KEY_TILE
 STORE_KIND = {"fp32": 0, "bf16": 1, "fp16": 2, "fp8": 3}

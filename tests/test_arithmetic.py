@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tfq.arithmetic import Linear, check_linear
+from tfq.kernels.rowwise import Linear
+from tfq.proofs.startup_kernels import check_linear
 from tfq.errors import TfqError
 
 
@@ -61,18 +62,17 @@ def test_guard_refuses_a_subtly_wrong_path():
 
 
 def test_attention_guard_passes_and_catches_a_shape_dependent_kernel():
-    from kernels.attention import attend, check_attention
+    from tfq.kernels.attention import attend
+    from tfq.proofs.startup_kernels import attention_differs, check_attention
 
-    from tfq.arithmetic import check_attention as guard
-
-    assert check_attention() is None
-    guard()
+    assert attention_differs() is None
+    check_attention()
 
     def decode_differs(q, k, v, batch, scale):  # a kernel whose one-row path sums differently
         out = attend(q, k, v, batch, scale)
         return out * (1 + 1e-7) if batch.decode is not None else out
 
-    assert "decode != prompt chunk" in check_attention(decode_differs)
+    assert "decode != prompt chunk" in attention_differs(decode_differs)
 
 
 def test_guard_refuses_onednn_without_the_one_row_padding():

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from kernels.attention import AttentionBatch, Chunk, DecodeGroup, attend, tile_count
-from tfq.tiles import KEY_TILE
+from tfq.kernels.attention import AttentionBatch, Chunk, DecodeGroup, attend, tile_count
+from tfq.kernels.contract import KEY_TILE
 
 H, HKV, D = 8, 2, 64
 
@@ -86,7 +86,7 @@ def test_partial_differs_from_rows(cache):
 @pytest.mark.parametrize("partial", [False, True])
 def test_both_decode_layouts_give_the_same_bits(cache, dtype, partial, monkeypatch):
     """Small decode groups repeat keys per query head, large ones loop over the heads: the same items."""
-    import kernels.attention as attention
+    import tfq.kernels.attention as attention
 
     k, v, g = cache
     k, v = k.to(dtype), v.to(dtype)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tfq.draft import ModelDrafter, NgramDrafter, lookup
 from tfq.engine import Engine, EngineSettings
 from tfq.stream import Request
-from tfq.tiles import KEY_TILE
+from tfq.kernels.contract import KEY_TILE
 
 WINDOW = 512
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from tfq.engine import Engine, EngineSettings
 from tfq.errors import TfqError
 from tfq.stream import Request
-from tfq.tiles import KEY_TILE
+from tfq.kernels.contract import KEY_TILE
 
 WINDOW = 512
 DTYPES = ["fp32", "bf16", "fp16", "fp8"]

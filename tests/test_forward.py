@@ -56,7 +56,7 @@ def test_transformers_runs_beside_tfqs_kernels_package(tiny_dirs):
     import sys
 
     code = (
-        "import kernels.attention, tfq.engine\n"
+        "import tfq.kernels.attention, tfq.engine\n"
         "from transformers.utils import import_utils\n"
         "assert not import_utils.is_kernels_available(), 'transformers took tfq kernels for the hub library'\n"
         "import torch\n"

@@ -12,12 +12,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before kernels.triton_attention is imported anywhere
 
-from kernels import check  # noqa: E402
-from kernels.attention import AttentionBatch, DecodeGroup  # noqa: E402
-import kernels.backend as backends  # noqa: E402
-from kernels.attention import attend as torch_attend, write as torch_write  # noqa: E402
-from kernels.backend import torch_backend  # noqa: E402
-from kernels.check import CheckConfig, passed, run_check  # noqa: E402
+from tfq.proofs import kernel_check as check  # noqa: E402
+from tfq.kernels.attention import AttentionBatch, DecodeGroup  # noqa: E402
+import tfq.kernels.backend as backends  # noqa: E402
+from tfq.kernels.attention import attend as torch_attend, write as torch_write  # noqa: E402
+from tfq.kernels.backend import torch_backend  # noqa: E402
+from tfq.proofs.kernel_check import CheckConfig, passed, run_check  # noqa: E402
 from cli import tfq
 
 SMALL = CheckConfig(dtypes=("fp32",), repeats=2)

@@ -12,13 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.rowwise import silu
+from tfq.kernels.rowwise import silu
 from tfq.draft import NgramDrafter
 from tfq.engine import Engine, EngineSettings
 from tfq.errors import TfqError
-from tfq.guard import LayerProof
+from tfq.proofs.startup import LayerProof
 from tfq.stream import Request
-from tfq.tiles import KEY_TILE
+from tfq.kernels.contract import KEY_TILE
 
 from tiny import write_tiny_checkpoint
 

@@ -16,7 +16,7 @@ from tfq.cli.together import DEFAULT_TOKENS, default_suite
 from tfq.errors import TfqError
 from tfq.plan import ENV_FLAGS, ENV_VALUES, Plan, load_plan
 from tfq.suite import load_suite, parse_suite
-from tfq.together import ARMS, EXACT, FAIL, RED, Check, arm_names, select_arms
+from tfq.proofs.together import ARMS, EXACT, FAIL, RED, Check, arm_names, select_arms
 from tiny import CORPUS
 
 WORDS = CORPUS.split()
@@ -108,7 +108,7 @@ def test_controls_that_cannot_differ_say_so(tiny_models):
 
 def test_a_differing_arm_fails_with_where_it_parts(tiny_models, monkeypatch):
     """The check is not blind: an arm whose replies change is FAIL, with the token and character of the parting."""
-    from tfq import together
+    from tfq.proofs import together
 
     rng = random.Random(3)
     loaded = tiny_models["qwen3"]

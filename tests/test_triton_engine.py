@@ -11,10 +11,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' import (read when they are decorated)
 
-from kernels.backend import torch_backend, triton_backend  # noqa: E402
-from kernels.check import same_bits  # noqa: E402
-from kernels.rowwise import rms_norm as torch_rms_norm  # noqa: E402
-from tfq.arithmetic import check_rows  # noqa: E402
+from tfq.kernels.backend import torch_backend, triton_backend  # noqa: E402
+from tfq.proofs.case import same_bits  # noqa: E402
+from tfq.kernels.rowwise import rms_norm as torch_rms_norm  # noqa: E402
+from tfq.proofs.startup_kernels import check_rows  # noqa: E402
 from tfq.engine import Engine, EngineSettings  # noqa: E402
 from tfq.errors import TfqError  # noqa: E402
 from tfq.model.config import ModelConfig  # noqa: E402
@@ -51,7 +51,7 @@ def test_the_guard_catches_a_linear_whose_rows_depend_on_the_batch():
     """Control: a Triton linear that, like cuBLAS, takes another kernel for bigger batches must be refused by the
     start-up guard, and the one tfq runs accepted. The other kernel is built to round differently (every
     output one step of 2**-20 apart), so the control fails by construction, whatever numpy's matmul does."""
-    from kernels.triton_rowwise import TritonLinear
+    from tfq.kernels.triton_rowwise import TritonLinear
 
     g = torch.Generator().manual_seed(5)
     w, b = torch.randn(64, 96, generator=g).to(DEV), torch.randn(64, generator=g).to(DEV)

@@ -18,12 +18,13 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from kernels import triton_attention as ta  # noqa: E402
-from kernels.attention import AttentionBatch, Chunk, DecodeGroup, tile_count  # noqa: E402
-from kernels.attention import attend as torch_attend  # noqa: E402
-from kernels.check import attention_bound, edge_values, reference, same_bits  # noqa: E402
-from tfq.cache import DTYPES, SATURATE  # noqa: E402
-from tfq.tiles import KEY_TILE  # noqa: E402
+from tfq.kernels import triton_attention as ta  # noqa: E402
+from tfq.kernels.attention import AttentionBatch, Chunk, DecodeGroup, tile_count  # noqa: E402
+from tfq.kernels.attention import attend as torch_attend  # noqa: E402
+from tfq.proofs.case import same_bits  # noqa: E402
+from tfq.proofs.kernel_check import attention_bound, edge_values, reference  # noqa: E402
+from tfq.kernels.contract import CACHE_DTYPES as DTYPES, SATURATE  # noqa: E402
+from tfq.kernels.contract import KEY_TILE  # noqa: E402
 
 DEV = torch.device("cuda" if CUDA else "cpu")
 H, HKV, D = 8, 2, 64
@@ -193,7 +194,7 @@ def plan_32k_scratch():
     from tfq.model.config import ModelConfig
     from tfq.model.source import SHIPPED_DEFAULT_CONFIG
     from tfq.plan import Plan
-    from tfq.tiles import SPLIT_ROWS
+    from tfq.kernels.contract import SPLIT_ROWS
 
     cfg = ModelConfig.from_dict(json.loads(SHIPPED_DEFAULT_CONFIG.read_text()))
     plan = Plan(window=32768, lanes=64)
@@ -262,7 +263,7 @@ def test_store_reads_strided_inputs():
 def test_the_triton_backend_serves_the_cache_and_attention(store):
     """The one interface: a cache built with the Triton backend stores through the Triton kernel, and the
     backend's attend is the Triton one (bits equal to calling it directly)."""
-    from kernels.backend import triton_backend
+    from tfq.kernels.backend import triton_backend
     from tfq.cache import KVCache
     from tfq.model.config import ModelConfig
 
@@ -284,7 +285,7 @@ COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import triton_attention as ta, triton_rowwise as tr
+from tfq.kernels import triton_attention as ta, triton_rowwise as tr
 
 CONST = ("GROUP", "BLOCK_G", "D", "TILE", "FP8", "SPLIT", "KIND", "BLOCK", "HAS_BIAS", "BM", "BN", "BK")
 INDEX = ("table_ptr", "item_row_ptr", "item_pos_ptr", "item_table_ptr", "rows_ptr")

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention import AttentionBatch, Chunk, DecodeGroup
+from tfq.kernels.attention import AttentionBatch, Chunk, DecodeGroup
 from tfq.cache import KVCache, Placement
 
 

@@ -13,10 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tfq.model.config import ModelConfig
-from tfq.tiles import KEY_TILE
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
-SATURATE = {"fp8": 448.0, "fp16": 65504.0}  # store clamps instead of overflowing to inf/NaN
+from tfq.kernels.contract import CACHE_DTYPES, KEY_TILE
 
 
 @dataclass
@@ -37,11 +34,11 @@ class KVCache:
     def __init__(self, config: ModelConfig, *, lanes: int, window: int, page_rows: int = 0, pool_pages: int = 0,
                  dtype: str = "fp32", page_order_seed: int | None = None, backend=None):
         if backend is None:
-            from kernels.backend import torch_backend
+            from tfq.kernels.backend import torch_backend
             backend = torch_backend()
         self.backend = backend  # kernels.backend.Backend: where the store lives and which kernel writes it
         self.dtype_name = dtype
-        self.dtype = DTYPES[dtype]
+        self.dtype = CACHE_DTYPES[dtype]
         self.window = window
         self.lanes = lanes
         self.page_rows = page_rows

@@ -16,7 +16,7 @@ import torch
 
 from tfq.batch import Feed, forward
 from tfq.cache import KVCache
-from tfq.guard import prove
+from tfq.proofs.startup import prove
 from tfq.model.qwen import Qwen
 from tfq.sampling import digest, sample
 from tfq.stream import Request, Result, Stream
@@ -66,7 +66,7 @@ class Engine:
                              pool_pages=s.pool_pages, dtype=s.kv_dtype, page_order_seed=page_order_seed,
                              backend=model.backend)
         self.forwards = 0
-        self.proof = None  # tfq.guard.LayerProof: the model's layer proved row-invariant under these settings
+        self.proof = None  # tfq.proofs.startup.LayerProof: the model's layer proved row-invariant under these settings
         if not model.backend.interpreted:  # under Triton's interpreter the tests prove the same, faster
             self.proof = prove(model, s.kv_dtype, s.partial, torch.get_num_threads(), self.largest_forward,
                                s.prefill_chunk)

@@ -19,7 +19,7 @@ import yaml
 
 from tfq.errors import TfqError
 from tfq.model.config import ModelConfig
-from tfq.tiles import KEY_TILE, SPLIT_ROWS
+from tfq.kernels.contract import KEY_TILE, SPLIT_ROWS
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 _DTYPE_ALIASES = {

@@ -1,40 +1,15 @@
-"""The `tfq` command: one module per subcommand, each registering itself on `app`."""
+"""The `tfq` command: one module per subcommand, each registering itself on the app (tfq/cli/app.py)."""
 from __future__ import annotations
 
 import sys
 
-import typer
-
 from tfq.errors import TfqError
-
-app = typer.Typer(
-    add_completion=False,
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    help="tfq: exact inference for Qwen-family models. Replies do not change with batching, paging or drafting.",
-)
-
-
-def output_file(path: str | None, option: str = "--json") -> None:
-    """Refuse, before any work, a file the run could not write at its end ('-' is stdout)."""
-    import os
-    from pathlib import Path
-
-    if path is None or path == "-":
-        return
-    target = Path(path)
-    folder = target.parent if str(target.parent) else Path(".")
-    if target.is_dir():
-        raise TfqError(f"{option} {path} is a folder; give a file path")
-    if not folder.is_dir():
-        raise TfqError(f"{option} {path}: folder {folder} does not exist; create it or give another path")
-    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
-        raise TfqError(f"{option} {path}: not writable here; give another path")
 
 
 def main() -> None:
     # Subcommands register themselves on import.
     from tfq.cli import bench, chat, kernels, plan, together  # noqa: F401
+    from tfq.cli.app import app
 
     try:
         app(standalone_mode=True)

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from tfq.cli import app, output_file
+from tfq.cli.app import app, output_file
 from tfq.errors import TfqError
 
 

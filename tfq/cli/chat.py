@@ -8,7 +8,7 @@ from typing import List, Optional
 import typer
 from rich.console import Console
 
-from tfq.cli import app
+from tfq.cli.app import app
 from tfq.errors import TfqError
 from tfq.threads import fix_threads
 from tfq.stream import Request

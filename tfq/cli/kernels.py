@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from tfq.cli import app, output_file
+from tfq.cli.app import app, output_file
 from tfq.errors import TfqError
 
 
@@ -47,8 +47,8 @@ def kernels_command(
     """Check the kernels: attention paged == contiguous in bits and within a float64 bound for queries, rows,
     stores and keep; linear layers and RMS norm invariant to the batch and within a float64 bound; repeats
     identical; canaries untouched; controls RED."""
-    from kernels.backend import torch_backend, triton_backend
-    from kernels.check import CheckConfig, passed, report_json, run_check, steps
+    from tfq.kernels.backend import torch_backend, triton_backend
+    from tfq.proofs.kernel_check import CheckConfig, passed, report_json, run_check, steps
 
     console = Console()
     defaults = CheckConfig()

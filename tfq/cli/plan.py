@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 import typer
 from rich.console import Console
 
-from tfq.cli import app
+from tfq.cli.app import app
 from tfq.model.config import ModelConfig
 from tfq.plan import Layout, Plan, load_plan, plan_json, plan_lines
 

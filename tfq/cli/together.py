@@ -13,10 +13,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from tfq.cli import app, output_file
+from tfq.cli.app import app, output_file
 from tfq.errors import TfqError
 from tfq.threads import fix_threads
-from tfq.together import EXACT, RED, ArmRun, Check, Listener, arm_names, check_options, select_arms
+from tfq.proofs.together import EXACT, RED, ArmRun, Check, Listener, arm_names, check_options, select_arms
 
 # About eight minutes for the whole default check on 2 CPU cores; `--tokens 300`, the field report's length,
 # took 1134 s (every arm EXACT 12/12, controls RED) on a quiet machine.

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+from tfq.errors import TfqError
+from tfq.kernels.backend import Backend, torch_backend, triton_backend
 from tfq.model.config import ModelConfig
 from tfq.model.qwen import Qwen
 
@@ -20,7 +22,6 @@ class LoadedModel:
 
 def load_model(spec: str, progress: bool = True, device: str | torch.device = "cpu") -> LoadedModel:
     """device: where the model runs (cpu: the torch kernels; cuda: the Triton kernels)."""
-    from kernels.backend import backend_for
     from tfq.model.source import resolve_model
     from tfq.model.tokenizer import Tokenizer
     from tfq.model.weights import load_state_dict
@@ -30,3 +31,15 @@ def load_model(spec: str, progress: bool = True, device: str | torch.device = "c
     tokenizer = Tokenizer.from_folder(folder)
     model = Qwen(config, load_state_dict(folder), backend_for(torch.device(device)))
     return LoadedModel(folder, config, model, tokenizer)
+
+
+def backend_for(device: torch.device) -> Backend:
+    """The kernels for `device`: torch on the CPU, Triton on CUDA."""
+    if device.type == "cpu":
+        return torch_backend()
+    if device.type != "cuda":
+        raise TfqError(f"device {device} is not supported; use cpu or cuda")
+    backend, why = triton_backend(device)
+    if backend is None or backend.device.type != "cuda":
+        raise TfqError(f"device {device}: the Triton kernels cannot run ({why}); use device: cpu")
+    return backend

@@ -14,10 +14,10 @@ from typing import Callable
 
 import torch
 
-from kernels.attention import AttentionBatch
-from kernels.backend import Backend, LinearFn, torch_backend
-from kernels.rowwise import silu
-from tfq.arithmetic import check_layers, ensure_exact
+from tfq.kernels.attention import AttentionBatch
+from tfq.kernels.backend import Backend, LinearFn, torch_backend
+from tfq.kernels.rowwise import silu
+from tfq.proofs.startup_kernels import check_layers, ensure_exact
 from tfq.errors import TfqError
 from tfq.model.config import ModelConfig
 from tfq.model.rope import rope_tables
@@ -88,7 +88,7 @@ class Qwen:
         self._rope_rows = 0
         self.scale = 1.0 / math.sqrt(c.head_dim)
         self.act = silu  # the MLP's activation; the guard's tests swap in flawed ones and must see them
-        self.proved: dict = {}  # what the start-up guard proved on this model (tfq.guard), by its settings
+        self.proved: dict = {}  # what the start-up guard proved on this model (tfq.proofs.startup), by its settings
         first = self.layers[0]
         check_layers({"qkv": first.qkv, "o": first.o, "gate_up": first.gate_up, "down": first.down,
                       "lm_head": self.lm_head}, backend)

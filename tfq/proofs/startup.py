@@ -31,7 +31,7 @@ from tfq.batch import Feed, step_rows
 from tfq.cache import KVCache, Placement
 from tfq.errors import TfqError
 from tfq.sampling import sample
-from tfq.tiles import KEY_TILE
+from tfq.kernels.contract import KEY_TILE
 
 LANE_WINDOW = 384  # rows of each probe lane: the deepest probe sits at position 300, past a 256-row split
 
@@ -292,7 +292,7 @@ def _onednn_facts() -> str:
 
     if not torch.backends.mkldnn.is_available():
         return "not in this build"
-    from tfq.arithmetic import Linear
+    from tfq.kernels.rowwise import Linear
 
     lin = Linear(torch.ones(8, 8))
     sys.stdout.flush()

@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 from tfq.errors import TfqError
 from tfq.plan import Layout, Plan, plan_json, plan_lines
 from tfq.stream import Request, Result
-from tfq.tiles import KEY_TILE, SPLIT_ROWS
+from tfq.kernels.contract import KEY_TILE, SPLIT_ROWS
 
 EXACT, RED, FAIL = "EXACT", "RED", "FAIL"
 CHUNK_ROWS = 61  # odd and prime: chunk boundaries fall inside key tiles and pages, never on them
@@ -451,7 +451,7 @@ def versions(loaded) -> dict:
 
     import tfq
 
-    from tfq.guard import build_facts
+    from tfq.proofs.startup import build_facts
 
     return {"tfq": tfq.__version__, "torch": torch.__version__, "python": platform.python_version(),
             "platform": platform.platform(), "threads": torch.get_num_threads(), "argv": sys.argv[1:],

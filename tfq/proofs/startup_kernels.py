@@ -1,53 +1,20 @@
-"""Linear layers whose rows do not depend on how many rows the matmul has.
+"""Start-up proofs of the kernels, run once a process when a model loads: linear layers and attention give a
+row the same bits whatever rows share the call (tfq/proofs/startup.py then proves the model's whole layer).
 
-On this CPU plain fp32 `F.linear` gives a row different bits for M = 1, 2-3 and >= 4 (MKL picks other
-kernels). oneDNN's pre-packed fp32 inner product is invariant for M = 2..600 (measured), and for M = 1 too
-while rows are short (896), but not for long rows (4864, the MLP's down projection): one row goes through
-another kernel. So a lone row is padded to two. It is the fastest fp32 path here, and a private op, so
-`check_linear` proves it on the running build, and `check_layers` on the model's own layers, before tfq
-trusts it. The same checks guard the Triton backend's linear layer and attention on a GPU (`ensure_exact`).
+oneDNN's pre-packed linear is a private op and its row invariance is measured, not promised, so `check_linear`
+proves it on generic shapes and `check_layers` on the model's own layers before tfq trusts it. The same
+checks guard the Triton backend's linear layer and attention on a GPU (`ensure_exact`).
 """
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
-from kernels.backend import LinearFn
 from tfq.errors import TfqError
-
-
-
-def _onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
-
-class Linear:
-    """y = x W^T + b in fp32, row-invariant. Weights are packed once for oneDNN when it is there."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        self.out_features, self.in_features = weight.shape
-        weight = weight.detach().float().contiguous()
-        self.bias = None if bias is None else bias.detach().float().contiguous()
-        self.packed = _onednn_available()
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.packed else weight
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.packed:
-            return _rowwise_linear(x, self.weight, self.bias)
-        if x.shape[0] == 1:  # oneDNN runs one row through another kernel (other bits for long rows): pad to two
-            return self._packed(torch.cat([x, x.new_zeros(x.shape)]))[:1]
-        return self._packed(x)
-
-    def _packed(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-
-
-def _rowwise_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    # Fallback without oneDNN: one matrix-vector product per row is invariant by construction (slow).
-    return torch.stack([F.linear(row[None], w, b)[0] for row in x]) if len(x) else F.linear(x, w, b)
-
+from tfq.kernels.attention import attend
+from tfq.kernels.contract import KEY_TILE, SPLIT_ROWS, AttentionBatch, Chunk, DecodeGroup, LinearFn
+from tfq.kernels.rowwise import Linear
 
 CHECK_ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 33, 48, 63)
 TORCH_FIX = "use a torch build with oneDNN (mkldnn)"
@@ -59,7 +26,7 @@ def check_linear(make: Callable[[torch.Tensor, torch.Tensor], LinearFn] = Linear
 
     Checks a few shapes like the model's (square, wide, tall) at the row counts where MKL and oneDNN switch
     kernels, against one call of `rows` rows. tests/test_arithmetic.py sweeps the default model's shapes at
-    every size the engine runs (1..64 rows, then steps up to 4096; the head up to 80), and tfq/guard.py
+    every size the engine runs (1..64 rows, then steps up to 4096; the head up to 80), and tfq/proofs/startup.py
     proves the loaded model's own layer up to the plan's largest forward at start.
     """
     g = torch.Generator().manual_seed(1234)
@@ -100,9 +67,7 @@ def _fix(backend) -> str:
 def check_attention(attend_fn=None, device: torch.device | str = "cpu", fix: str = "use the torch build tfq was "
                     "measured on (see README)") -> None:
     """Refuse to run if the attention kernels give a row other bits in a decode than in a prompt chunk."""
-    from kernels.attention import check_attention as differs
-
-    problem = differs(attend_fn, device)
+    problem = attention_differs(attend_fn, device)
     if problem:
         raise TfqError(f"this build's attention is not batch-invariant ({problem}); exact mode cannot run here: "
                        f"{fix}")
@@ -114,7 +79,8 @@ _checked: set[tuple[str, str]] = set()
 def ensure_exact(backend=None) -> None:
     """Run the start-up checks once per process and backend (kernels.backend.Backend; None: torch)."""
     if backend is None:
-        from kernels.backend import torch_backend
+        from tfq.kernels.backend import torch_backend
+
         backend = torch_backend()
     key = (backend.name, str(backend.device))
     if key in _checked:
@@ -126,3 +92,36 @@ def ensure_exact(backend=None) -> None:
         check_linear(backend.linear, device=backend.device, fix=_fix(backend))
         check_attention(backend.attend, backend.device, _fix(backend))
     _checked.add(key)
+
+
+def attention_differs(attend_fn=None, device: torch.device | str = "cpu") -> str | None:
+    """Prove on the running build that a row's attention bits do not depend on how it is computed.
+
+    A row at position p, taken from one prompt chunk, must equal the same row as a one-row decode beside a
+    stream of another length, in both arithmetics. Returns None when it holds, else what differed.
+    """
+    attend_fn = attend_fn or attend
+    g = torch.Generator().manual_seed(99)
+    hkv, group, dim, length = 2, 3, 64, 2 * SPLIT_ROWS + 40
+    k = torch.randn(4 * length, hkv, dim, generator=g).to(device)
+    v = torch.randn(4 * length, hkv, dim, generator=g).to(device)
+    q = torch.randn(length, hkv * group, dim, generator=g).to(device)
+    pad = _tiles(length) * KEY_TILE
+    rows = torch.arange(pad)
+    for partial in (False, True):
+        whole = attend_fn(q, k, v, AttentionBatch(None, [Chunk(0, length, 0, rows)], partial), 0.125)
+        for pos in (0, KEY_TILE, SPLIT_ROWS + 7, length - 1):
+            other = torch.arange(2 * length, 2 * length + pad)
+            d = DecodeGroup(torch.tensor([0, 1]), torch.stack([other, rows]), torch.tensor([length - 3, pos + 1]))
+            one = attend_fn(torch.stack([q[5], q[pos]]), k, v, AttentionBatch(d, [], partial), 0.125)[1]
+            # alone, with only its own tiles: a small group (the other decode layout of the torch kernels)
+            own = rows[:_tiles(pos + 1) * KEY_TILE][None]
+            alone = attend_fn(q[pos][None], k, v, AttentionBatch(DecodeGroup(torch.tensor([0]), own,
+                                                                             torch.tensor([pos + 1])), [], partial), 0.125)[0]
+            if not (torch.equal(one, whole[pos]) and torch.equal(alone, whole[pos])):
+                return f"{'partial' if partial else 'rows'} attention at position {pos}: decode != prompt chunk"
+    return None
+
+
+def _tiles(length: int) -> int:
+    return -(-length // KEY_TILE)

@@ -26,12 +26,15 @@ from typing import Callable
 
 import torch
 
-from kernels.attention import AttentionBatch, Chunk, DecodeGroup, tile_count
-from kernels.backend import Backend
-from tfq.cache import DTYPES, SATURATE, KVCache, Placement
+from tfq.kernels.attention import AttentionBatch, Chunk, DecodeGroup, tile_count
+from tfq.proofs.case import Case, same_bits
+from tfq.proofs.kernel_check_rowwise import check_rowwise
+from tfq.kernels.backend import Backend
+from tfq.cache import KVCache, Placement
+from tfq.kernels.contract import CACHE_DTYPES as DTYPES, SATURATE
 from tfq.errors import TfqError
 from tfq.model.config import ModelConfig
-from tfq.tiles import KEY_TILE, SPLIT_ROWS
+from tfq.kernels.contract import KEY_TILE, SPLIT_ROWS
 
 U32 = 2.0 ** -24  # fp32 unit roundoff
 EXP_ULPS = 4  # error of one exp (GPU ex2.approx: 2 ulp) plus the rounding of its argument's scaling
@@ -39,7 +42,6 @@ STORE_ROUNDOFF = {"fp32": 0.0, "bf16": 2.0 ** -8, "fp16": 2.0 ** -11, "fp8": 2.0
 MIN_NORMAL = {"fp32": 2.0 ** -126, "bf16": 2.0 ** -126, "fp16": 2.0 ** -14, "fp8": 2.0 ** -6}
 CANARY_K, CANARY_V = 240.0, -208.0  # exact in every cache dtype, far from the data: a leak shows
 EDGE_ROWS = 16  # a stream written with rounding edge cases (ties, subnormals, overflow), stores only
-_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 KERNELS = ("rows", "partial", "rowwise")
 
 
@@ -80,36 +82,6 @@ class CheckConfig:
     @property
     def attention(self) -> tuple[str, ...]:
         return tuple(k for k in self.kernels if k in ("rows", "partial"))
-
-
-@dataclass
-class Case:
-    check: str
-    kernel: str
-    backend: str
-    dtype: str
-    ok: bool  # a check passed, or a control came out RED
-    worst: float | None = None
-    bound: float | None = None
-    note: str = ""
-    control: bool = False
-
-    @property
-    def result(self) -> str:
-        if self.control:
-            return "RED" if self.ok else "GREEN (control did not fail)"
-        return "PASS" if self.ok else "FAIL"
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    flat = t.contiguous().reshape(-1)
-    if flat.numel() * flat.element_size() % 4 == 0:
-        return flat.view(torch.int32)  # torch.equal is fastest on 4-byte words
-    return flat.view(_INT_VIEW[t.element_size()])
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
 
 
 def edge_values(dtype: str, count: int, g: torch.Generator) -> torch.Tensor:
@@ -505,7 +477,6 @@ def run_check(cfg: CheckConfig, backends: list[Backend],
             progress(f"{label}: controls")
             cases += bench.controls(queries)
         if "rowwise" in cfg.kernels:
-            from kernels.check_rowwise import check_rowwise
 
             progress(f"{backend.name}: linear layers and RMS norm")
             cases += check_rowwise(backend, cfg.heads, cfg.head_dim, cfg.repeats, cfg.seed)

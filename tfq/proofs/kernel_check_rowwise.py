@@ -11,8 +11,8 @@ from typing import Callable
 
 import torch
 
-from kernels.backend import Backend
-from kernels.check import Case
+from tfq.kernels.backend import Backend
+from tfq.proofs.case import Case
 
 U32 = 2.0 ** -24  # fp32 unit roundoff
 ROW_COUNTS = (1, 2, 3, 8, 17)
