@@ -106,11 +106,11 @@ def test_oracle_saves_forwards_and_pages_roll_back(model):
     drafted, engine = run(model, cfg, requests, oracle)
     assert [d.ids for d in drafted] == [p.ids for p in plain]
     assert engine.forwards < plain_engine.forwards / 3
-    assert len(engine.cache.free_pages) == 20  # every page back, none leaked by rejected rows
+    assert len(engine.pages.free) == 20  # every page back, none leaked by rejected rows
     rnd = RandomDrafter(8, model.config.vocab_size, 1)
     rejected, engine = run(model, cfg, requests, rnd)
     assert [d.ids for d in rejected] == [p.ids for p in plain]
-    assert sum(d.proposed for d in rejected) > 0 and len(engine.cache.free_pages) == 20
+    assert sum(d.proposed for d in rejected) > 0 and len(engine.pages.free) == 20
 
 
 def test_tiny_draft_model_stays_exact(tiny_models):

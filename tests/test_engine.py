@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tfq.engine import Engine, EngineSettings
+from tfq.runner import paged_partial
 from tfq.errors import TfqError
 from tfq.stream import Request
 from tfq.kernels.contract import KEY_TILE
@@ -21,8 +22,8 @@ def model(request, tiny_models):
     return tiny_models[request.param].model
 
 
-def run(model, cfg: EngineSettings, requests, seed=None):
-    return Engine(model, cfg, eos_ids=(), page_order_seed=seed).generate(requests)
+def run(model, cfg: EngineSettings, requests, seed=None, **kw):
+    return Engine(model, cfg, eos_ids=(), page_order_seed=seed, **kw).generate(requests)
 
 
 _alone_cache: dict = {}
@@ -99,7 +100,7 @@ def test_control_paged_partial_changes_the_contiguous_stream(model):
     reqs = long_requests(model, 2)
     base = dict(window=WINDOW, lanes=2, page_rows=KEY_TILE, pool_pages=20)
     fine = run(model, EngineSettings(**base), reqs)
-    faulty = run(model, EngineSettings(**base, paged_partial=True), reqs)
+    faulty = run(model, EngineSettings(**base), reqs, attention=paged_partial)
     first_alone = alone(model, reqs[0], "fp32")
     assert fine[0].digests == first_alone.digests
     # the first stream sits on the contiguous lane, yet a paged neighbour switches its arithmetic: RED

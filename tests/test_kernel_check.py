@@ -12,7 +12,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before kernels.triton_attention is imported anywhere
 
-from tfq.proofs import kernel_check as check  # noqa: E402
 from tfq.kernels.attention import AttentionBatch, DecodeGroup  # noqa: E402
 import tfq.kernels.backend as backends  # noqa: E402
 from tfq.kernels.attention import attend as torch_attend, write as torch_write  # noqa: E402

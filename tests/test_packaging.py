@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_every_package_is_listed():
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    found = {".".join(p.parent.relative_to(ROOT).parts) for top in ("tfq", "kernels")
-             for p in (ROOT / top).rglob("__init__.py")}
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "tfq").rglob("__init__.py")}
+    found |= {"tfq.kernels", "tfq.examples"}  # kernels/ and examples/, installed inside tfq
     assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages in pyproject.toml"
 
 
@@ -29,14 +29,16 @@ def test_a_wheel_install_finds_the_suite(tmp_path):
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
         z.extractall(tmp_path / "site")
-    assert {"tfq/examples/chats.yaml", "kernels/triton_rowwise.py", "tfq/model/default_config.json"} <= names
+    assert {"tfq/examples/chats.yaml", "tfq/kernels/triton_rowwise.py", "tfq/model/default_config.json"} <= names
+    # one top-level name: a top-level `kernels` would overwrite (or be overwritten by) PyPI's `kernels` package
+    assert {n.split("/")[0] for n in names if not n.startswith("tfq-")} == {"tfq"}
     # from another folder, with the unpacked wheel first on the path and no .pth files read (-S): the
     # editable install of this checkout, if any, stays out of the way
     import site
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), *site.getsitepackages()])}
-    code = "import tfq; from tfq.cli.together import default_suite; from tfq.suite import load_suite; " \
-           "p = default_suite(); print(tfq.__file__, p, len(load_suite(p)))"
+    code = "import tfq, tfq.kernels.backend; from tfq.cli.together import default_suite; " \
+           "from tfq.suite import load_suite; p = default_suite(); print(tfq.__file__, p, len(load_suite(p)))"
     run = subprocess.run([sys.executable, "-S", "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]

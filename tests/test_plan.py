@@ -78,10 +78,18 @@ def test_env_then_set_then_source_names_the_last(tiny):
 
 
 def test_switches_and_their_off_values():
-    on = load_plan(None, env={"TFQ_KV_PAGES_ALL": "1", "TFQ_FORCE_PARTIAL": "yes", "TFQ_PAGED_PARTIAL": "true"})
-    assert (on.kv.paged, on.attention, on.paged_partial) == ("all", "partial", True)
-    off = load_plan(None, env={"TFQ_KV_PAGES_ALL": "0", "TFQ_FORCE_PARTIAL": "", "TFQ_PAGED_PARTIAL": "off"})
-    assert (off.kv.paged, off.attention, off.paged_partial, off.sources) == ("more", "rows", False, ())
+    on = load_plan(None, env={"TFQ_KV_PAGES_ALL": "1", "TFQ_FORCE_PARTIAL": "yes"})
+    assert (on.kv.paged, on.attention) == ("all", "partial")
+    off = load_plan(None, env={"TFQ_KV_PAGES_ALL": "0", "TFQ_FORCE_PARTIAL": ""})
+    assert (off.kv.paged, off.attention, off.sources) == ("more", "rows", ())
+
+
+def test_the_paged_partial_control_is_no_plan_setting():
+    """The field report's split lives only in the together check (an attention policy it hands the engine)."""
+    plan = load_plan(None, env={"TFQ_PAGED_PARTIAL": "1"})
+    assert not hasattr(plan, "paged_partial") and plan.sources == ()
+    with pytest.raises(TfqError, match="unknown key"):
+        load_plan(None, sets=["paged_partial=true"])
 
 
 @pytest.mark.parametrize("text,size", [("12GiB", 12 * GiB), ("500MB", 500 * 10**6), ("1.5G", 3 * GiB // 2),
@@ -179,11 +187,9 @@ def test_one_lane_with_pages_says_zero_more(tiny_dir, monkeypatch, capsys):
 
 
 def test_attention_control_and_draft_lines(tiny):
-    plan = load_plan(PLANS / "paged.yaml", env={"TFQ_FORCE_PARTIAL": "1", "TFQ_PAGED_PARTIAL": "1",
-                                                 "TFQ_DRAFT": "ngram:3"})
+    plan = load_plan(PLANS / "paged.yaml", env={"TFQ_FORCE_PARTIAL": "1", "TFQ_DRAFT": "ngram:3"})
     text = "\n".join(plan_lines(plan, tiny, plan.layout(tiny)))
     assert "attention: partial (set by TFQ_FORCE_PARTIAL): keys in 256-row splits of 64-row tiles" in text
-    assert "control: on (set by TFQ_PAGED_PARTIAL)" in text
     assert "drafting: n-gram lookup in the stream's own text, up to 3 tokens a step (set by TFQ_DRAFT)" in text
 
 
@@ -307,7 +313,7 @@ def test_a_real_process_prints_no_traceback(tiny_dir):
 
 # -------------------------------------------------------------------------------------- property test
 
-_KEYS = list(SCHEMA) + ["kv", "paged_partial"]
+_KEYS = list(SCHEMA) + ["kv"]
 _scalars = st.one_of(
     st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70), st.floats(),
     st.text(max_size=12), st.sampled_from(["auto", "4096", "64", "256", "all", "more", "bf16", "ngram:4", "1.5G"]),

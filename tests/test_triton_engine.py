@@ -16,6 +16,7 @@ from tfq.proofs.case import same_bits  # noqa: E402
 from tfq.kernels.rowwise import rms_norm as torch_rms_norm  # noqa: E402
 from tfq.proofs.startup_kernels import check_rows  # noqa: E402
 from tfq.engine import Engine, EngineSettings  # noqa: E402
+from tfq.runner import paged_partial  # noqa: E402
 from tfq.errors import TfqError  # noqa: E402
 from tfq.model.config import ModelConfig  # noqa: E402
 from tfq.model.qwen import Qwen  # noqa: E402
@@ -97,9 +98,9 @@ def _requests(lengths, seed=0, tokens=5):
                     label=f"r{i}") for i, n in enumerate(lengths)]
 
 
-def _run(model, requests, drafter=None, seed=None, **settings):
+def _run(model, requests, drafter=None, seed=None, attention=None, **settings):
     engine = Engine(model, EngineSettings(**{"window": 384, "lanes": 1, **settings}), keep_logits=True,
-                    page_order_seed=seed, drafter=drafter)
+                    page_order_seed=seed, drafter=drafter, attention=attention)
     return engine.generate(requests)
 
 
@@ -139,5 +140,5 @@ def test_controls_are_red(tmp_path):
     long, short = _requests((262, 9), seed=7, tokens=2)
     rows = _run(model, [long])[0]
     assert not _same(rows, _run(model, [long], partial=True)[0])
-    split = _run(model, [long, short], lanes=2, page_rows=64, pool_pages=8, paged_partial=True)[0]
+    split = _run(model, [long, short], lanes=2, page_rows=64, pool_pages=8, attention=paged_partial)[0]
     assert not _same(rows, split)

@@ -22,7 +22,7 @@ from tfq.kernels import triton_attention as ta  # noqa: E402
 from tfq.kernels.attention import AttentionBatch, Chunk, DecodeGroup, tile_count  # noqa: E402
 from tfq.kernels.attention import attend as torch_attend  # noqa: E402
 from tfq.proofs.case import same_bits  # noqa: E402
-from tfq.proofs.kernel_check import attention_bound, edge_values, reference  # noqa: E402
+from tfq.proofs.kernel_check_bounds import attention_bound, edge_values, reference  # noqa: E402
 from tfq.kernels.contract import CACHE_DTYPES as DTYPES, SATURATE  # noqa: E402
 from tfq.kernels.contract import KEY_TILE  # noqa: E402
 

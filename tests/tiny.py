@@ -62,7 +62,7 @@ def _train_tokenizer(vocab: int):
     """A byte-level BPE with exactly `vocab` ids: bytes, trained merges, unreachable fillers, then the specials."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-    from tfq.model.gguf_file import QWEN2_SPLIT
+    from tfq.model.gguf_tokenizer import QWEN2_SPLIT
 
     if vocab < 256 + len(SPECIALS):
         raise ValueError(f"vocab must hold the 256 bytes and {len(SPECIALS)} specials")

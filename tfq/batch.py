@@ -6,7 +6,8 @@ from dataclasses import dataclass
 import torch
 
 from tfq.kernels.attention import AttentionBatch, Chunk, DecodeGroup
-from tfq.cache import KVCache, Placement
+from tfq.cache import KVCache
+from tfq.pages import Placement
 
 
 @dataclass

@@ -1,33 +1,15 @@
-"""The KV cache: contiguous lanes and a pool of pages, in one row store per layer.
+"""The KV cache: one row store per layer, K and V `[rows, kv_heads, head_dim]` in the cache dtype.
 
-Per layer, K and V are `[rows_total, kv_heads, head_dim]` tensors in the cache dtype: first the contiguous
-lanes (`window` rows each), then the pool (`pool_pages` pages of `page_rows` rows). A stream's placement
-maps its positions to rows of that store: a lane is one block of `window` rows, a paged stream a list of
-pages. Attention only ever sees the row indices (`rows`), so both are read by the same code.
+Rows are handed out by the page pool (tfq/pages.py): first the contiguous lanes, then the pages. Attention
+only ever sees row indices (`rows`, `key_rows`), so a lane and a page list are read by the same code.
 """
 from __future__ import annotations
 
-import random
-from dataclasses import dataclass, field
-
 import torch
 
-from tfq.model.config import ModelConfig
 from tfq.kernels.contract import CACHE_DTYPES, KEY_TILE
-
-
-@dataclass
-class Placement:
-    """Where a stream's cached positions live: block b covers positions [b*block_rows, (b+1)*block_rows)."""
-
-    block_rows: int
-    blocks: list[int] = field(default_factory=list)  # first store row of each block
-    paged: bool = False
-    pages: list[int] = field(default_factory=list)  # page ids (paged only)
-
-    @property
-    def capacity(self) -> int:
-        return self.block_rows * len(self.blocks)
+from tfq.model.config import ModelConfig
+from tfq.pages import PagePool, Placement
 
 
 class KVCache:
@@ -36,59 +18,19 @@ class KVCache:
         if backend is None:
             from tfq.kernels.backend import torch_backend
             backend = torch_backend()
-        self.backend = backend  # kernels.backend.Backend: where the store lives and which kernel writes it
+        self.backend = backend  # tfq.kernels.backend.Backend: where the store lives and which kernel writes it
         self.dtype_name = dtype
         self.dtype = CACHE_DTYPES[dtype]
-        self.window = window
-        self.lanes = lanes
-        self.page_rows = page_rows
-        self.pool_pages = pool_pages
-        self.pool_base = lanes * window
-        self.rows_total = self.pool_base + pool_pages * page_rows
+        self.pages = PagePool(lanes, window, page_rows, pool_pages, page_order_seed)
+        self.rows_total = self.pages.rows
         shape = (self.rows_total, config.num_kv_heads, config.head_dim)
         dev = backend.device
         self.k = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(config.num_layers)]
         self.v = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(config.num_layers)]
-        self.free_pages = list(range(pool_pages))
-        if page_order_seed is not None:  # which page ids a stream gets must not matter; tests shuffle them
-            random.Random(page_order_seed).shuffle(self.free_pages)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
-    def lane(self, i: int) -> Placement:
-        return Placement(self.window, [i * self.window])
-
-    def paged(self) -> Placement:
-        return Placement(self.page_rows, paged=True)
-
-    def grow(self, p: Placement, rows: int) -> bool:
-        """Make room for positions [0, rows). False (taking nothing more) when the pool is dry."""
-        if not p.paged:
-            return rows <= p.capacity
-        need = -(-rows // self.page_rows) - len(p.pages)
-        if need > len(self.free_pages):
-            return False
-        for _ in range(max(need, 0)):
-            page = self.free_pages.pop()
-            p.pages.append(page)
-            p.blocks.append(self.pool_base + page * self.page_rows)
-        return True
-
-    def shrink(self, p: Placement, rows: int) -> None:
-        """Give back the pages past those holding positions [0, rows) (rows a verify forward rejected)."""
-        if not p.paged:
-            return
-        keep = -(-rows // self.page_rows)
-        while len(p.pages) > keep:
-            self.free_pages.append(p.pages.pop())
-            p.blocks.pop()
-
-    def release(self, p: Placement) -> None:
-        self.free_pages.extend(reversed(p.pages))
-        p.pages.clear()
-        p.blocks.clear()
 
     def rows(self, p: Placement, start: int, count: int) -> torch.Tensor:
         """Store rows of positions [start, start + count)."""

@@ -71,7 +71,7 @@ class ModelDrafter:
             active = [i for i, st in enumerate(streams) if len(guesses[i]) < budgets[i]]
             if not active:
                 break
-            batch = [Feed(self.cache.lane(streams[i].lane), self.cached.get(streams[i].index, 0), feeds[i])
+            batch = [Feed(self.cache.pages.lane(streams[i].lane), self.cached.get(streams[i].index, 0), feeds[i])
                      for i in active]
             for i, logits in zip(active, forward(self.model, self.cache, batch, partial=False)):
                 st = streams[i]

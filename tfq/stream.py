@@ -1,12 +1,20 @@
 """Requests, their results, and the state of a stream while the engine runs it."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from enum import Enum
 
 import torch
 
-from tfq.cache import Placement
 from tfq.errors import TfqError
+from tfq.pages import Placement
+
+
+class Status(Enum):
+    WAITING = "waiting"  # queued (new, or preempted and to be recomputed)
+    RUNNING = "running"  # holds a lane, and pages if it is paged
+    FINISHED = "finished"  # done (eos, length, stop, window), failed or aborted: holds nothing
 
 
 @dataclass(frozen=True)
@@ -38,7 +46,7 @@ class Result:
     ids: list[int]  # reply token ids (an EOS that ended it included)
     text: str  # reply text (stop string and EOS excluded)
     digests: list[str]  # per reply step: hash of the fp32 logits that chose the token
-    finish: str  # eos | length | stop | window | error
+    finish: str  # eos | length | stop | window | error | abort
     error: str | None = None
     prompt_tokens: int = 0
     first_token_s: float = 0.0
@@ -56,6 +64,7 @@ class Stream:
     index: int
     request: Request
     tokens: list[int]  # prompt, then every token drawn so far
+    status: Status = Status.WAITING
     order: int = 0  # admission order: the newest is preempted first
     lane: int | None = None
     placement: Placement | None = None
@@ -66,6 +75,7 @@ class Stream:
     text: str = ""
     finish: str | None = None
     error: str | None = None
+    added_s: float = field(default_factory=time.perf_counter)
     first_token_s: float = 0.0
     preempted: int = 0
     recomputed: int = 0
@@ -82,3 +92,38 @@ class Stream:
     def pending(self) -> int:
         """Tokens not yet in the cache (the whole prompt at first, then the last drawn token)."""
         return len(self.tokens) - self.cached
+
+    def append(self, token: int, eos_ids: frozenset[int], window: int) -> str:
+        """Take a drawn token: the text it completes, and whether the stream ends (EOS, a stop string, its
+        token budget or the window). Returns the text that became visible."""
+        req = self.request
+        self.tokens.append(token)
+        if len(self.digests) == 1:
+            self.first_token_s = time.perf_counter() - self.added_s
+        before = len(self.text)
+        if token in eos_ids:
+            self.finish = "eos"
+        elif self.decoder is not None:
+            self.text += self.decoder.feed(token)
+        stop = next((s for s in req.stop if s in self.text), None)
+        if stop is not None:
+            self.text = self.text[:self.text.index(stop)]
+            self.finish = "stop"
+        elif self.finish is None and len(self.digests) >= req.max_tokens:
+            self.finish = "length"
+        elif self.finish is None and len(self.tokens) >= window:
+            self.finish = "window"
+        if self.finish not in (None, "stop") and self.decoder is not None:
+            self.text += self.decoder.flush()  # a character cut at the very end still shows
+        return self.text[before:]
+
+    def fail(self, message: str) -> None:
+        self.finish, self.error = "error", message
+
+    def result(self, keep_logits: bool, total_s: float | None = None) -> Result:
+        return Result(label=self.request.label, ids=self.reply, text=self.text, digests=self.digests,
+                      finish=self.finish or "error", error=self.error, prompt_tokens=len(self.request.prompt),
+                      first_token_s=self.first_token_s,
+                      total_s=time.perf_counter() - self.added_s if total_s is None else total_s,
+                      preempted=self.preempted, recomputed=self.recomputed, proposed=self.proposed,
+                      accepted=self.accepted, verifies=self.verifies, logits=self.logits if keep_logits else None)

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from tfq.batch import Feed, step_rows
-from tfq.cache import KVCache, Placement
+from tfq.cache import KVCache
+from tfq.pages import Placement
 from tfq.errors import TfqError
 from tfq.sampling import sample
 from tfq.kernels.contract import KEY_TILE
@@ -184,8 +185,8 @@ class _Bench:
         self.places: dict[str, Placement] = {}
         lanes = iter(range(2))
         for s in list(PROBES) + self.fillers:
-            place = self.cache.lane(next(lanes)) if s.lane else self.cache.paged()
-            if not self.cache.grow(place, s.start + s.count):
+            place = self.cache.pages.lane(next(lanes)) if s.lane else self.cache.pages.paged()
+            if not self.cache.pages.grow(place, s.start + s.count):
                 raise AssertionError(f"guard cache too small for {s.name}")
             self.places[s.name] = place
         dev = model.backend.device
@@ -235,7 +236,7 @@ class _Bench:
             x = model.embed[s.ids.to(dev)]
             x = model.decoder_layer(model.layers[0], x, cos, sin, self.cache, 0, s.cache_rows, s.batch,
                                     _Tap(keep, record))
-            logits = model.logits(x[s.logit_rows.to(dev)], _Tap(keep_logits, record))
+            model.logits(x[s.logit_rows.to(dev)], _Tap(keep_logits, record))
         return record
 
 

@@ -1,0 +1,76 @@
+"""The engine driven one step at a time (the server's way): requests join at different steps, one is aborted
+mid-reply, and every other stream still equals its run alone; the aborted stream's lane and pages go back."""
+from __future__ import annotations
+
+import torch
+
+from tfq.engine import Engine, EngineSettings
+from tfq.stream import Request, Status
+from tfq.kernels.contract import KEY_TILE
+
+WINDOW = 512
+
+
+def requests(vocab: int) -> list[Request]:
+    g = torch.Generator().manual_seed(12)
+    return [Request(tuple(torch.randint(3, vocab, (n,), generator=g).tolist()), max_tokens=t, label=f"r{i}")
+            for i, (n, t) in enumerate([(40, 12), (150, 9), (7, 14), (90, 10), (33, 8)])]
+
+
+def alone(model, request: Request):
+    return Engine(model, EngineSettings(window=WINDOW, lanes=1), eos_ids=(), keep_logits=True).generate([request])[0]
+
+
+def same(a, b) -> bool:
+    return a.ids == b.ids and len(a.logits) == len(b.logits) and all(
+        torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+
+
+def test_add_step_abort(tiny_models):
+    model = tiny_models["qwen3"].model
+    reqs = requests(model.config.vocab_size)
+    settings = EngineSettings(window=WINDOW, lanes=3, prefill_chunk=29, page_rows=KEY_TILE, paged_all=True,
+                              pool_pages=12)
+    engine = Engine(model, settings, eos_ids=(), keep_logits=True, page_order_seed=4)
+    pool = len(engine.pages.free)
+    ids = {0: engine.add(reqs[0]), 1: engine.add(reqs[1])}
+    drawn = {i: 0 for i in range(len(reqs))}
+    aborted = None
+    steps = 0
+    while engine.has_work() or len(ids) < len(reqs):
+        steps += 1
+        if steps == 3:
+            ids[2] = engine.add(reqs[2])  # joins while others are prefilling
+        if steps == 9:
+            ids[3], ids[4] = engine.add(reqs[3]), engine.add(reqs[4])  # more than the free lanes: they wait
+        for out in engine.step():
+            i = next(k for k, v in ids.items() if v == out.id)
+            drawn[i] += 1
+            if i == 1 and drawn[1] == 4 and aborted is None:  # mid-reply
+                engine.abort(out.id)
+                aborted = out.id
+                st = engine.streams[out.id]
+                assert st.status is Status.FINISHED and st.placement is None and st.lane is None
+    assert aborted is not None
+    cut = engine.result(aborted)
+    assert cut.finish == "abort" and len(cut.ids) == 4
+    assert cut.ids == alone(model, reqs[1]).ids[:4]  # what it drew before the abort was exact too
+    for i, req in enumerate(reqs):
+        if i != 1:
+            got = engine.result(ids[i])
+            assert got.finish == "length" and same(got, alone(model, req)), req.label
+    assert len(engine.pages.free) == pool and not engine.has_work()
+    assert all(lane is None for lane in engine.scheduler.lanes)
+
+
+def test_abort_a_waiting_stream(tiny_models):
+    model = tiny_models["qwen2"].model
+    reqs = requests(model.config.vocab_size)
+    engine = Engine(model, EngineSettings(window=WINDOW, lanes=1), eos_ids=(), keep_logits=True)
+    first, second = engine.add(reqs[0]), engine.add(reqs[2])
+    engine.step()
+    engine.abort(second)  # never admitted: it leaves the queue
+    assert engine.result(second).finish == "abort" and engine.result(second).ids == []
+    while engine.has_work():
+        engine.step()
+    assert same(engine.result(first), alone(model, reqs[0]))

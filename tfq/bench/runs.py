@@ -1,0 +1,95 @@
+"""One timed run of tfq: the same random prompts for every arm, and the figures a run yields."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tfq.bench.measure import MemoryProbe
+from tfq.errors import TfqError
+from tfq.model.config import ModelConfig
+from tfq.plan import Layout, Plan
+from tfq.stream import Request
+
+NO_EOS = (-1,)  # an id no vocabulary holds: a bench reply always runs to its full length
+
+
+@dataclass
+class Run:
+    """One timed run of `lanes` streams: every stream's prompt and reply have the bench's lengths."""
+
+    engine: str  # tfq | hf
+    arm: str  # a tfq arm, or "peer"
+    lanes: int
+    round: int  # -1: warm-up
+    first_token_s: float  # from the start to the last stream's first token (prefill + one draw)
+    total_s: float
+    decode_steps: int  # forwards after the first token
+    replies: list[list[int]]
+    peak_rss: int
+    run_rss: int | None
+    proposed: int = 0
+    accepted: int = 0
+
+    def figures(self, prompt_tokens: int) -> dict:
+        reply = sum(len(r) for r in self.replies)
+        decode_s = self.total_s - self.first_token_s
+        decoded = reply - len(self.replies)  # tokens drawn after each stream's first
+        rate = decoded / decode_s if decoded and decode_s > 0 else None
+        return {
+            "prefill_tokens_per_s": self.lanes * prompt_tokens / self.first_token_s,
+            "ttft_s": self.first_token_s,
+            "decode_tokens_per_s": rate,
+            "decode_tokens_per_s_per_stream": rate / self.lanes if rate else None,
+            "step_s": decode_s / self.decode_steps if self.decode_steps else None,
+            "decode_steps": self.decode_steps,
+            "total_s": self.total_s,
+            "peak_rss_bytes": self.peak_rss,
+            "run_rss_bytes": self.run_rss,
+        }
+
+
+class TfqArm:
+    """One engine for one arm and lane count, reused by every round (its cache is allocated once)."""
+
+    def __init__(self, name: str, plan: Plan, layout: Layout, loaded):
+        from tfq.engine import Engine
+
+        self.name, self.plan = name, plan
+        self.engine = Engine.from_plan(plan, layout, loaded, eos_ids=NO_EOS, threads=None)  # counts stay as set
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.engine.cache.nbytes
+
+    def run(self, prompts: list[list[int]], tokens: int, round_: int, probe: MemoryProbe) -> Run:
+        requests = [Request(tuple(p), max_tokens=tokens, label=f"s{i}") for i, p in enumerate(prompts)]
+        prefill_forwards = -(-len(prompts[0]) // self.plan.prefill_chunk)
+        before = self.engine.forwards
+        probe.start()
+        results = self.engine.generate(requests)
+        peak, grown = probe.stop()
+        for r in results:
+            if r.error:
+                raise TfqError(f"bench arm {self.name}: {r.error}")
+        return Run("tfq", self.name, len(prompts), round_, max(r.first_token_s for r in results),
+                   max(r.total_s for r in results), self.engine.forwards - before - prefill_forwards,
+                   [list(r.ids) for r in results], peak, grown,
+                   proposed=sum(r.proposed for r in results), accepted=sum(r.accepted for r in results))
+
+
+def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (count, length), generator=g).tolist()
+
+
+def ordinary_vocab(config: ModelConfig, tokenizer) -> int:
+    """Ids below the first added (special) token: what random prompts draw from."""
+    top = config.vocab_size
+    backend = getattr(tokenizer, "backend", None)
+    if backend is not None:
+        top = min(top, tokenizer.vocab_size)
+        added = getattr(backend, "get_added_tokens_decoder", lambda: {})()
+        if added and min(added) > 0:
+            top = min(top, min(added))
+    return top

@@ -1,0 +1,220 @@
+"""The plan's layout in bytes, and where it runs: what the engine allocates, computed once.
+
+Per layer one K and one V tensor of shape [rows_total, num_kv_heads, head_dim] in the cache dtype:
+first `contiguous_lanes` lanes of `window` rows, then the pool, `pool_pages` pages of `page_rows` rows.
+Nothing here reads weights: a model's config is enough.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+from typing import Protocol
+
+from tfq.model.config import ModelConfig
+from tfq.plan.fields import DTYPE_BYTES
+from tfq.plan.words import Sourced, fail, human_bytes, tag
+
+AUTO_BUDGET_SHARE = 0.8  # budget: auto takes this share of the memory available now
+
+
+class KVView(Protocol):
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def pages(self) -> int: ...
+    @property
+    def paged(self) -> str: ...
+    @property
+    def pool(self) -> int | str: ...
+
+
+class PlanView(Sourced, Protocol):
+    """What the layout reads of a plan (tfq.plan.schema.Plan). A protocol, not an import: Plan.layout()
+    calls this module, and the package has no import circle (tests/test_layout.py)."""
+
+    @property
+    def window(self) -> int: ...
+    @property
+    def lanes(self) -> int: ...
+    @property
+    def kv(self) -> KVView: ...
+    @property
+    def budget(self) -> int | str: ...
+    @property
+    def device(self) -> str: ...
+
+
+def pages_for(rows: int, page_rows: int) -> int:
+    """Pages that hold `rows` rows (the last one partly)."""
+    return -(-rows // page_rows)
+
+
+def lane_split(lanes: int, page_rows: int, paged: str) -> tuple[int, int]:
+    """(contiguous lanes, paged lanes): without pages every lane is contiguous; with them stream 0 keeps a
+    lane (kv.paged more) or none does (kv.paged all)."""
+    if page_rows == 0:
+        return lanes, 0
+    if paged == "all":
+        return 0, lanes
+    return 1, lanes - 1
+
+
+@dataclass(frozen=True)
+class Layout:
+    row_bytes: int  # one cached row of one stream, all layers, K and V
+    window: int
+    lanes: int
+    contiguous_lanes: int  # lanes 0..contiguous_lanes-1 hold `window` rows each; the others take pages
+    paged_lanes: int
+    page_rows: int  # 0: no pages
+    pool_pages: int
+    cache_bytes: int
+    weights_bytes: int
+    budget_bytes: int
+    total_bytes: int
+    available_bytes: int | None = None  # the memory available when budget is auto
+    device: str = "cpu"  # where the engine runs: cpu, or cuda:N
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.budget_bytes
+
+    @property
+    def pool_base(self) -> int:
+        """The store row where the pool starts: after the contiguous lanes."""
+        return self.contiguous_lanes * self.window
+
+    @property
+    def rows_total(self) -> int:
+        """Rows of each layer's K (and V) tensor: the contiguous lanes, then the pool's pages."""
+        return self.pool_base + self.pool_pages * self.page_rows
+
+    @property
+    def pages_per_stream(self) -> int:
+        """Pages one stream needs to reach the full window."""
+        return pages_for(self.window, self.page_rows) if self.page_rows else 0
+
+    @property
+    def pool_full(self) -> int:
+        """Pages that hold every paged stream at the full window."""
+        return self.paged_lanes * self.pages_per_stream
+
+
+def resolve_device(plan: PlanView) -> str:
+    """The plan's device as torch names it: cpu or cuda:N; a TfqError when the plan asks for a GPU not here."""
+    import torch
+
+    if plan.device == "auto":
+        return "cuda:0" if torch.cuda.is_available() else "cpu"
+    if plan.device == "cpu":
+        return "cpu"
+    index = int(plan.device.partition(":")[2] or 0)
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if index >= count:
+        seen = f"sees {count} CUDA GPU{'s' * (count != 1)}" if count else f"sees no CUDA GPU (torch {torch.__version__})"
+        raise fail(f"device {plan.device}{tag(plan, 'device')}: this machine {seen}; use device: cpu or auto")
+    return f"cuda:{index}"
+
+
+def available_memory(device: str = "cpu") -> int:
+    """Bytes of memory available now: on a GPU its free memory; on the CPU MemAvailable from
+    /proc/meminfo, else the OS's free pages."""
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        raise fail("cannot tell how much memory is available; set budget (e.g. budget: 12GiB)") from None
+
+
+def row_bytes(config: ModelConfig, dtype: str) -> int:
+    return config.num_layers * 2 * config.num_kv_heads * config.head_dim * DTYPE_BYTES[dtype]
+
+
+def compute_layout(plan: PlanView, config: ModelConfig) -> Layout:
+    """The plan's bytes for `config`, whether or not they fit the budget."""
+    if plan.window > config.max_positions:
+        raise fail(
+            f"window {plan.window}{tag(plan, 'window')} is past the model's {config.max_positions} positions; "
+            f"use window: {config.max_positions} or less"
+        )
+    row = row_bytes(config, plan.kv.dtype)
+    weights = config.param_count() * 4  # tfq computes in fp32, whatever the checkpoint stores
+    device = resolve_device(plan)
+    available = None
+    if plan.budget == "auto":
+        available = available_memory(device)
+        budget = int(available * AUTO_BUDGET_SHARE)
+    else:
+        budget = int(plan.budget)
+    pages = plan.kv.pages
+    contiguous, paged = lane_split(plan.lanes, pages, plan.kv.paged)
+    pool = 0
+    if pages:
+        per_stream = pages_for(plan.window, pages)
+        if plan.kv.pool == "auto":
+            left = budget - weights - contiguous * plan.window * row
+            pool = min(paged * per_stream, max(0, left // (pages * row)))
+            if paged and pool < per_stream:
+                pool = per_stream  # the least that lets one paged stream reach the window; it will not fit
+        else:
+            pool = int(plan.kv.pool)
+            if paged and pool < per_stream:
+                raise fail(
+                    f"kv.pool {pool}{tag(plan, 'kv.pool')} pages hold {pool * pages} rows, less than one stream's "
+                    f"window of {plan.window} rows ({per_stream} pages of {pages}); set kv.pool to at least "
+                    f"{per_stream}, or auto, or shorten the window"
+                )
+    lay = Layout(
+        row_bytes=row, window=plan.window, lanes=plan.lanes, contiguous_lanes=contiguous, paged_lanes=paged,
+        page_rows=pages, pool_pages=pool, cache_bytes=0, weights_bytes=weights, budget_bytes=budget,
+        total_bytes=0, available_bytes=available, device=device,
+    )
+    cache = lay.rows_total * row  # the bytes are the rows the engine allocates, counted in one place
+    return dataclasses.replace(lay, cache_bytes=cache, total_bytes=weights + cache)
+
+
+def budget_words(plan: PlanView, lay: Layout) -> str:
+    """How the budget was set: ` (auto: 80% of the 12.00 GiB available)`, or who set it."""
+    if plan.budget == "auto" and lay.available_bytes is not None:
+        share = round(AUTO_BUDGET_SHARE * 100)
+        by = plan.source("budget")
+        by = f", set by {by}" if by else ""
+        where = " on the GPU" if lay.device.startswith("cuda") else ""
+        return f" (auto: {share}% of the {human_bytes(lay.available_bytes)} available{where}{by})"
+    return tag(plan, "budget")
+
+
+def over_budget(plan: PlanView, lay: Layout) -> str:
+    """Why a plan does not fit, and what to cut, in one line."""
+    over = lay.total_bytes - lay.budget_bytes
+    budget = f"the budget is {human_bytes(lay.budget_bytes)}{budget_words(plan, lay)}"
+    need_gib = math.ceil(lay.total_bytes / 2**30 * 10) / 10
+    if lay.weights_bytes > lay.budget_bytes:
+        return (
+            f"plan over budget by {human_bytes(over)}: the weights alone take {human_bytes(lay.weights_bytes)} "
+            f"(fp32) but {budget}; this model needs a larger budget (budget: {need_gib}GiB at least)"
+        )
+    smaller = "a smaller cache dtype (kv.dtype: bf16 halves the cache), " if plan.kv.dtype == "fp32" else ""
+    cut = "fewer lanes, a shorter window, "
+    if lay.paged_lanes and plan.kv.pool == "auto":
+        what = f"one paged stream's full window ({lay.pages_per_stream} pages) does not fit beside the weights"
+        cut = "a shorter window, "
+    else:
+        what = f"{lay.lanes} streams x {lay.window} rows"
+    return (
+        f"plan over budget by {human_bytes(over)}: it needs {human_bytes(lay.total_bytes)} (weights "
+        f"{human_bytes(lay.weights_bytes)} + cache {human_bytes(lay.cache_bytes)}, {what}) but {budget}; "
+        f"use {cut}{smaller}or a larger budget (budget: {need_gib}GiB)"
+    )

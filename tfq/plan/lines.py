@@ -1,0 +1,138 @@
+"""The plan in words: one fact a line (`tfq plan`, and every command's opening), and the same facts as JSON."""
+from __future__ import annotations
+
+import dataclasses
+
+from tfq.kernels.contract import KEY_TILE, SPLIT_ROWS
+from tfq.model.config import ModelConfig
+from tfq.plan.fields import DTYPE_BYTES, parse_draft
+from tfq.plan.layout import Layout, budget_words
+from tfq.plan.schema import Plan
+from tfq.plan.words import human_bytes, one_line, tag
+
+
+def _streams(first: int, last: int) -> str:
+    return f"stream {first}" if first == last else f"streams {first}-{last}"
+
+
+def plan_lines(plan: Plan, config: ModelConfig, layout: Layout) -> list[str]:
+    """One fact a line, in words a person reads without the docs."""
+    lay, t = layout, lambda *keys: tag(plan, *keys)
+    dtype = plan.kv.dtype
+    lines = [
+        f"model: {plan.model}{t('model')}: {config.family}, {config.num_layers} layers, {config.num_heads} query "
+        f"heads and {config.num_kv_heads} key-value heads, head dim {config.head_dim}",
+        f"weights: stored as {config.weights_dtype}, computed in fp32: {config.param_count() / 1e6:.1f}M "
+        f"parameters, {human_bytes(lay.weights_bytes)}",
+        f"window: {plan.window} rows a stream may hold, prompt and reply together{t('window')}",
+        f"lanes: {plan.lanes} stream{'s' * (plan.lanes > 1)} in one forward at most{t('lanes')}",
+        f"prefill: prompts go in chunks of {plan.prefill_chunk} rows{t('prefill_chunk')}",
+        f"cached row: {human_bytes(lay.row_bytes)} a row in {dtype}{t('kv.dtype')} ({config.num_layers} layers x "
+        f"key and value x {config.num_kv_heads} heads x {config.head_dim} dims x {DTYPE_BYTES[dtype]} bytes)",
+    ]
+    one_window = plan.window * lay.row_bytes
+    pages, page_tag = lay.page_rows, t("kv.pages")
+    if pages == 0:
+        lines.append(f"stream 0: contiguous, {plan.window} rows, {human_bytes(one_window)}")
+        if plan.lanes > 1:
+            each = f"{plan.window} rows each, {human_bytes((plan.lanes - 1) * one_window)} together"
+            if plan.lanes == 2:
+                each = f"{plan.window} rows, {human_bytes(one_window)}"
+            lines.append(f"{_streams(1, plan.lanes - 1)}: contiguous too, {each}")
+        lines.append(f"0 more taking pages: pages are off (kv.pages: 0){page_tag}")
+        if plan.kv.pool != "auto":
+            lines.append(f"pool: none; kv.pool {plan.kv.pool}{t('kv.pool')} is unused while pages are off")
+    else:
+        if lay.contiguous_lanes:
+            lines.append(f"stream 0: contiguous, {plan.window} rows, {human_bytes(one_window)}{t('kv.paged')}")
+        else:
+            lines.append(f"stream 0: paged, on {pages}-row pages{page_tag} like every stream{t('kv.paged')}")
+        more = plan.lanes - 1
+        if lay.paged_lanes == 0:
+            lines.append(f"0 more taking pages: lanes is {plan.lanes}{t('lanes')}, so stream 0 runs alone")
+        else:
+            lines.append(
+                f"{more} more taking pages: {pages}-row pages{page_tag}, {human_bytes(pages * lay.row_bytes)} "
+                f"a page, {lay.pages_per_stream} pages for a full window"
+            )
+        lines.append(_pool_line(plan, lay))
+    if plan.attention == "rows":
+        lines.append(
+            f"attention: rows{t('attention')}: one pass over a stream's keys in {KEY_TILE}-row tiles, "
+            f"online softmax in fp32"
+        )
+    else:
+        lines.append(
+            f"attention: partial{t('attention')}: keys in {SPLIT_ROWS}-row splits of {KEY_TILE}-row tiles, "
+            f"merged in order by log-sum-exp in fp32 (exact against itself, other bits than rows)"
+        )
+    lines.append(_device_line(plan, lay))
+    kind, k = parse_draft(plan.draft)
+    if kind == "none":
+        lines.append(f"drafting: none{t('draft')}")
+    elif kind == "ngram":
+        steps = f", up to {k} tokens a step" if k else ""
+        lines.append(f"drafting: n-gram lookup in the stream's own text{steps}{t('draft')}")
+    else:
+        lines.append(f"drafting: draft checkpoint {plan.draft}{t('draft')}")
+    spare = lay.budget_bytes - lay.total_bytes
+    verdict = f"fits, {human_bytes(spare)} to spare" if lay.fits else f"does not fit, over by {human_bytes(-spare)}"
+    lines.append(
+        f"total: {human_bytes(lay.total_bytes)} (weights {human_bytes(lay.weights_bytes)} + cache "
+        f"{human_bytes(lay.cache_bytes)}) of a {human_bytes(lay.budget_bytes)} budget{budget_words(plan, lay)}: "
+        f"{verdict}"
+    )
+    return [one_line(line) for line in lines]
+
+
+def _device_line(plan: Plan, lay: Layout) -> str:
+    auto = ""
+    if plan.device == "auto":
+        auto = " (auto: a CUDA GPU is here)" if lay.device != "cpu" else " (auto: no CUDA GPU here)"
+    if lay.device == "cpu":
+        kernels = "torch kernels: oneDNN linear layers, attention as one-row bmm items"
+    else:
+        import torch
+
+        kernels = f"{torch.cuda.get_device_name(torch.device(lay.device))}, Triton kernels for linear layers, " \
+                  f"norms, attention and cache stores"
+    return f"device: {lay.device}{auto}{tag(plan, 'device')}: {kernels}"
+
+
+def _pool_line(plan: Plan, lay: Layout) -> str:
+    size = (
+        f"pool: {lay.pool_pages} pages, {lay.pool_pages * lay.page_rows} rows, "
+        f"{human_bytes(lay.pool_pages * lay.page_rows * lay.row_bytes)}{tag(plan, 'kv.pool')}"
+    )
+    if lay.paged_lanes == 0:
+        return f"{size}; no stream takes pages"
+    full, streams = lay.pool_full, f"{lay.paged_lanes} paged stream{'s' * (lay.paged_lanes > 1)}"
+    if lay.pool_pages >= full:
+        how = "auto: " if plan.kv.pool == "auto" else ""
+        return f"{size} ({how}enough for {streams} at the full window)"
+    how = "auto: what the budget leaves; " if plan.kv.pool == "auto" else ""
+    return (
+        f"{size} ({how}{streams} at the full window need {full}; when it runs out, "
+        f"streams are preempted and recomputed later)"
+    )
+
+
+def plan_json(plan: Plan, config: ModelConfig, layout: Layout) -> dict:
+    """The same facts as plan_lines, as JSON-ready data."""
+    values = {
+        "model": plan.model, "window": plan.window, "lanes": plan.lanes, "prefill_chunk": plan.prefill_chunk,
+        "kv": dataclasses.asdict(plan.kv), "attention": plan.attention, "budget": plan.budget,
+        "draft": plan.draft, "device": plan.device,
+    }
+    model = {
+        "family": config.family, "layers": config.num_layers, "query_heads": config.num_heads,
+        "kv_heads": config.num_kv_heads, "head_dim": config.head_dim, "max_positions": config.max_positions,
+        "weights_dtype": config.weights_dtype, "parameters": config.param_count(),
+    }
+    lay = dataclasses.asdict(layout)
+    lay.update(fits=layout.fits, rows_total=layout.rows_total, pages_per_stream=layout.pages_per_stream,
+               key_tile=KEY_TILE, split_rows=SPLIT_ROWS)
+    return {
+        "plan": values, "sources": dict(plan.sources), "model": model, "layout": lay,
+        "lines": plan_lines(plan, config, layout),
+    }

@@ -1,0 +1,212 @@
+"""The arms of `tfq together` and how each is judged.
+
+Every arm's plan is the user's plan with a few keys changed (tfq.plan.derive, each tagged "arm NAME"); its
+replies are compared with the reference's, chat by chat, in token ids and in the bits of every step's
+logits. A control changes the arithmetic on purpose and must come out RED.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from tfq.errors import TfqError
+from tfq.kernels.contract import KEY_TILE, SPLIT_ROWS
+from tfq.runner import AttentionPolicy, paged_partial
+from tfq.plan import Plan, derive, pages_for
+from tfq.stream import Request, Result
+
+EXACT, RED, FAIL = "EXACT", "RED", "FAIL"
+CHUNK_ROWS = 61  # odd and prime: chunk boundaries fall inside key tiles and pages, never on them
+DEFAULT_PAGE_ROWS = 256
+SMALL_PAGE_ROWS = KEY_TILE  # for windows too short to span several 256-row pages
+
+
+# ------------------------------------------------------------------------------------------------ arms
+
+@dataclass(frozen=True)
+class Context:
+    """What the arms' plans are derived from: the suite's shape and the check's options."""
+
+    group: int
+    page_rows: int
+    chunk: int
+    preempt_window: int  # rows the longest chat needs, rounded up to pages (at most the plan's window)
+    preempt_pool: int  # pages for one such window: too few for the group, so streams are preempted
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    together: bool  # K at a time (continuous batching over K lanes), else each chat alone
+    about: str
+    changes: Callable[[Context], dict[str, Any]]  # plan keys this arm sets, beyond lanes and arithmetic
+    control: bool = False  # changes the arithmetic on purpose: must come out RED
+    attention: AttentionPolicy | None = None  # a policy handed to the engine instead of the plan's arithmetic
+    must_preempt: bool = False
+    must_draft: bool = False
+
+    def mode(self, group: int) -> str:
+        return f"{group} together" if self.together else "alone"
+
+
+REFERENCE = Arm("reference", False, "every chat alone, whole (no pages), rows attention",
+                lambda c: {"kv.pages": 0})
+
+# Adding an arm is one entry here.
+ARMS: tuple[Arm, ...] = (
+    Arm("whole", True, "K together, every stream in a contiguous lane", lambda c: {"kv.pages": 0}),
+    Arm("paged-alone", False, "each chat alone, its cache on pages",
+        lambda c: {"kv.pages": c.page_rows, "kv.paged": "all"}),
+    Arm("paged", True, "K together, streams beyond the first on pages (the field report's case)",
+        lambda c: {"kv.pages": c.page_rows, "kv.paged": "more"}),
+    Arm("paged-all", True, "K together, every stream on pages",
+        lambda c: {"kv.pages": c.page_rows, "kv.paged": "all"}),
+    Arm("chunked", True, "K together, prompts fed in small odd-sized chunks",
+        lambda c: {"kv.pages": 0, "prefill_chunk": c.chunk}),
+    Arm("preempted", True, "K together on pages, a pool too small for all: streams evicted and recomputed",
+        lambda c: {"kv.pages": c.page_rows, "kv.paged": "all", "window": c.preempt_window,
+                   "kv.pool": c.preempt_pool},
+        must_preempt=True),
+    Arm("drafted", True, "K together on pages, drafting by prompt lookup (ngram:4), guesses verified in the batch",
+        lambda c: {"kv.pages": c.page_rows, "kv.paged": "more", "draft": "ngram:4"}, must_draft=True),
+    Arm("drafted-model", True, "K together, the model drafting for itself (4 guesses a verify)",
+        lambda c: {"kv.pages": 0, "draft": "self"}, must_draft=True),
+    Arm("partial", True, "control: partial attention arithmetic instead of rows; must differ",
+        lambda c: {"kv.pages": 0, "attention": "partial"}, control=True),
+    Arm("paged-partial", True, "control: the field report's split (forwards holding a paged stream run "
+        "partial); must differ", lambda c: {"kv.pages": c.page_rows, "kv.paged": "more"}, control=True,
+        attention=paged_partial),
+)
+
+
+def arm_names() -> list[str]:
+    return [a.name for a in ARMS]
+
+
+def select_arms(text: str | None) -> list[Arm]:
+    """`whole,paged` -> those arms in the order given; None or empty -> all of them."""
+    if text is None or not text.strip():
+        return list(ARMS)
+    by_name = {a.name: a for a in ARMS}
+    chosen: list[Arm] = []
+    for name in (n.strip() for n in text.split(",")):
+        if not name:
+            continue
+        if name not in by_name:
+            raise TfqError(f"unknown arm {name!r}; arms are {', '.join(by_name)}")
+        if by_name[name] not in chosen:
+            chosen.append(by_name[name])
+    if not chosen:
+        raise TfqError(f"--arms names no arm; arms are {', '.join(by_name)}")
+    return chosen
+
+
+def check_options(plan: Plan, group: int, tokens: int) -> None:
+    """Bad numbers, refused before the model loads."""
+    if tokens < 1:
+        raise TfqError(f"--tokens must be at least 1, got {tokens}")
+    if group < 2:
+        raise TfqError(f"--group must be at least 2 (K streams run together), got {group}")
+    if group > plan.lanes:
+        raise TfqError(f"--group {group} is larger than the plan's {plan.lanes} lanes; use --group {plan.lanes} "
+                       f"or less, or raise lanes (--set lanes={group})")
+
+
+def page_rows_for(plan: Plan) -> int:
+    """The plan's page rows when it has pages, else 256 (64 for windows too short for several 256-row pages)."""
+    if plan.kv.pages:
+        return plan.kv.pages
+    return DEFAULT_PAGE_ROWS if plan.window >= 8 * DEFAULT_PAGE_ROWS else SMALL_PAGE_ROWS
+
+
+def context_for(plan: Plan, requests: Sequence[Request], group: int) -> Context:
+    pages = page_rows_for(plan)
+    need = max(len(r.prompt) + r.max_tokens for r in requests)
+    window = min(plan.window, pages_for(need, pages) * pages)
+    chunk = CHUNK_ROWS if plan.prefill_chunk != CHUNK_ROWS else 47
+    return Context(group=group, page_rows=pages, chunk=chunk, preempt_window=window,
+                   preempt_pool=pages_for(window, pages))
+
+
+def arm_plan(arm: Arm, base: Plan, ctx: Context) -> Plan:
+    """The base plan with this arm's keys set; each changed key is tagged "set by arm NAME" in its plan lines."""
+    changes: dict[str, Any] = {"lanes": ctx.group if arm.together else 1, "attention": "rows", "draft": "none"}
+    changes.update(arm.changes(ctx))
+    return derive(base, changes, f"arm {arm.name}")
+
+
+# ------------------------------------------------------------------------------------------- comparing
+
+@dataclass
+class ChatComparison:
+    chat: str
+    ids_equal: bool
+    logits_equal: bool
+    token: int | None = None  # first reply token that differs (None: ids equal)
+    char: int | None = None  # first character of the reply text that differs (None: texts equal)
+    step: int | None = None  # first step whose logits bits differ (None: all equal)
+    error: str | None = None  # the arm's run of this chat failed
+
+    @property
+    def equal(self) -> bool:
+        return self.ids_equal and self.logits_equal and self.error is None
+
+    def where(self) -> str:
+        if self.error:
+            return f"{self.chat}: failed"
+        if self.token is not None:
+            char = f", char {self.char}" if self.char is not None else ""
+            return f"{self.chat} @ token {self.token}{char}"
+        if self.step is not None:
+            return f"{self.chat}: logits @ step {self.step}"
+        return ""
+
+
+def _first_difference(a: Sequence, b: Sequence) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def compare(reference: Result, got: Result) -> ChatComparison:
+    return ChatComparison(
+        chat=reference.label, ids_equal=got.ids == reference.ids, logits_equal=got.digests == reference.digests,
+        token=_first_difference(reference.ids, got.ids), char=_first_difference(reference.text, got.text),
+        step=_first_difference(reference.digests, got.digests),
+        error=got.error or (f"the reference run failed: {reference.error}" if reference.error else None))
+
+
+def reach(results: Sequence[Result]) -> int:
+    """Most keys any step of any reply attended over (its prompt and the reply before the last token)."""
+    return max((r.prompt_tokens + len(r.ids) - 1 for r in results), default=0)
+
+
+def judge(arm: Arm, comparisons: Sequence[ChatComparison], preemptions: int, longest: int,
+          drafted: tuple[int, int] = (0, 0)) -> tuple[str, str]:
+    """(verdict, a short note saying why)."""
+    n = len(comparisons)
+    failed = [c for c in comparisons if c.error]
+    if failed:
+        return FAIL, f"{len(failed)} of {n} runs failed: {failed[0].chat}: {failed[0].error}"
+    if arm.control:
+        differ = sum(not c.logits_equal for c in comparisons)
+        if differ:
+            return RED, f"{differ} of {n} replies' logits differ, as they must"
+        if longest <= SPLIT_ROWS:
+            return FAIL, (f"cannot differ: the longest context is {longest} rows and partial only changes bits past "
+                          f"{SPLIT_ROWS} rows; add a longer chat or raise --tokens")
+        return FAIL, "its logits equal the reference: the check did not see an arithmetic change"
+    differ = [c for c in comparisons if not c.equal]
+    if differ:
+        return FAIL, f"{len(differ)} of {n} replies differ from their runs alone"
+    if arm.must_preempt and preemptions == 0:
+        return FAIL, "no stream was preempted (the pool held them all), so recomputation went untested"
+    if arm.must_preempt:
+        return EXACT, f"{preemptions} preemptions, every stream exact after them"
+    proposed, accepted = drafted
+    if arm.must_draft and accepted == 0:
+        return FAIL, f"{proposed} guesses proposed, none accepted, so verification went untested"
+    if arm.must_draft:
+        return EXACT, f"{accepted} of {proposed} guesses accepted"
+    return EXACT, ""

@@ -1,0 +1,37 @@
+"""The runner: a Step's feeds through the model in one forward, in the arithmetic an attention policy picks.
+
+The policy is the plan's arithmetic (`rows`, or `partial` when the plan says so) for every forward; the
+together check hands the engine another one, `paged_partial`, to reproduce the field report's fault on
+purpose: the batch's shape picks the arithmetic there, which is exactly what tfq never does otherwise.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from tfq.batch import Feed, forward
+from tfq.cache import KVCache
+
+AttentionPolicy = Callable[[list[Feed]], bool]  # a forward's feeds -> whether it runs the `partial` arithmetic
+
+
+def plan_arithmetic(partial: bool) -> AttentionPolicy:
+    """The plan's arithmetic, the same for every forward whatever it holds."""
+    return lambda feeds: partial
+
+
+def paged_partial(feeds: list[Feed]) -> bool:
+    """The control: forwards that hold a paged stream run `partial`, the others `rows` (the field report)."""
+    return any(f.placement.paged for f in feeds)
+
+
+class Runner:
+    def __init__(self, model, cache: KVCache, policy: AttentionPolicy):
+        self.model, self.cache, self.policy = model, cache, policy
+        self.forwards = 0
+
+    def run(self, feeds: list[Feed]) -> list[torch.Tensor]:
+        """Each feed's logits rows [logits, vocab] (fp32, on the CPU)."""
+        self.forwards += 1
+        return forward(self.model, self.cache, feeds, self.policy(feeds))

@@ -1,0 +1,140 @@
+"""The scheduler: which streams run in the next forward, and with which rows. It decides; it computes nothing.
+
+Each step it admits waiting streams into free lanes (oldest first), asks the drafter for guesses, and gives
+every running stream room in the cache for its rows (a prompt chunk of at most `prefill_chunk` rows, or the
+token it drew last plus its guesses). When the page pool runs dry it drops guesses first, then preempts the
+newest stream holding pages; a preempted stream goes back to the front of the queue and recomputes its
+cache when readmitted (its reply is unchanged: every row is computed the same way). The result is a plain
+`Step` record that the runner turns into tensors.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tfq.batch import Feed
+from tfq.pages import PagePool
+from tfq.stream import Status, Stream
+
+
+@dataclass
+class Step:
+    """What one forward holds: each stream and the rows it brings, in the same order."""
+
+    streams: list[Stream] = field(default_factory=list)
+    feeds: list[Feed] = field(default_factory=list)
+    failed: list[Stream] = field(default_factory=list)  # streams that cannot fit at all, finished with an error
+
+
+class Scheduler:
+    def __init__(self, lanes: int, contiguous_lanes: int, prefill_chunk: int, window: int, pages: PagePool,
+                 drafter=None):
+        self.lanes: list[Stream | None] = [None] * lanes
+        self.contiguous_lanes = contiguous_lanes  # lanes below this index are contiguous, the rest take pages
+        self.prefill_chunk = prefill_chunk
+        self.window = window
+        self.pages = pages
+        self.drafter = drafter  # tfq.draft.Drafter or None
+        self.waiting: deque[Stream] = deque()
+        self.admitted = 0
+
+    def add(self, st: Stream) -> None:
+        st.status = Status.WAITING
+        self.waiting.append(st)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(st is not None for st in self.lanes)
+
+    def running(self) -> list[Stream]:
+        return [st for st in self.lanes if st is not None]
+
+    # -- one step -----------------------------------------------------------------------------------------
+    def schedule(self) -> Step:
+        self._admit()
+        running = self.running()
+        self._propose(running)
+        step = Step()
+        for st in self._reserve(running, step):
+            n = min(st.pending, self.prefill_chunk)
+            done = st.cached + n == len(st.tokens)
+            step.streams.append(st)
+            step.feeds.append(Feed(st.placement, st.cached, st.tokens[st.cached:st.cached + n] + st.drafts,
+                                   logits=(1 + len(st.drafts)) if done else 0))
+        return step
+
+    def _admit(self) -> None:
+        for i in range(len(self.lanes)):
+            if self.lanes[i] is None and self.waiting:
+                st = self.waiting.popleft()
+                st.lane, st.order, st.status = i, self.admitted, Status.RUNNING
+                self.admitted += 1
+                st.placement = self.pages.lane(i) if i < self.contiguous_lanes else self.pages.paged()
+                self.lanes[i] = st
+
+    def _propose(self, running: list[Stream]) -> None:
+        """Guesses for streams past their prompt, within their token and window budgets."""
+        for st in running:
+            st.drafts = []
+        if self.drafter is None:
+            return
+        decoding = [st for st in running if st.pending == 1]
+        budgets = [max(0, min(self.drafter.k, st.request.max_tokens - len(st.digests) - 1,
+                              self.window - len(st.tokens))) for st in decoding]
+        for st, guess in zip(decoding, self.drafter.propose(decoding, budgets)):
+            st.drafts = list(guess)
+            st.proposed += len(st.drafts)
+
+    def _rows(self, st: Stream) -> int:
+        return min(st.pending, self.prefill_chunk) + len(st.drafts)
+
+    def _reserve(self, running: list[Stream], step: Step) -> list[Stream]:
+        """Room for each stream's rows, oldest first; when the pool is dry, preempt the newest."""
+        ready: list[Stream] = []
+        for st in sorted(running, key=lambda s: s.order):
+            if st.status is not Status.RUNNING:
+                continue  # preempted by an older stream in this very loop
+            while not self.pages.grow(st.placement, st.cached + self._rows(st)):
+                if st.drafts:  # first give up guessing, then preempt
+                    st.drafts = []
+                    continue
+                newer = [s for s in running if s.order > st.order and s.status is Status.RUNNING and s.placement.pages]
+                if newer:
+                    self.preempt(max(newer, key=lambda s: s.order))
+                    continue
+                if not any(s.placement.pages for s in running if s is not st and s.status is Status.RUNNING):
+                    st.fail(f"the page pool ({self.pages.pool_pages} pages of {self.pages.page_rows} rows) cannot "
+                            f"hold this stream's {st.cached + self._rows(st)} rows; raise kv.pool (TFQ_KV_POOL) "
+                            f"or the budget")
+                    self.finish(st)
+                    step.failed.append(st)
+                else:  # older streams hold the pages: wait for them
+                    self.preempt(st)
+                break
+            else:
+                ready.append(st)
+        return ready
+
+    # -- leaving ------------------------------------------------------------------------------------------
+    def preempt(self, st: Stream) -> None:
+        """Free a stream's lane and pages and requeue it first; it recomputes its cache when readmitted."""
+        self._vacate(st)
+        st.preempted += 1
+        st.recomputed += st.cached > 0  # sent back with cached work, which it computes again
+        st.cached, st.drafts, st.status = 0, [], Status.WAITING
+        self.waiting.appendleft(st)
+
+    def finish(self, st: Stream) -> None:
+        """The stream is done (or failed, or aborted): it gives back everything it holds."""
+        if st.status is Status.WAITING and st in self.waiting:
+            self.waiting.remove(st)
+        self._vacate(st)
+        st.status = Status.FINISHED
+
+    def _vacate(self, st: Stream) -> None:
+        if self.drafter is not None:
+            self.drafter.forget(st)
+        if st.placement is not None:
+            self.pages.release(st.placement)
+        if st.lane is not None:
+            self.lanes[st.lane] = None
+        st.lane, st.placement = None, None
