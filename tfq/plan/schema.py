@@ -9,7 +9,7 @@ from typing import Any, Mapping
 
 from tfq.model.config import ModelConfig
 from tfq.plan.fields import (
-    ATTENTION, DTYPE_ALIASES, DTYPE_BYTES, PAGED, Bad, Check, budget, choice, device, draft, flag, model, pages,
+    ATTENTION, DTYPE_ALIASES, DTYPE_BYTES, PAGED, Bad, Check, budget, choice, device, draft, model, pages,
     pool, positive,
 )
 from tfq.plan.layout import Layout, compute_layout, over_budget
