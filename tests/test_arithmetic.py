@@ -47,7 +47,7 @@ def test_guard_accepts_the_engine_linear():
 
 
 def test_guard_refuses_plain_linear():
-    """Plain fp32 F.linear changes a row's bits with M here (DESIGN.md section 2): the guard must say no."""
+    """Plain fp32 F.linear changes a row's bits with M here (docs/contract.md): the guard must say no."""
     with pytest.raises(TfqError, match="not batch-invariant"):
         check_linear(lambda w, b: (lambda x: F.linear(x, w, b)))
 

@@ -109,7 +109,7 @@ def test_a_stray_store_fails_keep_and_guards():
 
 
 def test_a_batch_dependent_linear_fails():
-    """torch's plain F.linear on this CPU: MKL gives a row other bits at other batch sizes (DESIGN.md)."""
+    """torch's plain F.linear on this CPU: MKL gives a row other bits at other batch sizes (docs/contract.md)."""
     import torch.nn.functional as F
 
     plain = _mutant(linear=lambda w, b: (lambda x: F.linear(x, w, b)))

@@ -170,6 +170,7 @@ def test_the_guard_sees_what_f_silu_does_on_this_build(wide, threads):
 def test_the_guard_proves_each_count_once_and_names_no_op_when_it_holds(wide, threads):
     threads(3)
     proof = LayerProof(wide, "fp32", True)
-    assert proof.holds(3, 200, 50) is None and proof.holds(5, 200, 50) is None
-    assert proof.proved == {3: 200, 5: 200}
-    assert proof.holds(3, 100, 50) is None and proof.proved[3] == 200  # fewer rows: already proved
+    assert proof.holds(3, 200, 50) is None and proof.holds(5, 200, 50, draws=5) is None
+    assert proof.proved == {3: (200, 1), 5: (200, 5)}
+    assert proof.holds(3, 100, 50) is None and proof.proved[3] == (200, 1)  # fewer rows: already proved
+    assert proof.holds(3, 100, 50, draws=17) is None and proof.proved[3] == (100, 17)  # more drawing rows: again

@@ -1,7 +1,7 @@
 """Drafters: cheap guesses at a stream's next tokens, which the target model verifies in one forward.
 
 A guess only decides how many rows a verify forward holds; which tokens a stream keeps is decided by the
-target's own logits, row by row, so a reply is the same with any drafter or none (DESIGN.md section 2).
+target's own logits, row by row, so a reply is the same with any drafter or none (docs/contract.md).
 """
 from __future__ import annotations
 

@@ -83,13 +83,17 @@ class Engine:
         self.proof = None  # tfq.proofs.startup.LayerProof: the model's layer proved row-invariant here
         if not model.backend.interpreted:  # under Triton's interpreter the tests prove the same, faster
             self.proof = prove(model, s.kv_dtype, s.partial, torch.get_num_threads(), self.largest_forward,
-                               s.prefill_chunk)
+                               s.prefill_chunk, self.drawing_rows)
 
     @property
     def largest_forward(self) -> int:
         """Most rows one forward can hold: a prompt chunk, or a drafted verify, in every lane."""
-        guesses = self.drafter.k if self.drafter is not None else 0
-        return self.settings.lanes * max(self.settings.prefill_chunk, 1 + guesses)
+        return self.settings.lanes * max(self.settings.prefill_chunk, self.drawing_rows)
+
+    @property
+    def drawing_rows(self) -> int:
+        """Most rows one stream draws from in a forward: a verify of every guess and the next token."""
+        return 1 + (self.drafter.k if self.drafter is not None else 0)
 
     @property
     def forwards(self) -> int:
@@ -201,5 +205,5 @@ class Engine:
 
     def _proved(self, threads: int) -> bool:
         """Whether the thread policy may switch to `threads` (proved once, on first wish)."""
-        return self.proof is None or self.proof.holds(threads, self.largest_forward,
-                                                      self.settings.prefill_chunk) is None
+        return self.proof is None or self.proof.holds(threads, self.largest_forward, self.settings.prefill_chunk,
+                                                      self.drawing_rows) is None

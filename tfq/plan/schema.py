@@ -16,7 +16,7 @@ from tfq.plan.layout import Layout, compute_layout, over_budget
 from tfq.plan.words import fail
 
 # The shipped default plan (plans/default.yaml holds the same values with comments; a test keeps them equal).
-# lanes 8: one fp32 decode step costs about the same at 8 rows as at 4 (DESIGN.md section 6), and the default
+# lanes 8: one fp32 decode step costs about the same at 8 rows as at 4 (measured: docs/contract.md), and the default
 # model's cache for 8 x 4096 rows is 768 MiB, so weights (2.35 GiB) + cache fit a 24 GiB machine many times.
 DEFAULT_WINDOW = 4096
 DEFAULT_LANES = 8

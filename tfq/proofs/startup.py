@@ -93,34 +93,35 @@ class LayerProof:
     def __init__(self, model, kv_dtype: str, partial: bool):
         self.model, self.kv_dtype, self.partial = model, kv_dtype, partial
         self.reference: Record | None = None
-        self.proved: dict[int, int] = {}  # thread count -> most rows in one forward proved at it
+        self.proved: dict[int, tuple[int, int]] = {}  # thread count -> (most rows, most rows drawing) proved
         self.refused: dict[int, Failure] = {}
         self.seconds = 0.0  # spent proving, in all
 
-    def holds(self, threads: int, rows: int, chunk: int) -> Failure | None:
+    def holds(self, threads: int, rows: int, chunk: int, draws: int = 1) -> Failure | None:
         """Prove the layer at `threads` threads for forwards of up to `rows` rows made of streams' chunks of up
-        to `chunk` rows (once; remembered)."""
+        to `chunk` rows, each stream drawing from up to `draws` rows (a verify: 1 + guesses); once, remembered."""
         if threads in self.refused:
             return self.refused[threads]
-        if self.proved.get(threads, 0) >= rows:
+        done_rows, done_draws = self.proved.get(threads, (0, 0))
+        if done_rows >= rows and done_draws >= draws:
             return None
         t0 = time.perf_counter()
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            failure = self._prove(threads, rows, chunk)
+            failure = self._prove(threads, rows, chunk, draws)
         finally:
             torch.set_num_threads(before)
             self.seconds += time.perf_counter() - t0
         if failure is None:
-            self.proved[threads] = rows
+            self.proved[threads] = (rows, draws)
         else:
             self.refused[threads] = failure
         return failure
 
     # -- the scenes ------------------------------------------------------------------------------------
-    def _prove(self, threads: int, rows: int, chunk: int) -> Failure | None:
-        bench = _Bench(self.model, self.kv_dtype, self.partial, rows, chunk)
+    def _prove(self, threads: int, rows: int, chunk: int, draws: int) -> Failure | None:
+        bench = _Bench(self.model, self.kv_dtype, self.partial, rows, chunk, draws)
         alone = bench.alone()
         alone.ops["sampler"] = _draws(alone)  # a function of one logits row: proved per thread count only
         if self.reference is None:  # references are taken at the first count proved
@@ -167,7 +168,7 @@ Stream = Probe  # a filler is a stream like a probe, only never compared
 class _Bench:
     """A one-layer cache holding every stream of the scenes, reset before each forward."""
 
-    def __init__(self, model, kv_dtype: str, partial: bool, rows: int, chunk: int):
+    def __init__(self, model, kv_dtype: str, partial: bool, rows: int, chunk: int, draws: int):
         self.model, self.partial = model, partial
         probe_rows = sum(p.count for p in PROBES)
         self.rows = max(rows, probe_rows)
@@ -175,7 +176,7 @@ class _Bench:
         left, i = self.rows - probe_rows, 0
         while left > 0:
             n = min(left, chunk)
-            self.fillers.append(Stream(f"filler {i}", 0, n, False, 1))
+            self.fillers.append(Stream(f"filler {i}", 0, n, False, min(n, draws)))  # the head sees every drawing row
             left, i = left - n, i + 1
         paged = [s for s in list(PROBES) + self.fillers if not s.lane]
         pages = sum(-(-(s.start + s.count) // KEY_TILE) for s in paged)
@@ -240,12 +241,12 @@ class _Bench:
         return record
 
 
-def prove(model, kv_dtype: str, partial: bool, threads: int, rows: int, chunk: int) -> LayerProof:
+def prove(model, kv_dtype: str, partial: bool, threads: int, rows: int, chunk: int, draws: int = 1) -> LayerProof:
     """The model's proof for these settings, proved at `threads` for forwards of up to `rows` rows (streams'
     chunks of up to `chunk` rows); raises TfqError naming the op and the thread count where a row's bits
     depend on its batch."""
     proof = model.proved.setdefault((kv_dtype, partial), LayerProof(model, kv_dtype, partial))
-    failure = proof.holds(threads, rows, chunk)
+    failure = proof.holds(threads, rows, chunk, draws)
     if failure is not None:
         raise TfqError(failure.message())
     return proof
