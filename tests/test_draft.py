@@ -94,7 +94,8 @@ def test_drafted_equals_undrafted(model, data):
     drafted, engine = run(model, cfg, requests, drafter)
     for a, b in zip(plain, drafted):
         assert b.ids == a.ids and b.digests == a.digests
-    if kind == "oracle" and drafter.spoil == 0:  # the guesses were right: fewer forwards than tokens
+    if kind == "oracle" and drafter.spoil == 0 and any(t > 1 for _, t, _ in spec):
+        # the guesses were right, and some reply was long enough to guess at: fewer forwards than tokens
         assert sum(b.accepted for b in drafted) > 0
 
 
