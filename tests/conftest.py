@@ -21,3 +21,27 @@ def tiny_models(tiny_dirs):
     from tfq.model.load import load_model
 
     return {family: load_model(str(folder), progress=False) for family, folder in tiny_dirs.items()}
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """The real default model, loaded once for every slow test (its start-up proofs are kept on it too)."""
+    from tfq.model.load import load_model
+
+    return load_model("default", progress=False)
+
+
+@pytest.fixture
+def shared_default(monkeypatch, default_model):
+    """`tfq` commands run in this process load the shared default model instead of loading it again."""
+    import tfq.model.load as load
+
+    real = load.load_model
+
+    def load_model(spec: str, progress: bool = True, device="cpu"):
+        if spec == "default" and str(device) == "cpu":
+            return default_model
+        return real(spec, progress=progress, device=device)
+
+    monkeypatch.setattr(load, "load_model", load_model)
+    return default_model

@@ -75,21 +75,23 @@ def test_bad_input_is_one_line_exit_2(tiny_dirs, args, words):
 
 
 @pytest.mark.slow
-def test_default_model_four_prompts_paged_equal_alone():
+def test_default_model_four_prompts_paged_equal_alone(shared_default, monkeypatch, capsys):
     """The field report's case on the real model: four chats on plans/paged.yaml equal their runs alone."""
+    from cli import tfq as tfq_here
+
     prompts = ["Write a Python function that reverses a linked list.",
                "Explain what a mutex is in two sentences.",
                "Write a SQL query that counts orders per customer.",
                "用一句话解释什么是递归。"]
     common = ["--max-tokens", "24", "--quiet", "--set", "window=1024"]
-    together = tfq("chat", *[a for p in prompts for a in ("-p", p)], "--plan", str(ROOT / "plans" / "paged.yaml"),
-                   *common)
-    assert together.returncode == 0, together.stderr
-    got = replies(together.stdout)
+    code, out, err = tfq_here(["chat", *[a for p in prompts for a in ("-p", p)], "--plan",
+                               str(ROOT / "plans" / "paged.yaml"), *common], monkeypatch, capsys)
+    assert code == 0, err
+    got = replies(out)
     for i, p in enumerate(prompts):
-        alone = tfq("chat", p, *common)
-        assert alone.returncode == 0, alone.stderr
-        assert alone.stdout == got[f"p{i + 1}"]
+        code, alone, err = tfq_here(["chat", p, *common], monkeypatch, capsys)
+        assert code == 0, err
+        assert alone == got[f"p{i + 1}"]
 
 
 def test_interactive_chat_keeps_history(tiny_dirs):

@@ -31,10 +31,8 @@ def test_logits_match_transformers(tiny_dirs, tiny_models, family):
 
 
 @pytest.mark.slow
-def test_default_model_greedy_tokens_equal_transformers():
-    from tfq.model.load import load_model
-
-    loaded = load_model("default", progress=False)
+def test_default_model_greedy_tokens_equal_transformers(default_model):
+    loaded = default_model
     hf = hf_model(loaded.folder)
     engine = Engine(loaded.model, EngineSettings(window=1024, lanes=2), loaded.tokenizer)
     prompts = ["Write a Python function that checks whether a number is prime.",

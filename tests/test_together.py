@@ -235,7 +235,7 @@ def test_bad_input_is_one_line_and_exit_2(extra, suite_text, message, tiny_dirs,
 
 
 @pytest.mark.slow
-def test_default_model_few_tokens(tmp_path, monkeypatch, capsys):
+def test_default_model_few_tokens(tmp_path, monkeypatch, capsys, shared_default):
     code, out, err = tfq(["together", "--tokens", "8", "--arms", "whole,paged", "--evidence", str(tmp_path / "ev"),
                           "--quiet"], monkeypatch, capsys)
     assert code == 0, out + err
@@ -278,7 +278,8 @@ def digests(folder: Path) -> list:
 
 
 @pytest.mark.slow
-def test_default_model_at_3_and_4_threads(four_chats, tmp_path, monkeypatch, capsys, restored_threads):
+def test_default_model_at_3_and_4_threads(four_chats, tmp_path, monkeypatch, capsys, restored_threads,
+                                          shared_default):
     """The rule where this machine's 2 cores never showed a flaw: 3 and 4 threads, every arm against the runs
     alone, and the runs alone equal across 2, 3 and 4 threads."""
     arms = "whole,paged,chunked,preempted,drafted"
