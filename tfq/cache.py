@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from tfq.kernels.attention import tile_count
 from tfq.kernels.contract import CACHE_DTYPES, KEY_TILE
 from tfq.model.config import ModelConfig
 from tfq.pages import PagePool, Placement
@@ -41,7 +42,7 @@ class KVCache:
     def key_rows(self, p: Placement, length: int) -> torch.Tensor:
         """Store rows of every key tile covering positions [0, length); the tail of the last tile stays
         inside the store (masked by attention, so any finite row serves)."""
-        padded = -(-length // KEY_TILE) * KEY_TILE
+        padded = tile_count(length) * KEY_TILE
         if not p.paged:
             return (p.blocks[0] + torch.arange(padded)).clamp_(max=self.rows_total - 1)
         return self.rows(p, 0, padded)  # page rows are a multiple of the tile: a tile never straddles pages

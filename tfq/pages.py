@@ -11,6 +11,11 @@ import random
 from dataclasses import dataclass, field
 
 
+def pages_for(rows: int, page_rows: int) -> int:
+    """Pages that hold `rows` rows (the last one partly); the plan's layout counts with it too."""
+    return -(-rows // page_rows)
+
+
 @dataclass
 class Placement:
     """Where a stream's cached positions live: block b covers positions [b*block_rows, (b+1)*block_rows)."""
@@ -49,7 +54,7 @@ class PagePool:
         """Make room for positions [0, rows). False (taking nothing more) when the pool is dry."""
         if not p.paged:
             return rows <= p.capacity
-        need = -(-rows // self.page_rows) - len(p.pages)
+        need = pages_for(rows, self.page_rows) - len(p.pages)
         if need > len(self.free):
             return False
         for _ in range(max(need, 0)):
@@ -62,7 +67,7 @@ class PagePool:
         """Give back the pages past those holding positions [0, rows) (rows a verify forward rejected)."""
         if not p.paged:
             return
-        keep = -(-rows // self.page_rows)
+        keep = pages_for(rows, self.page_rows)
         while len(p.pages) > keep:
             self.free.append(p.pages.pop())
             p.blocks.pop()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tfq.model.config import ModelConfig
+from tfq.pages import pages_for
 from tfq.plan.fields import DTYPE_BYTES
 from tfq.plan.words import Sourced, fail, human_bytes, tag
 
@@ -44,11 +45,6 @@ class PlanView(Sourced, Protocol):
     def budget(self) -> int | str: ...
     @property
     def device(self) -> str: ...
-
-
-def pages_for(rows: int, page_rows: int) -> int:
-    """Pages that hold `rows` rows (the last one partly)."""
-    return -(-rows // page_rows)
 
 
 def lane_split(lanes: int, page_rows: int, paged: str) -> tuple[int, int]:

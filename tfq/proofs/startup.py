@@ -29,7 +29,7 @@ import torch
 
 from tfq.batch import Feed, step_rows
 from tfq.cache import KVCache
-from tfq.pages import Placement
+from tfq.pages import Placement, pages_for
 from tfq.errors import TfqError
 from tfq.sampling import sample
 from tfq.kernels.contract import KEY_TILE
@@ -179,7 +179,7 @@ class _Bench:
             self.fillers.append(Stream(f"filler {i}", 0, n, False, min(n, draws)))  # the head sees every drawing row
             left, i = left - n, i + 1
         paged = [s for s in list(PROBES) + self.fillers if not s.lane]
-        pages = sum(-(-(s.start + s.count) // KEY_TILE) for s in paged)
+        pages = sum(pages_for(s.start + s.count, KEY_TILE) for s in paged)
         config = replace(model.config, num_layers=1)
         self.cache = KVCache(config, lanes=2, window=LANE_WINDOW, page_rows=KEY_TILE, pool_pages=pages,
                              dtype=kv_dtype, page_order_seed=11, backend=model.backend)

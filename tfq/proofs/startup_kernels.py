@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from tfq.errors import TfqError
-from tfq.kernels.attention import attend
+from tfq.kernels.attention import attend, tile_count
 from tfq.kernels.contract import KEY_TILE, SPLIT_ROWS, AttentionBatch, Chunk, DecodeGroup, LinearFn
 from tfq.kernels.rowwise import Linear
 
@@ -106,7 +106,7 @@ def attention_differs(attend_fn=None, device: torch.device | str = "cpu") -> str
     k = torch.randn(4 * length, hkv, dim, generator=g).to(device)
     v = torch.randn(4 * length, hkv, dim, generator=g).to(device)
     q = torch.randn(length, hkv * group, dim, generator=g).to(device)
-    pad = _tiles(length) * KEY_TILE
+    pad = tile_count(length) * KEY_TILE
     rows = torch.arange(pad)
     for partial in (False, True):
         whole = attend_fn(q, k, v, AttentionBatch(None, [Chunk(0, length, 0, rows)], partial), 0.125)
@@ -115,13 +115,9 @@ def attention_differs(attend_fn=None, device: torch.device | str = "cpu") -> str
             d = DecodeGroup(torch.tensor([0, 1]), torch.stack([other, rows]), torch.tensor([length - 3, pos + 1]))
             one = attend_fn(torch.stack([q[5], q[pos]]), k, v, AttentionBatch(d, [], partial), 0.125)[1]
             # alone, with only its own tiles: a small group (the other decode layout of the torch kernels)
-            own = rows[:_tiles(pos + 1) * KEY_TILE][None]
+            own = rows[:tile_count(pos + 1) * KEY_TILE][None]
             alone = attend_fn(q[pos][None], k, v, AttentionBatch(DecodeGroup(torch.tensor([0]), own,
                                                                              torch.tensor([pos + 1])), [], partial), 0.125)[0]
             if not (torch.equal(one, whole[pos]) and torch.equal(alone, whole[pos])):
                 return f"{'partial' if partial else 'rows'} attention at position {pos}: decode != prompt chunk"
     return None
-
-
-def _tiles(length: int) -> int:
-    return -(-length // KEY_TILE)
