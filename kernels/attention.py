@@ -25,8 +25,9 @@ from .contract import KEY_TILE, SATURATE, SPLIT_ROWS, AttentionBatch, Chunk, Dec
 NEG_INF = float("-inf")
 # Decode groups of at least this many key rows (streams x padded rows) run one product per query head of a
 # KV group on keys read once; smaller ones repeat keys per head and run one product (fewer calls). Both are
-# the same M = 1 items, so the bits are the same (tests/test_attention.py, and the start-up guard).
-PER_HEAD_ROWS = 512
+# the same M = 1 items, so the bits are the same (tests/test_attention.py, and the start-up guard). Measured
+# on the machines tfq ran on: repeating pays only for one stream with a short context.
+PER_HEAD_ROWS = 256
 CHUNK_BLOCK = 64  # query rows of a prompt chunk attended at a time
 
 

@@ -6,12 +6,17 @@ not promised by torch, so the start-up proofs (tfq/proofs/startup.py) check all 
 The linear layer: on this CPU plain fp32 `F.linear` gives a row different bits for M = 1, 2-3 and >= 4 (MKL
 picks other kernels). oneDNN's pre-packed fp32 inner product is invariant from 2 rows up (swept to 4096 in
 tests/test_arithmetic.py), and for 1 row too while rows are short (896), but not for long rows (4864, the
-MLP's down projection): one row goes through another kernel. So a lone row is padded to two.
+MLP's down projection): one row goes through another kernel. So a lone row is padded to two where that
+happens. Which shapes need it is measured when a layer is made (a lone row against the same row in a pair, at
+several thread counts), since it depends on the CPU and the build; padding costs a second row's products and
+a copy, so the shapes that do not need it skip it.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+PROBE_THREADS = (1, 2, 3, 4)  # thread counts the lone-row probe tries, besides the current one
 
 
 def _onednn_available() -> bool:
@@ -27,16 +32,41 @@ class Linear:
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.packed = _onednn_available()
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.packed else weight
+        self.pad_lone = self.packed and not _lone_row_agrees(self)
+        self._pair = torch.zeros(2, self.in_features) if self.pad_lone else None  # row 1 stays zero
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self.packed:
             return _rowwise_linear(x, self.weight, self.bias)
-        if x.shape[0] == 1:  # oneDNN runs one row through another kernel (other bits for long rows): pad to two
-            return self._packed(torch.cat([x, x.new_zeros(x.shape)]))[:1]
+        if x.shape[0] == 1 and self.pad_lone:  # oneDNN would run this lone row through another kernel
+            self._pair[0].copy_(x[0])
+            return self._packed(self._pair)[:1]
         return self._packed(x)
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+
+_LONE_ROW: dict[tuple[int, int, int], bool] = {}  # (out, in, threads) -> whether a lone row agrees, measured
+
+
+def _lone_row_agrees(layer: Linear) -> bool:
+    """Whether oneDNN gives a lone row the bits it gives the same row beside another, at the usual thread
+    counts (the start-up guard then proves the layer at every count the engine runs)."""
+    threads = torch.get_num_threads()
+    g = torch.Generator().manual_seed(layer.in_features)
+    x = torch.randn(2, layer.in_features, generator=g)
+    try:
+        for n in sorted({*PROBE_THREADS, threads}):
+            key = (layer.out_features, layer.in_features, n)
+            if key not in _LONE_ROW:
+                torch.set_num_threads(n)
+                _LONE_ROW[key] = torch.equal(layer._packed(x[:1]), layer._packed(x)[:1])
+            if not _LONE_ROW[key]:
+                return False
+    finally:
+        torch.set_num_threads(threads)
+    return True
 
 
 def _rowwise_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -45,7 +75,8 @@ def _rowwise_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) ->
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dimension (torch's own op: one call, not five)."""
+    return torch.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
@@ -57,4 +88,4 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     call. `torch.exp` finishes a chunk with a partial vector instead; negation, addition and division round
     the same on either path. Measured invariant at 1 to 16 threads; the guard proves it at start.
     """
-    return x / (1 + torch.exp(-x))
+    return x / torch.neg(x).exp_().add_(1)  # in place after the first op: the same ops, fewer tensors

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from tfq.kernels.rowwise import Linear
-from tfq.proofs.startup_kernels import check_linear
+from tfq.proofs.startup_kernels import check_linear, check_rows
 from tfq.errors import TfqError
 
 
@@ -82,3 +82,37 @@ def test_guard_refuses_onednn_without_the_one_row_padding():
         return lin._packed
     with pytest.raises(TfqError, match="at 1 rows"):
         check_linear(make)
+
+
+def _lone_row_differs(monkeypatch):
+    """A oneDNN stand-in whose one-row kernel rounds differently (by construction, not by a build's luck)."""
+    from tfq.kernels import rowwise
+
+    real = Linear._packed
+
+    def packed(self, x):
+        y = real(self, x)
+        return y * (1 + 2 ** -20) if x.shape[0] == 1 else y
+
+    monkeypatch.setattr(Linear, "_packed", packed)
+    monkeypatch.setattr(rowwise, "_LONE_ROW", {})  # measure again, on the stand-in
+
+
+def test_a_layer_pads_a_lone_row_when_its_kernel_would_change_the_row(monkeypatch):
+    _lone_row_differs(monkeypatch)
+    g = torch.Generator().manual_seed(5)
+    lin = Linear(torch.randn(64, 96, generator=g), torch.randn(64, generator=g))
+    assert lin.pad_lone
+    x = torch.randn(5, 96, generator=g)
+    assert all(torch.equal(lin(x[i:i + 1]), lin(x)[i:i + 1]) for i in range(5))
+
+
+def test_control_a_layer_that_skips_the_padding_is_red(monkeypatch):
+    _lone_row_differs(monkeypatch)
+    g = torch.Generator().manual_seed(5)
+    lin = Linear(torch.randn(64, 96, generator=g), torch.randn(64, generator=g))
+    lin.pad_lone = False  # trust the lone-row kernel without measuring it
+    x = torch.randn(5, 96, generator=g)
+    assert not torch.equal(lin(x[:1]), lin(x)[:1])
+    with pytest.raises(TfqError, match="at 1 rows"):
+        check_rows(lin, 96, "the stand-in")

@@ -69,6 +69,15 @@ def test_bench_beside_the_peer_writes_the_report(tiny_dirs, tmp_path, monkeypatc
     assert rows[2, "partial"]["plan"]["attention"] == "partial"
     assert rows[2, "drafted"]["plan"]["draft"].startswith("ngram") and "drafted" in rows[2, "drafted"]
     assert any(t["target"].startswith("decode at 1 lane vs the peer") for t in report["targets"])
+    probes = report["machine"]["bandwidth_start"]
+    assert {"linear 1 row", "linear 2 rows", "sum"} <= {k.split(",")[0] for k in probes}
+    assert report["machine"]["bandwidth_bytes_per_s"] == max(*probes.values(), *report["machine"]["bandwidth_end"].values())
+    for lanes in (1, 2):  # the whole arm's step, split by op kind
+        b = rows[lanes, "whole"]["breakdown_ms"]
+        assert b["linear_ms"] > 0 and b["attention_ms"] > 0
+        assert b["linear_ms"] + b["attention_ms"] + b["rest_ms"] == pytest.approx(b["step_ms"], abs=0.05)
+        assert "breakdown_ms" not in rows[lanes, "partial"]
+    assert "a whole decode step at 2 lanes" in out
 
 
 def test_bench_without_a_peer(tiny_dirs, tmp_path, monkeypatch, capsys):

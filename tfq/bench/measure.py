@@ -33,27 +33,53 @@ def kv_read_bytes(config: ModelConfig, kv_dtype: str, lanes: int, context: float
     return lanes * context * row_bytes(config, kv_dtype)
 
 
-def measure_bandwidth(mib: int = BANDWIDTH_MIB, tries: int = BANDWIDTH_TRIES) -> dict[int, float]:
-    """Bytes/s of a streaming read (a sum over a tensor far larger than the caches), with one thread and with
-    torch's threads as the engines use them: {threads: bytes/s}. Each is the second best of `tries` (a rate
-    reached twice, so one glitch of the clock cannot set the roofline); on a shared machine a thread may wait
-    for a busy core, so the caller takes the best of the thread counts."""
-    a = torch.rand(mib * 2**20 // 4)  # distinct pages: nothing a hypervisor could merge
-    a.sum()
+def measure_bandwidth(mib: int = BANDWIDTH_MIB, tries: int = BANDWIDTH_TRIES) -> dict[str, float]:
+    """Bytes/s this machine reads, by probe: {"what, N threads": bytes/s}. The probes read tensors far larger
+    than the caches:
+
+    - `linear`: tfq's own linear layer (oneDNN, packed) over a weight of `mib` MiB for one and for two rows,
+      the way a decode step streams its weights; its rate is what a step can reach, so it sets the roofline.
+    - `sum`: a plain reduction over a tensor of `mib` MiB, with one thread and with torch's threads.
+
+    Each is the second best of `tries` (a rate reached twice, so one glitch of the clock cannot set the
+    roofline); the report takes the best probe (on a shared machine the best read is the nearest to the
+    physical limit)."""
+    from tfq.kernels.rowwise import Linear
+
     threads = torch.get_num_threads()
     out = {}
+    inner = 896
+    weight = torch.rand(mib * 2**20 // 4 // inner, inner)  # distinct pages: nothing a hypervisor could merge
+    layer = Linear(weight)
+    del weight
+    for rows in (1, 2):
+        x = torch.rand(rows, inner)
+        layer(x)
+        out[f"linear {rows} row{'s' * (rows > 1)}, {_threads(threads)}"] = (
+            layer.out_features * inner * 4 / _second_best(lambda: layer(x), tries))
+    del layer
+    a = torch.rand(mib * 2**20 // 4)
+    a.sum()
     try:
         for n in sorted({1, threads}):
             torch.set_num_threads(n)
-            times = []
-            for _ in range(tries):
-                t0 = time.perf_counter()
-                a.sum()
-                times.append(time.perf_counter() - t0)
-            out[n] = a.nbytes / sorted(times)[1]
+            out[f"sum, {_threads(n)}"] = a.nbytes / _second_best(a.sum, tries)
     finally:
         torch.set_num_threads(threads)
     return out
+
+
+def _threads(n: int) -> str:
+    return f"{n} thread{'s' * (n > 1)}"
+
+
+def _second_best(work, tries: int) -> float:
+    times = []
+    for _ in range(tries):
+        t0 = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[1]
 
 
 # -------------------------------------------------------------------------------------------- memory

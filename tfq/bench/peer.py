@@ -13,6 +13,8 @@ from tfq.errors import TfqError
 class HfPeer:
     """HF transformers `generate` on the same checkpoint folder: greedy, fp32, its own (dynamic) cache."""
 
+    name = "hf"
+
     def __init__(self, folder):
         import transformers
         from transformers import AutoModelForCausalLM
@@ -25,6 +27,9 @@ class HfPeer:
             raise TfqError(f"the peer (HF transformers {self.version}) cannot load {folder}: "
                            f"{' '.join(str(e).split())[:300]}") from None
         self.model = model.to(torch.float32).eval()
+
+    def prepare(self, lanes: int, rows: int) -> None:
+        """Nothing to size: generate grows its own cache."""
 
     def run(self, prompts: list[list[int]], tokens: int, round_: int, probe: MemoryProbe) -> Run:
         from transformers import GenerationConfig

@@ -21,7 +21,7 @@ def bench_rows(bench: Bench, bandwidth: float) -> list[dict]:
     context = mean_context(s.prompt_tokens, s.tokens)
     weights = weights_read_bytes(bench.config)
     for lanes in s.lanes:
-        peer_runs = {r.round: r for r in bench.runs if r.lanes == lanes and r.engine == "hf"}
+        peer_runs = {r.round: r for r in bench.runs if r.lanes == lanes and r.arm == "peer"}
         names = bench.arms_at(lanes) + (["peer"] if peer_runs else [])
         for arm in names:
             runs = [r for r in bench.runs if r.lanes == lanes and r.arm == arm]
@@ -47,6 +47,8 @@ def bench_rows(bench: Bench, bandwidth: float) -> list[dict]:
                                       "acceptance": accepted / proposed if proposed else None}
                 if peer_runs:
                     row["same_reply_as_peer"] = _agreement(runs, peer_runs, bench.eos_ids())
+            if arm == "whole" and lanes in bench.breakdown:
+                row["breakdown_ms"] = bench.breakdown[lanes]
             row["runs"] = figs
             out.append(row)
     return out
@@ -98,26 +100,25 @@ def build_report(bench: Bench, bandwidths: tuple[dict, dict], loads: tuple, wall
                      "prompt_tokens": s.prompt_tokens, "tokens": s.tokens, "repeats": s.repeats, "peer": s.peer,
                      "arms": list(s.arms), "seed": s.seed, "window": bench_window(bench.base, s)},
         "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-                    "transformers": bench.peer.version if bench.peer else None,
+                    "peer": bench.peer.name if bench.peer else None,
+                    "peer_version": bench.peer.version if bench.peer else None,
                     "python": platform.python_version(), "load_average_before": list(loads[0]),
                     "load_average_after": list(loads[1]), "bandwidth_bytes_per_s": bandwidth,
-                    "bandwidth_start": _by_threads(bandwidths[0]), "bandwidth_end": _by_threads(bandwidths[1]),
+                    "bandwidth_start": bandwidths[0], "bandwidth_end": bandwidths[1],
                     "rss_peak_is_per_run": MemoryProbe().resettable},
         "model": {"family": config.family, "parameters": config.param_count(),
                   "weights_read_per_step_bytes": weights_read_bytes(config)},
         "wall_s": wall,
         "rows": rows,
         "skipped": bench.skipped,
-        "targets": targets(rows),
+        "targets": targets(rows, s.peer),
     }
 
 
-def _by_threads(measured: dict[int, float]) -> dict[str, float]:
-    return {f"{n} thread{'s' * (n > 1)}": bw for n, bw in measured.items()}
-
-
-def targets(rows: list[dict]) -> list[dict]:
-    """The issue's targets for this machine, where the run measured what they need."""
+def targets(rows: list[dict], peer: str = "hf") -> list[dict]:
+    """The targets set for this machine, where the run measured what they need: against HF transformers
+    (1.5x at one lane, 3x at eight) and against llama.cpp on the same F32 weights (at least even, decode at
+    every lane count and prefill)."""
     by = {(r["lanes"], r["arm"]): r for r in rows}
     out = []
 
@@ -125,11 +126,19 @@ def targets(rows: list[dict]) -> list[dict]:
         if value is not None:
             out.append({"target": what, "value": value, "goal": goal, "met": value >= goal})
 
+    def vs(lanes: int, key: str = "decode"):
+        return (by[lanes, "whole"].get("vs_peer") or {}).get(key) if (lanes, "whole") in by else None
+
     if (1, "whole") in by:
         add("decode at 1 lane, fraction of the bandwidth roofline", by[1, "whole"]["roofline_fraction"], 0.7)
-        add("decode at 1 lane vs the peer", (by[1, "whole"].get("vs_peer") or {}).get("decode"), 1.5)
+    if peer == "llama.cpp":
+        for lanes in sorted({n for n, arm in by if arm == "whole"}):
+            add(f"decode at {lanes} lane{'s' * (lanes > 1)} vs llama.cpp F32", vs(lanes), 1.0)
+            add(f"prefill at {lanes} lane{'s' * (lanes > 1)} vs llama.cpp F32", vs(lanes, "prefill"), 1.0)
+    elif peer == "hf":
+        add("decode at 1 lane vs the peer", vs(1), 1.5)
+        add("decode at 8 lanes vs the peer", vs(8), 3.0)
     if (8, "whole") in by:
-        add("decode at 8 lanes vs the peer", (by[8, "whole"].get("vs_peer") or {}).get("decode"), 3.0)
         if (1, "whole") in by and by[1, "whole"]["decode_tokens_per_s"] and by[8, "whole"]["decode_tokens_per_s"]:
             add("aggregate decode, 8 lanes / 1 lane",
                 by[8, "whole"]["decode_tokens_per_s"] / by[1, "whole"]["decode_tokens_per_s"], 4.0)

@@ -78,6 +78,21 @@ class TfqArm:
                    proposed=sum(r.proposed for r in results), accepted=sum(r.accepted for r in results))
 
 
+    def breakdown(self, prompts: list[list[int]], steps: int) -> dict:
+        """Where a decode step's time goes with these streams past their prompts (tfq.bench.breakdown)."""
+        from tfq.bench.breakdown import step_breakdown
+
+        ids = [self.engine.add(Request(tuple(p), max_tokens=2 * steps + 2, label=f"s{i}"))
+               for i, p in enumerate(prompts)]
+        try:
+            while any(self.engine.streams[i].cached < len(p) for i, p in zip(ids, prompts)):
+                self.engine.step()  # prefill (and the first draw)
+            return step_breakdown(self.engine, steps)
+        finally:
+            for i in ids:
+                self.engine.abort(i)
+
+
 def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (count, length), generator=g).tolist()

@@ -14,7 +14,7 @@ ARM_ABOUT = {
     "partial": "partial attention arithmetic instead of rows",
     "drafted": "n-gram drafts verified in the batch",
 }
-PEERS = ("hf", "none")
+PEERS = ("hf", "llama.cpp", "llama.cpp-gguf", "none")
 PAGE_ROWS = 256  # the paged arm's page rows when the plan has none
 DRAFT = "ngram:4"  # the drafted arm's drafter when the plan drafts nothing
 PEER_INSTALL = 'pip install -e ".[peer]"'
@@ -69,7 +69,8 @@ def check_settings(s: BenchSettings) -> None:
     if s.threads is not None and s.threads < 1:
         raise TfqError(f"--threads must be at least 1, got {s.threads}")
     if s.peer not in PEERS:
-        raise TfqError(f"--peer {s.peer!r}: choose hf (HF transformers generate) or none")
+        raise TfqError(f"--peer {s.peer!r}: choose hf (HF transformers generate), llama.cpp (on the same weights "
+                       f"as an F32 GGUF), llama.cpp-gguf (the GGUF file as shipped) or none")
 
 
 def check_against_plan(s: BenchSettings, plan: Plan) -> None:
@@ -85,6 +86,11 @@ def check_against_plan(s: BenchSettings, plan: Plan) -> None:
 
 
 def require_peer(peer: str) -> None:
+    if peer.startswith("llama.cpp"):
+        from tfq.bench.llama_peer import require_llama
+
+        require_llama()
+        return
     if peer != "hf":
         return
     import importlib

@@ -23,7 +23,9 @@ def bench_command(
     prompt_tokens: int = typer.Option(128, "--prompt-tokens", help="Prompt length: random token ids, exactly this many."),
     tokens: int = typer.Option(32, "--tokens", help="Reply tokens a stream (EOS ignored: every reply is this long)."),
     repeats: int = typer.Option(3, "--repeats", help="Timed rounds after the warm-up; figures are their medians."),
-    peer: str = typer.Option("hf", "--peer", help="hf: HF transformers generate on the same weights (pip install -e \".[peer]\"); none."),
+    peer: str = typer.Option("hf", "--peer", help="hf: HF transformers generate on the same weights (pip install -e \".[peer]\"); llama.cpp: llama.cpp on "
+                                                         "the same weights as an F32 GGUF, llama.cpp-gguf: on the GGUF as shipped "
+                                                         "(pip install -e \".[peer-llama]\"); none."),
     arms: str = typer.Option("whole,paged,partial,drafted", "--arms",
                              help="tfq arms: whole, paged (256-row pages beyond stream 0), partial, drafted (ngram)."),
     json_file: Optional[str] = typer.Option(None, "--json", metavar="FILE", help="Also write the report as JSON ('-': stdout)."),
@@ -66,15 +68,24 @@ def bench_command(
     load_before = os.getloadavg()
     with err.status("loading the model"):
         loaded = load_model(the_plan.model, progress=not quiet, device=layout.device)
-    hf = None
+    peer_engine = None
     if settings.peer == "hf":
         if quiet:
             from transformers.utils import logging as hf_logging
 
             hf_logging.disable_progress_bar()
         with err.status("loading the peer (HF transformers)"):
-            hf = HfPeer(loaded.folder)
-    bench = Bench(the_plan, config, loaded, settings, peer=hf)
+            peer_engine = HfPeer(loaded.folder)
+    elif settings.peer.startswith("llama.cpp"):
+        import torch
+
+        from tfq.bench.llama_peer import LlamaPeer, peer_gguf
+
+        quantized = settings.peer == "llama.cpp-gguf"
+        path = peer_gguf(the_plan.model, quantized, progress=not quiet)
+        with err.status(f"loading the peer (llama.cpp on {path.name})"):
+            peer_engine = LlamaPeer(path, torch.get_num_threads(), settings.peer)
+    bench = Bench(the_plan, config, loaded, settings, peer=peer_engine)
     with err.status("measuring memory bandwidth"):
         bandwidth_start = measure_bandwidth()
     t0 = time.perf_counter()
@@ -121,7 +132,7 @@ def _print_table(report: dict, console: Console) -> None:
     for c in cols:
         table.add_column(c, justify="left" if c in ("engine", "note") else "right", no_wrap=c != "note")
     for r in report["rows"]:
-        name = "hf (peer)" if r["arm"] == "peer" else f"tfq {r['arm']}"
+        name = f"{m['peer']} (peer)" if r["arm"] == "peer" else f"tfq {r['arm']}"
         vs = (r.get("vs_peer") or {}).get("decode")
         note = ""
         if r.get("drafted"):
@@ -137,8 +148,10 @@ def _print_table(report: dict, console: Console) -> None:
                       _mib(r["cache_bytes"]), note)
     console.print(table)
     la, lb = m["load_average_before"], m["load_average_after"]
-    console.print(f"memory bandwidth {m['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (a read, best of "
-                  f"{', '.join(m['bandwidth_start'])} at the start and the end); a step reads {report['model']['weights_read_per_step_bytes'] / 1e9:.2f} "
+    probes = {**m["bandwidth_start"], **m["bandwidth_end"]}
+    best = max(probes, key=probes.get)
+    console.print(f"memory bandwidth {m['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (the best of {len(probes)} probes, "
+                  f"at the start and the end: {best}); a step reads {report['model']['weights_read_per_step_bytes'] / 1e9:.2f} "
                   f"GB of weights plus the cache; load average {la[0]:.2f} before, {lb[0]:.2f} after, on "
                   f"{m['cpus']} CPUs", highlight=False)
     console.print("roofline: the least time a decode step can take (bytes it reads / bandwidth) over the time it took; "
@@ -151,6 +164,12 @@ def _print_table(report: dict, console: Console) -> None:
                       f"thread{'s' * (m['torch_threads'] > 1)} each engine): a thread that waits for a busy core stalls "
                       f"every parallel step, so these figures are noisy; compare with --threads 1", highlight=False,
                       style="yellow")
+    for r in report["rows"]:
+        b = r.get("breakdown_ms")
+        if b:
+            console.print(f"a whole decode step at {r['lanes']} lane{'s' * (r['lanes'] > 1)}: {b['step_ms']:.1f} ms = "
+                          f"linear layers {b['linear_ms']:.1f} + attention {b['attention_ms']:.1f} + the rest "
+                          f"{b['rest_ms']:.1f}", highlight=False)
     for sk in report["skipped"]:
         console.print(f"skipped: lanes {sk['lanes']} {sk['arm']}: {sk['why']}", highlight=False, style="dim")
     for g in report["targets"]:

@@ -1,0 +1,61 @@
+"""Where a decode step's time goes: linear layers, attention, and the rest (norms, rotary, activations, the
+cache store, indexing, the scheduler, sampling, Python).
+
+A few decode steps run with a clock around every linear layer and every attention call of the model (the
+clocks cost well under a microsecond each); the rest is the step's wall time less both. With `top`, a second
+pass under the torch profiler names the ops that take the most time (the profiler adds its own cost to every
+op, so its times only rank them; benchmarks/profile_step.py asks for it, `tfq bench` does not).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+class _Clock:
+    def __init__(self):
+        self.seconds = 0.0
+
+    def wrap(self, fn):
+        def timed(*args, **kw):
+            t0 = time.perf_counter()
+            out = fn(*args, **kw)
+            self.seconds += time.perf_counter() - t0
+            return out
+
+        return timed
+
+
+def step_breakdown(engine, steps: int, top: int = 0) -> dict:
+    """Split `steps` decode steps of a running engine (every stream past its prompt, enough tokens left to
+    run 2 * steps + 1 more): {"step_ms", "linear_ms", "attention_ms", "rest_ms", "top_ops"}, per step."""
+    model = engine.runner.model
+    engine.step()  # warm-up
+    linear, attention = _Clock(), _Clock()
+    backend, layers, head = model.backend, model.layers, model.lm_head
+    model.backend = dataclasses.replace(backend, attend=attention.wrap(backend.attend))
+    model.layers = [dataclasses.replace(layer, **{name: linear.wrap(getattr(layer, name))
+                                                  for name in ("qkv", "o", "gate_up", "down")}) for layer in layers]
+    model.lm_head = linear.wrap(head)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = time.perf_counter() - t0
+    finally:
+        model.backend, model.layers, model.lm_head = backend, layers, head
+    ranked = []
+    if top:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                engine.step()
+        ranked = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    per = 1e3 / steps
+    return {"step_ms": round(wall * per, 2), "linear_ms": round(linear.seconds * per, 2),
+            "attention_ms": round(attention.seconds * per, 2),
+            "rest_ms": round((wall - linear.seconds - attention.seconds) * per, 2),
+            "top_ops": [{"op": e.key, "calls_per_step": e.count // steps,
+                         "self_ms_per_step": round(e.self_cpu_time_total / 1e3 / steps, 3)} for e in ranked]}
