@@ -40,9 +40,10 @@ class Backend:
 
 def torch_backend() -> Backend:
     from .attention import attend, write
-    from .rowwise import Linear, rms_norm
+    from .rowwise import linear, linear_name, rms_norm
 
-    return Backend("torch", torch.device("cpu"), "CPU", Linear, rms_norm, attend, write)
+    return Backend("torch", torch.device("cpu"), f"CPU, linear layers by {linear_name()}", linear, rms_norm, attend,
+                   write)
 
 
 def triton_backend(device: torch.device | None = None) -> tuple[Backend | None, str]:

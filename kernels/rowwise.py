@@ -1,9 +1,14 @@
-"""The model's per-row layers in torch (the CPU path): the linear layer, RMS norm and the activation.
+"""The model's per-row layers on the CPU: the linear layer, RMS norm and the activation.
 
-Each gives a row the same bits whatever other rows share its call, at any thread count. That is measured,
-not promised by torch, so the start-up proofs (tfq/proofs/startup.py) check all three on the running build.
+Each gives a row the same bits whatever other rows share its call, at any thread count, and the start-up
+proofs (tfq/proofs/startup.py) check all three on the running build.
 
-The linear layer: on this CPU plain fp32 `F.linear` gives a row different bits for M = 1, 2-3 and >= 4 (MKL
+The linear layer is tfq's own C++ kernel (kernels/cpu/linear.cpp, `FixedOrderLinear`): every output summed in
+one fixed order, so row invariance holds by construction, and it streams the weights faster than oneDNN does
+in a decode step. Where it cannot be built (no compiler), or with TFQ_CPU_LINEAR=onednn, oneDNN's packed fp32
+inner product is used (`OneDnnLinear`), whose invariance is measured instead:
+
+On this CPU plain fp32 `F.linear` gives a row different bits for M = 1, 2-3 and >= 4 (MKL
 picks other kernels). oneDNN's pre-packed fp32 inner product is invariant from 2 rows up (swept to 4096 in
 tests/test_arithmetic.py), and for 1 row too while rows are short (896), but not for long rows (4864, the
 MLP's down projection): one row goes through another kernel. So a lone row is padded to two where that
@@ -23,8 +28,55 @@ def _onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-class Linear:
-    """y = x W^T + b in fp32, row-invariant. Weights are packed once for oneDNN when it is there."""
+def linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """The CPU linear layer y = x W^T + b (fp32, row-invariant) that TFQ_CPU_LINEAR picks (kernels.cpu_build)."""
+    from . import cpu_build
+
+    pick = cpu_build.choice()
+    if pick != "onednn":
+        ok, why = cpu_build.load()
+        if ok:
+            return FixedOrderLinear(weight, bias)
+        if pick == "tfq":
+            raise RuntimeError(f"TFQ_CPU_LINEAR=tfq, but {why}")
+    return OneDnnLinear(weight, bias)
+
+
+def linear_name() -> str:
+    """Which linear layer `linear` makes in this process, in words."""
+    from . import cpu_build
+
+    if cpu_build.choice() != "onednn" and cpu_build.load()[0]:
+        return "tfq's fixed-order kernel"
+    return "oneDNN (packed fp32)" if _onednn_available() else "torch, one row at a time"
+
+
+class FixedOrderLinear:
+    """y = x W^T + b by kernels/cpu/linear.cpp: each output one fixed-order sum (row-invariant by construction).
+    Rows whose length is not a multiple of 16 are padded with zeros, in the weights once and in x per call."""
+
+    LANES = 16
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        from . import cpu_build
+
+        ok, why = cpu_build.load()
+        if not ok:
+            raise RuntimeError(why)
+        self.out_features, self.in_features = weight.shape
+        self.pad = (-self.in_features) % self.LANES
+        weight = weight.detach().float()
+        self.weight = (F.pad(weight, (0, self.pad)) if self.pad else weight).contiguous()
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pad:
+            x = F.pad(x, (0, self.pad))
+        return torch.ops.tfq_cpu.linear(x.contiguous(), self.weight, self.bias)
+
+
+class OneDnnLinear:
+    """y = x W^T + b in fp32, row-invariant as measured. Weights are packed once for oneDNN when it is there."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.out_features, self.in_features = weight.shape
@@ -50,7 +102,7 @@ class Linear:
 _LONE_ROW: dict[tuple[int, int, int], bool] = {}  # (out, in, threads) -> whether a lone row agrees, measured
 
 
-def _lone_row_agrees(layer: Linear) -> bool:
+def _lone_row_agrees(layer: OneDnnLinear) -> bool:
     """Whether oneDNN gives a lone row the bits it gives the same row beside another, at the usual thread
     counts (the start-up guard then proves the layer at every count the engine runs)."""
     threads = torch.get_num_threads()

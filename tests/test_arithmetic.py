@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tfq.kernels.rowwise import Linear
+from tfq.kernels.rowwise import FixedOrderLinear, OneDnnLinear, linear
 from tfq.proofs.startup_kernels import check_linear, check_rows
 from tfq.errors import TfqError
 
@@ -27,23 +27,96 @@ def sweep(f, x: torch.Tensor, sizes) -> list[int]:
     return bad
 
 
+IMPLEMENTATIONS = [FixedOrderLinear, OneDnnLinear]  # tfq's kernel (the default) and oneDNN (its fallback)
+
+
+@pytest.mark.parametrize("make", IMPLEMENTATIONS)
 @pytest.mark.parametrize("n_in, n_out", LAYERS)
-def test_linear_row_bits_hold_at_every_size_the_engine_runs(n_in, n_out):
+def test_linear_row_bits_hold_at_every_size_the_engine_runs(n_in, n_out, make):
     g = torch.Generator().manual_seed(n_in + n_out)
-    f = Linear(torch.randn(n_out, n_in, generator=g), torch.randn(n_out, generator=g))
+    f = make(torch.randn(n_out, n_in, generator=g), torch.randn(n_out, generator=g))
     x = torch.randn(LARGEST, n_in, generator=g)
     assert sweep(f, x, [*range(1, 65), *STEPS]) == []
 
 
-def test_the_head_row_bits_hold_at_every_size_it_runs():
+@pytest.mark.parametrize("make", IMPLEMENTATIONS)
+def test_the_head_row_bits_hold_at_every_size_it_runs(make):
     g = torch.Generator().manual_seed(151936)
-    f = Linear(torch.randn(151936, 896, generator=g))
+    f = make(torch.randn(151936, 896, generator=g))
     x = torch.randn(96, 896, generator=g)
     assert sweep(f, x, [*range(1, 65), 80]) == []
 
 
+def test_the_engine_linear_is_tfqs_kernel_unless_told():
+    assert isinstance(linear(torch.ones(4, 16)), FixedOrderLinear)  # this machine has gcc: the kernel builds
+
+
+def test_onednn_on_request(monkeypatch):
+    monkeypatch.setenv("TFQ_CPU_LINEAR", "onednn")
+    assert isinstance(linear(torch.ones(4, 16)), OneDnnLinear)
+    monkeypatch.setenv("TFQ_CPU_LINEAR", "fast")
+    with pytest.raises(ValueError, match="choose auto, tfq or onednn"):
+        linear(torch.ones(4, 16))
+
+
+def test_a_bad_linear_choice_is_one_line(monkeypatch, capsys, tiny_dirs):
+    from cli import tfq
+
+    monkeypatch.setenv("TFQ_CPU_LINEAR", "fast")
+    code, out, err = tfq(["chat", "--model", str(tiny_dirs["qwen2"]), "--quiet", "hi"], monkeypatch, capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "TFQ_CPU_LINEAR='fast'" in err, err
+
+
+@pytest.mark.parametrize("n_in", [16, 90, 896, 4864])
+def test_the_kernel_sums_each_output_in_its_fixed_order(n_in):
+    """Every output is 16 lane sums (lane l: k = 16 j + l, fused multiply-add in j order) added in a fixed
+    tree, then the bias: computed here in numpy, one element at a time, the kernel's bits exactly. A row not a
+    multiple of 16 long is padded with zeros."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(n_in)
+    w, b = torch.randn(8, n_in, generator=g), torch.randn(8, generator=g)
+    x = torch.randn(3, n_in, generator=g)
+    got = FixedOrderLinear(w, b)(x)
+    pad = (-n_in) % 16
+    xs, ws = np.pad(x.numpy(), ((0, 0), (0, pad))), np.pad(w.numpy(), ((0, 0), (0, pad)))
+    for m in range(3):
+        for n in range(8):
+            lanes = np.zeros(16, np.float32)
+            for k in range(0, n_in + pad, 16):  # fma: x * w + acc rounded once (in float64, then to float32)
+                lanes = (xs[m, k:k + 16].astype(np.float64) * ws[n, k:k + 16] + lanes).astype(np.float32)
+            for half in (8, 4, 2, 1):
+                lanes = lanes[:half] + lanes[half:2 * half]
+            assert np.float32(lanes[0] + b[n].numpy()) == got[m, n].numpy(), (m, n)
+
+
+def test_control_a_sum_split_in_another_order_is_red():
+    """The same products summed in another lane order (8 lanes instead of 16) part in the last bits."""
+    g = torch.Generator().manual_seed(7)
+    w, x = torch.randn(64, 896, generator=g), torch.randn(4, 896, generator=g)
+    other = (x.view(4, 1, 112, 8) * w.view(1, 64, 112, 8)).sum(2).sum(-1)
+    assert not torch.equal(FixedOrderLinear(w)(x), other)
+
+
+def test_the_kernel_gives_the_same_bits_at_any_thread_count():
+    """Each output is summed by one thread in one order: unlike oneDNN, even the thread count cannot matter."""
+    g = torch.Generator().manual_seed(11)
+    f = FixedOrderLinear(torch.randn(1000, 896, generator=g), torch.randn(1000, generator=g))
+    x = torch.randn(37, 896, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3, 5, 8, 16):
+            torch.set_num_threads(n)
+            outs.append(f(x))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
 def test_guard_accepts_the_engine_linear():
     check_linear()
+    check_linear(OneDnnLinear)
 
 
 def test_guard_refuses_plain_linear():
@@ -55,7 +128,7 @@ def test_guard_refuses_plain_linear():
 def test_guard_refuses_a_subtly_wrong_path():
     """A path that is right for one row but sums differently in a batch (a control that must be caught)."""
     def make(w, b):
-        lin = Linear(w, b)
+        lin = linear(w, b)
         return lambda x: lin(x) if len(x) == 1 else lin(x) + (lin(x) * 1e-7)
     with pytest.raises(TfqError):
         check_linear(make)
@@ -78,7 +151,7 @@ def test_attention_guard_passes_and_catches_a_shape_dependent_kernel():
 def test_guard_refuses_onednn_without_the_one_row_padding():
     """oneDNN alone runs a lone long row through another kernel: the guard must catch exactly that."""
     def make(w, b):
-        lin = Linear(w, b)
+        lin = OneDnnLinear(w, b)
         return lin._packed
     with pytest.raises(TfqError, match="at 1 rows"):
         check_linear(make)
@@ -88,20 +161,20 @@ def _lone_row_differs(monkeypatch):
     """A oneDNN stand-in whose one-row kernel rounds differently (by construction, not by a build's luck)."""
     from tfq.kernels import rowwise
 
-    real = Linear._packed
+    real = OneDnnLinear._packed
 
     def packed(self, x):
         y = real(self, x)
         return y * (1 + 2 ** -20) if x.shape[0] == 1 else y
 
-    monkeypatch.setattr(Linear, "_packed", packed)
+    monkeypatch.setattr(OneDnnLinear, "_packed", packed)
     monkeypatch.setattr(rowwise, "_LONE_ROW", {})  # measure again, on the stand-in
 
 
 def test_a_layer_pads_a_lone_row_when_its_kernel_would_change_the_row(monkeypatch):
     _lone_row_differs(monkeypatch)
     g = torch.Generator().manual_seed(5)
-    lin = Linear(torch.randn(64, 96, generator=g), torch.randn(64, generator=g))
+    lin = OneDnnLinear(torch.randn(64, 96, generator=g), torch.randn(64, generator=g))
     assert lin.pad_lone
     x = torch.randn(5, 96, generator=g)
     assert all(torch.equal(lin(x[i:i + 1]), lin(x)[i:i + 1]) for i in range(5))
@@ -110,7 +183,7 @@ def test_a_layer_pads_a_lone_row_when_its_kernel_would_change_the_row(monkeypatc
 def test_control_a_layer_that_skips_the_padding_is_red(monkeypatch):
     _lone_row_differs(monkeypatch)
     g = torch.Generator().manual_seed(5)
-    lin = Linear(torch.randn(64, 96, generator=g), torch.randn(64, generator=g))
+    lin = OneDnnLinear(torch.randn(64, 96, generator=g), torch.randn(64, generator=g))
     lin.pad_lone = False  # trust the lone-row kernel without measuring it
     x = torch.randn(5, 96, generator=g)
     assert not torch.equal(lin(x[:1]), lin(x)[:1])

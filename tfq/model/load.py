@@ -36,6 +36,14 @@ def load_model(spec: str, progress: bool = True, device: str | torch.device = "c
 def backend_for(device: torch.device) -> Backend:
     """The kernels for `device`: torch on the CPU, Triton on CUDA."""
     if device.type == "cpu":
+        from tfq.kernels import cpu_build
+
+        try:
+            pick = cpu_build.choice()
+        except ValueError as e:
+            raise TfqError(str(e)) from None
+        if pick == "tfq" and not cpu_build.load()[0]:
+            raise TfqError(f"TFQ_CPU_LINEAR=tfq, but {cpu_build.load()[1]}; install a C++ compiler (gcc) or unset it")
         return torch_backend()
     if device.type != "cuda":
         raise TfqError(f"device {device} is not supported; use cpu or cuda")

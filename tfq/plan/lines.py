@@ -90,7 +90,8 @@ def _device_line(plan: Plan, lay: Layout) -> str:
     if plan.device == "auto":
         auto = " (auto: a CUDA GPU is here)" if lay.device != "cpu" else " (auto: no CUDA GPU here)"
     if lay.device == "cpu":
-        kernels = "torch kernels: oneDNN linear layers, attention as one-row bmm items"
+        kernels = ("torch kernels: tfq's fixed-order linear layers (C++, built once for this CPU; oneDNN if no "
+                   "compiler), attention as one-row bmm items")
     else:
         import torch
 

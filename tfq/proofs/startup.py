@@ -266,10 +266,17 @@ def build_facts() -> dict:
         "cpu": _cpu_model(),
         "machine": platform.machine(),
         "torch_isa": torch.backends.cpu.get_cpu_capability(),
+        "linear": _linear_name(),
         "onednn": _onednn_facts(),
         "threads": torch.get_num_threads(),
         "thread_policy": f"fixed by {fixed}" if fixed else "follows the free cores, proved counts only",
     }
+
+
+def _linear_name() -> str:
+    from tfq.kernels.rowwise import linear_name
+
+    return linear_name()
 
 
 def _cpu_model() -> str:
@@ -294,9 +301,9 @@ def _onednn_facts() -> str:
 
     if not torch.backends.mkldnn.is_available():
         return "not in this build"
-    from tfq.kernels.rowwise import Linear
+    from tfq.kernels.rowwise import OneDnnLinear
 
-    lin = Linear(torch.ones(8, 8))
+    lin = OneDnnLinear(torch.ones(8, 8))
     sys.stdout.flush()
     with tempfile.TemporaryFile() as f:
         saved = os.dup(1)

@@ -1,7 +1,8 @@
 """Start-up proofs of the kernels, run once a process when a model loads: linear layers and attention give a
 row the same bits whatever rows share the call (tfq/proofs/startup.py then proves the model's whole layer).
 
-oneDNN's pre-packed linear is a private op and its row invariance is measured, not promised, so `check_linear`
+tfq's own linear kernel is row-invariant by construction, and oneDNN's pre-packed linear (its fallback) is a
+private op whose row invariance is measured, not promised; either way `check_linear`
 proves it on generic shapes and `check_layers` on the model's own layers before tfq trusts it. The same
 checks guard the Triton backend's linear layer and attention on a GPU (`ensure_exact`).
 """
@@ -14,13 +15,13 @@ import torch
 from tfq.errors import TfqError
 from tfq.kernels.attention import attend, tile_count
 from tfq.kernels.contract import KEY_TILE, SPLIT_ROWS, AttentionBatch, Chunk, DecodeGroup, LinearFn
-from tfq.kernels.rowwise import Linear
+from tfq.kernels.rowwise import linear
 
 CHECK_ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 33, 48, 63)
-TORCH_FIX = "use a torch build with oneDNN (mkldnn)"
+TORCH_FIX = "use tfq's own linear kernel (TFQ_CPU_LINEAR=tfq, which needs gcc) or a torch build with oneDNN"
 
 
-def check_linear(make: Callable[[torch.Tensor, torch.Tensor], LinearFn] = Linear, rows: int = 64,
+def check_linear(make: Callable[[torch.Tensor, torch.Tensor], LinearFn] = linear, rows: int = 64,
                  device: torch.device | str = "cpu", fix: str = TORCH_FIX) -> None:
     """Refuse to run if a linear row's bits change with the number of rows in the matmul.
 

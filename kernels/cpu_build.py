@@ -1,0 +1,70 @@
+"""tfq's C++ kernels for the CPU (kernels/cpu/*.cpp): built once per machine by torch's extension builder, then
+loaded as torch ops (torch.ops.tfq_cpu.*).
+
+The build uses the machine's own instruction set (-march=native), so its folder is named after the CPU: a home
+folder shared between machines never hands one of them another's build. Floating-point contraction is off, so
+the compiler fuses nothing the source does not (the kernels' sums are exact recipes, kernels/cpu/linear.cpp).
+Where no compiler or ninja is at hand the build fails with a reason, and the caller keeps torch's oneDNN path.
+
+TFQ_CPU_LINEAR picks the linear layer: `auto` (the default: tfq's kernel when it builds, else oneDNN), `tfq`
+(the kernel, or an error saying why it cannot build) or `onednn`.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+from pathlib import Path
+
+SOURCES = ("linear.cpp",)
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
+CHOICES = ("auto", "tfq", "onednn")
+
+_state: dict[str, object] = {}  # once a process: "ok" -> bool, "why" -> str
+
+
+def choice() -> str:
+    value = os.environ.get("TFQ_CPU_LINEAR", "auto").strip().lower() or "auto"
+    if value not in CHOICES:
+        raise ValueError(f"TFQ_CPU_LINEAR={value!r}: choose auto, tfq or onednn")
+    return value
+
+
+def _cpu_tag() -> str:
+    """What decides the build: the CPU's features, the compiler flags, the sources, torch's version."""
+    import torch
+
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = platform.processor()
+    h = hashlib.sha256(" ".join((flags, *FLAGS, torch.__version__, platform.machine())).encode())
+    for name in SOURCES:
+        h.update((Path(__file__).parent / "cpu" / name).read_bytes())
+    return h.hexdigest()[:12]
+
+
+def built() -> bool:
+    """Whether this process has the kernels loaded already (cheap)."""
+    return bool(_state.get("ok"))
+
+
+def load() -> tuple[bool, str]:
+    """Build (once per machine) and load the kernels; (True, where) or (False, why not)."""
+    if "ok" in _state:
+        return bool(_state["ok"]), str(_state["why"])
+    try:
+        import torch
+        from torch.utils import cpp_extension
+
+        folder = Path(__file__).parent / "cpu"
+        cpp_extension.load(name=f"tfq_cpu_{_cpu_tag()}", sources=[str(folder / s) for s in SOURCES],
+                           extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"], is_python_module=False,
+                           verbose=False)
+        ok, why = hasattr(torch.ops.tfq_cpu, "linear"), "tfq's fixed-order kernels (built for this CPU)"
+    except Exception as e:  # a missing compiler or ninja, a failed build: many kinds, one line
+        ok, why = False, f"tfq's CPU kernels did not build ({' '.join(str(e).split())[:200]})"
+    _state.update(ok=ok, why=why)
+    return ok, why
