@@ -44,6 +44,42 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
     return out
 
 
+def attend_fixed(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
+                 scale: float) -> torch.Tensor:
+    """`attend` by tfq's C++ kernel (kernels/cpu/attention.cpp): each (query row, KV head) one fixed-order
+    computation over the row's own keys, the same wherever the row comes from. q: [N, H, D] fp32."""
+    from . import cpu_build
+
+    if not cpu_build.built():
+        ok, why = cpu_build.load()
+        if not ok:
+            raise RuntimeError(why)
+    table, offsets, lengths = _memo(batch.memo, "tables", lambda: key_tables(batch, q.shape[0]))
+    return torch.ops.tfq_cpu.attend(q.contiguous(), k_cache, v_cache, table, offsets, lengths, scale, KEY_TILE,
+                                    SPLIT_ROWS if batch.partial else 0)
+
+
+def key_tables(batch: AttentionBatch, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every query row's keys as (table, offsets, lengths): row n attends to the cache rows
+    table[offsets[n] : offsets[n] + lengths[n]], in position order."""
+    parts, offsets, lengths = [], torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long)
+    start = 0
+    if batch.decode is not None:
+        d = batch.decode
+        b, lpad = d.cache_rows.shape
+        parts.append(d.cache_rows.reshape(-1))
+        offsets[d.q_rows] = torch.arange(b) * lpad
+        lengths[d.q_rows] = d.lengths
+        start = b * lpad
+    for c in batch.chunks:
+        parts.append(c.cache_rows)
+        offsets[c.q_start:c.q_start + c.count] = start
+        lengths[c.q_start:c.q_start + c.count] = torch.arange(c.first_pos + 1, c.first_pos + c.count + 1)
+        start += len(c.cache_rows)
+    table = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+    return table.contiguous(), offsets, lengths
+
+
 def write(cache_k: torch.Tensor, cache_v: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
           dtype_name: str) -> None:
     """Store k, v ([N, Hkv, D], fp32) at cache rows `rows`; narrow dtypes saturate instead of overflowing."""

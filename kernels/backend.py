@@ -39,11 +39,17 @@ class Backend:
 
 
 def torch_backend() -> Backend:
-    from .attention import attend, write
-    from .rowwise import linear, linear_name, rms_norm
+    from . import cpu_build
+    from .attention import attend, attend_fixed, write
+    from .rowwise import OneDnnLinear, linear_name, rms_norm
 
-    return Backend("torch", torch.device("cpu"), f"CPU, linear layers by {linear_name()}", linear, rms_norm, attend,
-                   write)
+    if cpu_build.wanted():  # tfq's C++ kernels (kernels/cpu/): linear layers and attention in fixed orders
+        from .rowwise import FixedOrderLinear
+
+        return Backend("torch", torch.device("cpu"), "CPU, tfq's fixed-order kernels (linear layers, attention)",
+                       FixedOrderLinear, rms_norm, attend_fixed, write)
+    return Backend("torch", torch.device("cpu"), f"CPU, linear layers by {linear_name()}, attention as bmm items",
+                   OneDnnLinear, rms_norm, attend, write)
 
 
 def triton_backend(device: torch.device | None = None) -> tuple[Backend | None, str]:

@@ -45,3 +45,4 @@ class AttentionBatch:
     decode: DecodeGroup | None
     chunks: list[Chunk]
     partial: bool  # which arithmetic this forward runs
+    memo: dict = field(default_factory=dict, repr=False)  # per forward: what every layer's attention reuses

@@ -6,8 +6,8 @@ folder shared between machines never hands one of them another's build. Floating
 the compiler fuses nothing the source does not (the kernels' sums are exact recipes, kernels/cpu/linear.cpp).
 Where no compiler or ninja is at hand the build fails with a reason, and the caller keeps torch's oneDNN path.
 
-TFQ_CPU_LINEAR picks the linear layer: `auto` (the default: tfq's kernel when it builds, else oneDNN), `tfq`
-(the kernel, or an error saying why it cannot build) or `onednn`.
+TFQ_CPU_KERNELS picks the CPU kernels: `auto` (the default: tfq's kernels when they build, else torch's), `tfq`
+(tfq's, or an error saying why they cannot build) or `torch` (oneDNN linear layers, attention as bmm items).
 """
 from __future__ import annotations
 
@@ -16,17 +16,18 @@ import os
 import platform
 from pathlib import Path
 
-SOURCES = ("linear.cpp",)
+SOURCES = ("linear.cpp", "attention.cpp")
+HEADERS = ("lanes.h",)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
-CHOICES = ("auto", "tfq", "onednn")
+CHOICES = ("auto", "tfq", "torch")
 
 _state: dict[str, object] = {}  # once a process: "ok" -> bool, "why" -> str
 
 
 def choice() -> str:
-    value = os.environ.get("TFQ_CPU_LINEAR", "auto").strip().lower() or "auto"
+    value = os.environ.get("TFQ_CPU_KERNELS", "auto").strip().lower() or "auto"
     if value not in CHOICES:
-        raise ValueError(f"TFQ_CPU_LINEAR={value!r}: choose auto, tfq or onednn")
+        raise ValueError(f"TFQ_CPU_KERNELS={value!r}: choose auto, tfq (tfq's C++ kernels) or torch (oneDNN, bmm)")
     return value
 
 
@@ -41,9 +42,20 @@ def _cpu_tag() -> str:
     except OSError:
         flags = platform.processor()
     h = hashlib.sha256(" ".join((flags, *FLAGS, torch.__version__, platform.machine())).encode())
-    for name in SOURCES:
+    for name in SOURCES + HEADERS:
         h.update((Path(__file__).parent / "cpu" / name).read_bytes())
     return h.hexdigest()[:12]
+
+
+def wanted() -> bool:
+    """Whether this process runs tfq's kernels: chosen (or auto) and built. Raises what a bad choice is."""
+    pick = choice()
+    if pick == "torch":
+        return False
+    ok, why = load()
+    if not ok and pick == "tfq":
+        raise RuntimeError(f"TFQ_CPU_KERNELS=tfq, but {why}")
+    return ok
 
 
 def built() -> bool:
@@ -63,7 +75,8 @@ def load() -> tuple[bool, str]:
         cpp_extension.load(name=f"tfq_cpu_{_cpu_tag()}", sources=[str(folder / s) for s in SOURCES],
                            extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"], is_python_module=False,
                            verbose=False)
-        ok, why = hasattr(torch.ops.tfq_cpu, "linear"), "tfq's fixed-order kernels (built for this CPU)"
+        ok = all(hasattr(torch.ops.tfq_cpu, op) for op in ("linear", "attend"))
+        why = "tfq's fixed-order kernels (built for this CPU)"
     except Exception as e:  # a missing compiler or ninja, a failed build: many kinds, one line
         ok, why = False, f"tfq's CPU kernels did not build ({' '.join(str(e).split())[:200]})"
     _state.update(ok=ok, why=why)

@@ -5,7 +5,7 @@ proofs (tfq/proofs/startup.py) check all three on the running build.
 
 The linear layer is tfq's own C++ kernel (kernels/cpu/linear.cpp, `FixedOrderLinear`): every output summed in
 one fixed order, so row invariance holds by construction, and it streams the weights faster than oneDNN does
-in a decode step. Where it cannot be built (no compiler), or with TFQ_CPU_LINEAR=onednn, oneDNN's packed fp32
+in a decode step. Where it cannot be built (no compiler), or with TFQ_CPU_KERNELS=torch, oneDNN's packed fp32
 inner product is used (`OneDnnLinear`), whose invariance is measured instead:
 
 On this CPU plain fp32 `F.linear` gives a row different bits for M = 1, 2-3 and >= 4 (MKL
@@ -29,24 +29,17 @@ def _onednn_available() -> bool:
 
 
 def linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """The CPU linear layer y = x W^T + b (fp32, row-invariant) that TFQ_CPU_LINEAR picks (kernels.cpu_build)."""
+    """The CPU linear layer y = x W^T + b (fp32, row-invariant) that TFQ_CPU_KERNELS picks (kernels.cpu_build)."""
     from . import cpu_build
 
-    pick = cpu_build.choice()
-    if pick != "onednn":
-        ok, why = cpu_build.load()
-        if ok:
-            return FixedOrderLinear(weight, bias)
-        if pick == "tfq":
-            raise RuntimeError(f"TFQ_CPU_LINEAR=tfq, but {why}")
-    return OneDnnLinear(weight, bias)
+    return FixedOrderLinear(weight, bias) if cpu_build.wanted() else OneDnnLinear(weight, bias)
 
 
 def linear_name() -> str:
     """Which linear layer `linear` makes in this process, in words."""
     from . import cpu_build
 
-    if cpu_build.choice() != "onednn" and cpu_build.load()[0]:
+    if cpu_build.wanted():
         return "tfq's fixed-order kernel"
     return "oneDNN (packed fp32)" if _onednn_available() else "torch, one row at a time"
 

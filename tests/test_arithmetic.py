@@ -51,20 +51,24 @@ def test_the_engine_linear_is_tfqs_kernel_unless_told():
     assert isinstance(linear(torch.ones(4, 16)), FixedOrderLinear)  # this machine has gcc: the kernel builds
 
 
-def test_onednn_on_request(monkeypatch):
-    monkeypatch.setenv("TFQ_CPU_LINEAR", "onednn")
+def test_torch_kernels_on_request(monkeypatch):
+    from tfq.kernels.attention import attend
+    from tfq.kernels.backend import torch_backend
+
+    monkeypatch.setenv("TFQ_CPU_KERNELS", "torch")
     assert isinstance(linear(torch.ones(4, 16)), OneDnnLinear)
-    monkeypatch.setenv("TFQ_CPU_LINEAR", "fast")
-    with pytest.raises(ValueError, match="choose auto, tfq or onednn"):
+    assert torch_backend().attend is attend and "oneDNN" in torch_backend().where
+    monkeypatch.setenv("TFQ_CPU_KERNELS", "fast")
+    with pytest.raises(ValueError, match="choose auto, tfq"):
         linear(torch.ones(4, 16))
 
 
 def test_a_bad_linear_choice_is_one_line(monkeypatch, capsys, tiny_dirs):
     from cli import tfq
 
-    monkeypatch.setenv("TFQ_CPU_LINEAR", "fast")
+    monkeypatch.setenv("TFQ_CPU_KERNELS", "fast")
     code, out, err = tfq(["chat", "--model", str(tiny_dirs["qwen2"]), "--quiet", "hi"], monkeypatch, capsys)
-    assert code == 2 and len(err.strip().splitlines()) == 1 and "TFQ_CPU_LINEAR='fast'" in err, err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "TFQ_CPU_KERNELS='fast'" in err, err
 
 
 @pytest.mark.parametrize("n_in", [16, 90, 896, 4864])

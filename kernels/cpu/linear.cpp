@@ -17,50 +17,22 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define TFQ_PREFETCH(p) _mm_prefetch((const char*)(p), _MM_HINT_T0)
-#else
-#define TFQ_PREFETCH(p) __builtin_prefetch(p)
-#endif
+
+#include "lanes.h"
 
 namespace {
 
-#if defined(__AVX512F__)
-struct V { __m512 a; };
-inline V vzero() { return {_mm512_setzero_ps()}; }
-inline V vload(const float* p) { return {_mm512_loadu_ps(p)}; }
-inline V vfma(V x, V w, V acc) { return {_mm512_fmadd_ps(x.a, w.a, acc.a)}; }
-inline void vstore(float* p, V v) { _mm512_storeu_ps(p, v.a); }
-#elif defined(__AVX2__) && defined(__FMA__)
-struct V { __m256 lo, hi; };
-inline V vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-inline V vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
-inline V vfma(V x, V w, V acc) { return {_mm256_fmadd_ps(x.lo, w.lo, acc.lo), _mm256_fmadd_ps(x.hi, w.hi, acc.hi)}; }
-inline void vstore(float* p, V v) { _mm256_storeu_ps(p, v.lo); _mm256_storeu_ps(p + 8, v.hi); }
-#else
-struct V { float f[16]; };
-inline V vzero() { V v; for (int i = 0; i < 16; i++) v.f[i] = 0.f; return v; }
-inline V vload(const float* p) { V v; for (int i = 0; i < 16; i++) v.f[i] = p[i]; return v; }
-inline V vfma(V x, V w, V acc) { V v; for (int i = 0; i < 16; i++) v.f[i] = std::fma(x.f[i], w.f[i], acc.f[i]); return v; }
-inline void vstore(float* p, V v) { for (int i = 0; i < 16; i++) p[i] = v.f[i]; }
-#endif
+using tfq::V;
+using tfq::reduce;
+using tfq::vfma;
+using tfq::vload;
+using tfq::vzero;
 
 constexpr int LANES = 16;
 constexpr int MR = 4;   // rows a tile
 constexpr int NR = 6;   // outputs a tile: MR * NR accumulators + NR weight vectors fit AVX-512's 32 registers
 constexpr int PANEL = 8 * NR;  // outputs whose weights stay in cache while the rows of a block pass over them
 constexpr int64_t AHEAD = 256;  // floats of a weight row prefetched ahead of the one being read
-
-inline float reduce(V v) {
-  alignas(64) float f[LANES];
-  vstore(f, v);
-  for (int i = 0; i < 8; i++) f[i] = f[i] + f[i + 8];
-  for (int i = 0; i < 4; i++) f[i] = f[i] + f[i + 4];
-  for (int i = 0; i < 2; i++) f[i] = f[i] + f[i + 2];
-  return f[0] + f[1];
-}
 
 template <int mr, int nr>
 inline void tile(const float* x, const float* w, int64_t K, const float* bias, float* y, int64_t N) {
@@ -133,4 +105,4 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
 
 }  // namespace
 
-TORCH_LIBRARY(tfq_cpu, m) { m.def("linear(Tensor x, Tensor w, Tensor? b) -> Tensor", linear); }
+TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) { m.def("linear(Tensor x, Tensor w, Tensor? b) -> Tensor", linear); }

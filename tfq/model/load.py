@@ -39,11 +39,10 @@ def backend_for(device: torch.device) -> Backend:
         from tfq.kernels import cpu_build
 
         try:
-            pick = cpu_build.choice()
-        except ValueError as e:
-            raise TfqError(str(e)) from None
-        if pick == "tfq" and not cpu_build.load()[0]:
-            raise TfqError(f"TFQ_CPU_LINEAR=tfq, but {cpu_build.load()[1]}; install a C++ compiler (gcc) or unset it")
+            cpu_build.wanted()
+        except (ValueError, RuntimeError) as e:
+            raise TfqError(f"{e}; install a C++ compiler (gcc) or set TFQ_CPU_KERNELS=auto" if isinstance(e, RuntimeError)
+                           else str(e)) from None
         return torch_backend()
     if device.type != "cuda":
         raise TfqError(f"device {device} is not supported; use cpu or cuda")

@@ -266,17 +266,17 @@ def build_facts() -> dict:
         "cpu": _cpu_model(),
         "machine": platform.machine(),
         "torch_isa": torch.backends.cpu.get_cpu_capability(),
-        "linear": _linear_name(),
+        "cpu_kernels": _cpu_kernels(),
         "onednn": _onednn_facts(),
         "threads": torch.get_num_threads(),
         "thread_policy": f"fixed by {fixed}" if fixed else "follows the free cores, proved counts only",
     }
 
 
-def _linear_name() -> str:
-    from tfq.kernels.rowwise import linear_name
+def _cpu_kernels() -> str:
+    from tfq.kernels.backend import torch_backend
 
-    return linear_name()
+    return torch_backend().where
 
 
 def _cpu_model() -> str:

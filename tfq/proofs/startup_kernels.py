@@ -18,7 +18,7 @@ from tfq.kernels.contract import KEY_TILE, SPLIT_ROWS, AttentionBatch, Chunk, De
 from tfq.kernels.rowwise import linear
 
 CHECK_ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 33, 48, 63)
-TORCH_FIX = "use tfq's own linear kernel (TFQ_CPU_LINEAR=tfq, which needs gcc) or a torch build with oneDNN"
+TORCH_FIX = "use tfq's own kernels (TFQ_CPU_KERNELS=tfq, which needs gcc) or a torch build with oneDNN"
 
 
 def check_linear(make: Callable[[torch.Tensor, torch.Tensor], LinearFn] = linear, rows: int = 64,
@@ -87,8 +87,8 @@ def ensure_exact(backend=None) -> None:
     if key in _checked:
         return
     if backend.name == "torch":
-        check_linear()
-        check_attention()
+        check_linear(backend.linear)
+        check_attention(backend.attend)
     elif not backend.interpreted:  # too slow there; tests/test_triton_engine.py proves the same
         check_linear(backend.linear, device=backend.device, fix=_fix(backend))
         check_attention(backend.attend, backend.device, _fix(backend))

@@ -1,0 +1,227 @@
+// tfq's attention on the CPU: one query row over its own keys in the cache, in the arithmetic of
+// docs/contract.md (tiles of KEY_TILE keys, online softmax in fp32; `partial` restarts at every split and merges
+// the splits in order), each (query row, KV head) computed by one thread in one fixed order.
+//
+// What a row's bits depend on: its query, its keys and values (read through its own table of cache rows), its
+// length, the scale and the arithmetic. Not on the other rows of the call, whether the row came from a decode
+// step, a prompt chunk or a draft verify, where its keys sit (a lane or pages), or the thread count. So a row
+// is the same everywhere by construction (the start-up guard still proves it on the running build).
+//
+// The recipe, for one query head (q scaled first: q_d * scale, one rounding):
+//   score of key j:  s_j = sum over d = 0..D-1, in order, of fma(q_d, k_jd, s)   (from 0)
+//   per tile: m' = max(m, max_j s_j); p_j = exp(s_j - m'); a = exp(m - m')        (exp: ours, below)
+//             t   = sum over the tile's keys j in order of p_j, as 16 lanes (lane j mod 16) then a fixed tree
+//             o_d = sum over the tile's keys j in order of fma(p_j, v_jd, o_d)    (from 0)
+//             l = fma(l, a, t); acc_d = fma(acc_d, a, o_d); m = m'
+//   rows: out_d = acc_d / l.
+//   partial: the same per split of SPLIT keys from a fresh state (m = -inf, l = acc = 0); then, splits in
+//            order, with M the largest m: w = exp(m_s - M), L = fma(l_s, w, L), A_d = fma(acc_d, w, A_d);
+//            out_d = A_d / L.
+// exp is a fixed polynomial (Cephes' expf coefficients) written once over 16 lanes, so the vector and the
+// scalar uses round alike on every instruction set; an argument below -87 gives 0 (the result would be a
+// denormal, where instruction sets round differently).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "lanes.h"
+
+namespace {
+
+using tfq::V;
+using tfq::vzero;
+using tfq::vload;
+using tfq::vstore;
+using tfq::vfma;
+using tfq::reduce;
+
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+// exp over 16 lanes, lane by lane the same operations on every instruction set
+inline void exp16(const float* x, float* out) {
+  for (int i = 0; i < 16; i++) {
+    float v = x[i];
+    if (!(v >= -87.0f)) {  // -inf, NaN-free below -87: 0
+      out[i] = 0.0f;
+      continue;
+    }
+    float n = std::nearbyint(v * 1.44269504088896341f);
+    float r = std::fma(-n, 0.693359375f, v);
+    r = std::fma(-n, -2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = std::fma(p, r, 1.3981999507e-3f);
+    p = std::fma(p, r, 8.3334519073e-3f);
+    p = std::fma(p, r, 4.1665795894e-2f);
+    p = std::fma(p, r, 1.6666665459e-1f);
+    p = std::fma(p, r, 5.0000001201e-1f);
+    float y = std::fma(p, r * r, r) + 1.0f;
+    out[i] = std::ldexp(y, static_cast<int>(n));  // exact: n >= -126 keeps the result normal
+  }
+}
+
+inline float exp1(float x) {
+  alignas(64) float in[16] = {x}, out[16];
+  exp16(in, out);
+  return out[0];
+}
+
+template <typename T>
+inline float widen(T v) { return static_cast<float>(v); }
+
+// One (query row, KV head): `group` query heads that share the KV head.
+template <typename T>
+void attend_item(const float* q, int64_t group, int64_t D, const T* kc, const T* vc, int64_t row_stride,
+                 const int64_t* table, int64_t length, float scale, int64_t tile, int64_t split, float* out,
+                 std::vector<float>& work) {
+  const int64_t G = group;
+  // work: qs [G][D], kt [D][tile], vt [tile][D], s [tile], p [tile], acc [G][D], o [D], m/l [G],
+  //       and for partial: per split m [G], l [G], acc [G][D]
+  const int64_t splits = split > 0 ? (length + split - 1) / split : 1;
+  const size_t need = G * D + D * tile + tile * D + 2 * tile + G * D + D + 2 * G + splits * (2 * G + G * D) + 32;
+  if (work.size() < need) work.resize(need);
+  float* qs = work.data();
+  float* kt = qs + G * D;
+  float* vt = kt + D * tile;
+  float* s = vt + tile * D;
+  float* p = s + tile;
+  float* acc = p + tile;
+  float* o = acc + G * D;
+  float* m = o + D;
+  float* l = m + G;
+  float* sm = l + G;          // per split: m [G]
+  float* sl = sm + splits * G;  // l [G]
+  float* sacc = sl + splits * G;  // acc [G][D]
+  for (int64_t i = 0; i < G * D; i++) qs[i] = q[i] * scale;
+
+  const int64_t per_split = split > 0 ? split : length;
+  for (int64_t sp = 0; sp < splits; sp++) {
+    const int64_t begin = sp * per_split, end = std::min(length, begin + per_split);
+    for (int64_t g = 0; g < G; g++) {
+      m[g] = NEG_INF;
+      l[g] = 0.0f;
+      std::fill(acc + g * D, acc + (g + 1) * D, 0.0f);
+    }
+    for (int64_t j0 = begin; j0 < end; j0 += tile) {
+      const int64_t cnt = std::min(tile, end - j0);
+      for (int64_t j = 0; j < cnt; j++) {  // gather the tile's keys (transposed) and values, widened to fp32
+        const T* kr = kc + table[j0 + j] * row_stride;
+        const T* vr = vc + table[j0 + j] * row_stride;
+        for (int64_t d = 0; d < D; d++) {
+          kt[d * tile + j] = widen(kr[d]);
+          vt[j * D + d] = widen(vr[d]);
+        }
+      }
+      const int64_t lanes = (cnt + 15) / 16 * 16;
+      for (int64_t j = cnt; j < lanes; j++)
+        for (int64_t d = 0; d < D; d++) kt[d * tile + j] = 0.0f;
+      for (int64_t g = 0; g < G; g++) {
+        const float* qg = qs + g * D;
+        for (int64_t j = 0; j < lanes; j += 16) {  // scores, 16 keys at a time: each key's sum runs over d in order
+          V sv = vzero();
+          for (int64_t d = 0; d < D; d++) sv = vfma(tfq::vbroadcast(qg[d]), vload(kt + d * tile + j), sv);
+          vstore(s + j, sv);
+        }
+        float top = NEG_INF;
+        for (int64_t j = 0; j < cnt; j++) top = std::max(top, s[j]);
+        const float mn = std::max(m[g], top);
+        for (int64_t j = cnt; j < lanes; j++) s[j] = NEG_INF;
+        for (int64_t j = 0; j < lanes; j++) s[j] = s[j] - mn;
+        for (int64_t j = 0; j < lanes; j += 16) exp16(s + j, p + j);
+        const float a = exp1(m[g] - mn);  // m = -inf: a = 0
+        V tv = vzero();
+        for (int64_t j = 0; j < lanes; j += 16) tv = tfq::vadd(tv, vload(p + j));
+        const float t = reduce(tv);
+        std::fill(o, o + D, 0.0f);
+        for (int64_t j = 0; j < cnt; j++)
+          for (int64_t d = 0; d < D; d += 16) vstore(o + d, vfma(tfq::vbroadcast(p[j]), vload(vt + j * D + d), vload(o + d)));
+        float* ag = acc + g * D;
+        for (int64_t d = 0; d < D; d += 16) vstore(ag + d, vfma(vload(ag + d), tfq::vbroadcast(a), vload(o + d)));
+        l[g] = std::fma(l[g], a, t);
+        m[g] = mn;
+      }
+    }
+    std::copy(m, m + G, sm + sp * G);
+    std::copy(l, l + G, sl + sp * G);
+    std::copy(acc, acc + G * D, sacc + sp * G * D);
+  }
+  for (int64_t g = 0; g < G; g++) {
+    float* og = out + g * D;
+    if (split <= 0) {
+      for (int64_t d = 0; d < D; d++) og[d] = acc[g * D + d] / l[g];
+      continue;
+    }
+    float big = NEG_INF;
+    for (int64_t sp = 0; sp < splits; sp++) big = std::max(big, sm[sp * G + g]);
+    float L = 0.0f;
+    std::fill(o, o + D, 0.0f);
+    for (int64_t sp = 0; sp < splits; sp++) {
+      const float w = exp1(sm[sp * G + g] - big);
+      L = std::fma(sl[sp * G + g], w, L);
+      const float* as = sacc + (sp * G + g) * D;
+      for (int64_t d = 0; d < D; d += 16) vstore(o + d, vfma(vload(as + d), tfq::vbroadcast(w), vload(o + d)));
+    }
+    for (int64_t d = 0; d < D; d++) og[d] = o[d] / L;
+  }
+}
+
+template <typename T>
+void attend_all(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& table,
+                const at::Tensor& offsets, const at::Tensor& lengths, double scale, int64_t tile, int64_t split,
+                at::Tensor& out) {
+  const int64_t N = q.size(0), H = q.size(1), D = q.size(2), Hkv = kc.size(1);
+  const int64_t G = H / Hkv;
+  const float* qp = q.data_ptr<float>();
+  const T* kp = reinterpret_cast<const T*>(kc.data_ptr());
+  const T* vp = reinterpret_cast<const T*>(vc.data_ptr());
+  const int64_t* tp = table.data_ptr<int64_t>();
+  const int64_t* op = offsets.data_ptr<int64_t>();
+  const int64_t* lp = lengths.data_ptr<int64_t>();
+  float* outp = out.data_ptr<float>();
+  at::parallel_for(0, N * Hkv, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> work;
+    for (int64_t i = i0; i < i1; i++) {
+      const int64_t n = i / Hkv, h = i % Hkv;
+      attend_item<T>(qp + (n * H + h * G) * D, G, D, kp + h * D, vp + h * D, Hkv * D, tp + op[n], lp[n],
+                     static_cast<float>(scale), tile, split, outp + (n * H + h * G) * D, work);
+    }
+  });
+}
+
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& table, const at::Tensor& offsets, const at::Tensor& lengths, double scale,
+                  int64_t tile, int64_t split) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "tfq attend: q [N, H, D] fp32");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              k_cache.scalar_type() == v_cache.scalar_type(), "tfq attend: caches [R, Hkv, D], one dtype");
+  TORCH_CHECK(q.size(2) % 16 == 0 && tile % 16 == 0, "tfq attend: D and the tile must be multiples of 16");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "tfq attend: query heads must be a multiple of KV heads");
+  TORCH_CHECK(split == 0 || split % tile == 0, "tfq attend: a split must be whole tiles");
+  auto out = at::empty_like(q);
+  if (q.size(0) == 0) return out;
+  switch (k_cache.scalar_type()) {
+    case at::kFloat: attend_all<float>(q, k_cache, v_cache, table, offsets, lengths, scale, tile, split, out); break;
+    case at::kBFloat16: attend_all<c10::BFloat16>(q, k_cache, v_cache, table, offsets, lengths, scale, tile, split, out); break;
+    case at::kHalf: attend_all<c10::Half>(q, k_cache, v_cache, table, offsets, lengths, scale, tile, split, out); break;
+    case at::kFloat8_e4m3fn: attend_all<c10::Float8_e4m3fn>(q, k_cache, v_cache, table, offsets, lengths, scale, tile, split, out); break;
+    default: TORCH_CHECK(false, "tfq attend: cache dtype ", k_cache.scalar_type(), " is not one of fp32, bf16, fp16, fp8");
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) {
+  m.def("attend(Tensor q, Tensor k_cache, Tensor v_cache, Tensor table, Tensor offsets, Tensor lengths, float scale, "
+        "int tile, int split) -> Tensor", attend);
+}
