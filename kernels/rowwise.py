@@ -46,9 +46,7 @@ def linear_name() -> str:
 
 class FixedOrderLinear:
     """y = x W^T + b by kernels/cpu/linear.cpp: each output one fixed-order sum (row-invariant by construction).
-    Rows whose length is not a multiple of 16 are padded with zeros, in the weights once and in x per call."""
-
-    LANES = 16
+    The weights are packed once into panels of 64 outputs ([N / 64][K][64])."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         from . import cpu_build
@@ -57,15 +55,11 @@ class FixedOrderLinear:
         if not ok:
             raise RuntimeError(why)
         self.out_features, self.in_features = weight.shape
-        self.pad = (-self.in_features) % self.LANES
-        weight = weight.detach().float()
-        self.weight = (F.pad(weight, (0, self.pad)) if self.pad else weight).contiguous()
+        self.panels = torch.ops.tfq_cpu.pack(weight.detach().float().contiguous())
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.pad:
-            x = F.pad(x, (0, self.pad))
-        return torch.ops.tfq_cpu.linear(x.contiguous(), self.weight, self.bias)
+        return torch.ops.tfq_cpu.linear(x.contiguous(), self.panels, self.bias, self.out_features)
 
 
 class OneDnnLinear:

@@ -73,33 +73,33 @@ def test_a_bad_linear_choice_is_one_line(monkeypatch, capsys, tiny_dirs):
 
 @pytest.mark.parametrize("n_in", [16, 90, 896, 4864])
 def test_the_kernel_sums_each_output_in_its_fixed_order(n_in):
-    """Every output is 16 lane sums (lane l: k = 16 j + l, fused multiply-add in j order) added in a fixed
-    tree, then the bias: computed here in numpy, one element at a time, the kernel's bits exactly. A row not a
-    multiple of 16 long is padded with zeros."""
+    """Every output is acc = fma(x[k], w[k], acc) for k = 0, 1, ... in order (from 0), then + bias: computed here
+    in numpy, one rounding a step, the kernel's bits exactly."""
     import numpy as np
 
     g = torch.Generator().manual_seed(n_in)
-    w, b = torch.randn(8, n_in, generator=g), torch.randn(8, generator=g)
+    w, b = torch.randn(70, n_in, generator=g), torch.randn(70, generator=g)  # 70: a full panel and part of one
     x = torch.randn(3, n_in, generator=g)
-    got = FixedOrderLinear(w, b)(x)
-    pad = (-n_in) % 16
-    xs, ws = np.pad(x.numpy(), ((0, 0), (0, pad))), np.pad(w.numpy(), ((0, 0), (0, pad)))
-    for m in range(3):
-        for n in range(8):
-            lanes = np.zeros(16, np.float32)
-            for k in range(0, n_in + pad, 16):  # fma: x * w + acc rounded once (in float64, then to float32)
-                lanes = (xs[m, k:k + 16].astype(np.float64) * ws[n, k:k + 16] + lanes).astype(np.float32)
-            for half in (8, 4, 2, 1):
-                lanes = lanes[:half] + lanes[half:2 * half]
-            assert np.float32(lanes[0] + b[n].numpy()) == got[m, n].numpy(), (m, n)
+    got = FixedOrderLinear(w, b)(x).numpy()
+    xs, ws = x.numpy().astype(np.float64), w.numpy().astype(np.float64)
+    acc = np.zeros((3, 70), np.float32)
+    for k in range(n_in):  # fma: the exact product (float64 holds it) plus acc, rounded once to float32
+        acc = (xs[:, k, None] * ws[None, :, k] + acc).astype(np.float32)
+    assert np.array_equal(acc + b.numpy(), got)
 
 
-def test_control_a_sum_split_in_another_order_is_red():
-    """The same products summed in another lane order (8 lanes instead of 16) part in the last bits."""
+def test_control_the_same_sum_in_another_order_is_red():
+    """The recipe run backwards (k from the last input to the first), in numpy, parts from the kernel's bits:
+    the order is what the bits follow."""
+    import numpy as np
+
     g = torch.Generator().manual_seed(7)
     w, x = torch.randn(64, 896, generator=g), torch.randn(4, 896, generator=g)
-    other = (x.view(4, 1, 112, 8) * w.view(1, 64, 112, 8)).sum(2).sum(-1)
-    assert not torch.equal(FixedOrderLinear(w)(x), other)
+    xs, ws = x.numpy().astype(np.float64), w.numpy().astype(np.float64)
+    acc = np.zeros((4, 64), np.float32)
+    for k in reversed(range(896)):
+        acc = (xs[:, k, None] * ws[None, :, k] + acc).astype(np.float32)
+    assert not np.array_equal(acc, FixedOrderLinear(w)(x).numpy())
 
 
 def test_the_kernel_gives_the_same_bits_at_any_thread_count():

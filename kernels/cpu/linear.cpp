@@ -1,16 +1,17 @@
 // tfq's fp32 linear layer on the CPU: y = x W^T + b, every output element summed in one fixed order.
 //
-// The order of an element's sum: 16 lanes, lane l taking k = 16 j + l for j = 0, 1, ... by fused
-// multiply-add, then the lanes added in a fixed tree ((l, l + 8), (l, l + 4), (l, l + 2), (0, 1)), then the
-// bias. Nothing in that recipe depends on how many rows share the call, where a row sits among them, which
-// tile of the loop computes it, or how many threads run: a row's bits are the same in any forward (row
-// invariance by construction, which the start-up guard still proves on the running build). The recipe is the
-// same with AVX-512, with AVX2 (two 8-lane halves) and without either (fmaf per lane), so those machines
-// agree bit for bit too.
+// The order of an element's sum: acc = 0, then acc = fma(x[k], w[k], acc) for k = 0, 1, ..., K - 1 (one
+// rounding a step), then acc + bias. Nothing in that recipe depends on how many rows share the call, where a
+// row sits among them, which register tile computes it, or how many threads run (threads split the outputs,
+// never a sum): a row's bits are the same in any forward (row invariance by construction, which the start-up
+// guard still proves on the running build). Lanes run across outputs, so the recipe is the same with AVX-512,
+// with AVX2 (two 8-lane halves) and with plain fmaf, and those machines agree bit for bit.
 //
-// Speed: a tile of MR rows x NR outputs keeps MR * NR accumulators in registers and reads each weight vector
-// once for all MR rows; weight rows are prefetched a kilobyte ahead, since decode streams every weight once
-// a step and is bound by memory. Threads split the outputs (at::parallel_for, torch's own pool).
+// Layout and speed: the weights are packed once into panels of PANEL = 64 outputs, [N / 64][K][64], so that a
+// panel is one contiguous stream (decode reads every weight once a step and is bound by memory; a panel is
+// prefetched a kilobyte ahead). A tile of MR rows x 64 outputs keeps 4 * MR accumulators in registers and
+// reads each weight vector once for its MR rows, which is what makes long prompts fast. Threads take whole
+// panels.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -23,86 +24,134 @@
 namespace {
 
 using tfq::V;
-using tfq::reduce;
+using tfq::vbroadcast;
 using tfq::vfma;
 using tfq::vload;
+using tfq::vstore;
 using tfq::vzero;
 
-constexpr int LANES = 16;
-constexpr int MR = 4;   // rows a tile
-constexpr int NR = 6;   // outputs a tile: MR * NR accumulators + NR weight vectors fit AVX-512's 32 registers
-constexpr int PANEL = 8 * NR;  // outputs whose weights stay in cache while the rows of a block pass over them
-constexpr int64_t AHEAD = 256;  // floats of a weight row prefetched ahead of the one being read
+constexpr int64_t PANEL = 64;  // outputs a panel: 4 vectors of 16
+constexpr int VECS = PANEL / 16;
+constexpr int MR = 6;  // rows a tile: 6 x 4 accumulators + 4 weight vectors + a broadcast fit 32 registers
+constexpr int64_t AHEAD = 256;  // floats of the panel prefetched ahead of the ones being read
 
-template <int mr, int nr>
-inline void tile(const float* x, const float* w, int64_t K, const float* bias, float* y, int64_t N) {
-  V acc[mr][nr];
+// rows [mr] x the panel's 64 outputs, over inputs [k0, k1): the accumulators start from and return to `acc`
+// (in memory between k blocks, so several tiles can share a block of the panel while it is in L1)
+template <int mr>
+inline void tile(const float* x, int64_t K, const float* panel, int64_t k0, int64_t k1, V (*acc)[VECS]) {
+  V a[mr][VECS];
   for (int i = 0; i < mr; i++)
-    for (int j = 0; j < nr; j++) acc[i][j] = vzero();
-  for (int64_t k = 0; k < K; k += LANES) {
-    V wv[nr];
-    for (int j = 0; j < nr; j++) {
-      TFQ_PREFETCH(w + j * K + k + AHEAD);
-      wv[j] = vload(w + j * K + k);
-    }
+    for (int j = 0; j < VECS; j++) a[i][j] = acc[i][j];
+  for (int64_t k = k0; k < k1; k++) {
+    const float* wk = panel + k * PANEL;
+    TFQ_PREFETCH(wk + AHEAD);
+    TFQ_PREFETCH(wk + AHEAD + 32);
+    V w[VECS];
+    for (int j = 0; j < VECS; j++) w[j] = vload(wk + 16 * j);
     for (int i = 0; i < mr; i++) {
-      V xv = vload(x + i * K + k);
-      for (int j = 0; j < nr; j++) acc[i][j] = vfma(xv, wv[j], acc[i][j]);
+      const V xb = vbroadcast(x[i * K + k]);
+      for (int j = 0; j < VECS; j++) a[i][j] = vfma(xb, w[j], a[i][j]);
     }
   }
   for (int i = 0; i < mr; i++)
-    for (int j = 0; j < nr; j++) y[i * N + j] = reduce(acc[i][j]) + (bias ? bias[j] : 0.f);
+    for (int j = 0; j < VECS; j++) acc[i][j] = a[i][j];
 }
 
-template <int mr>
-void rows_by_panel(const float* x, const float* w, int64_t K, const float* bias, float* y, int64_t N, int64_t n0,
-                   int64_t n1) {
-  int64_t n = n0;
-  for (; n + NR <= n1; n += NR) tile<mr, NR>(x, w + n * K, K, bias ? bias + n : nullptr, y + n, N);
-  for (; n < n1; n++) tile<mr, 1>(x, w + n * K, K, bias ? bias + n : nullptr, y + n, N);
+void rows_tile(int64_t rows, const float* x, int64_t K, const float* panel, int64_t k0, int64_t k1, V (*acc)[VECS]) {
+  switch (rows) {
+    case 6: tile<6>(x, K, panel, k0, k1, acc); break;
+    case 5: tile<5>(x, K, panel, k0, k1, acc); break;
+    case 4: tile<4>(x, K, panel, k0, k1, acc); break;
+    case 3: tile<3>(x, K, panel, k0, k1, acc); break;
+    case 2: tile<2>(x, K, panel, k0, k1, acc); break;
+    case 1: tile<1>(x, K, panel, k0, k1, acc); break;
+    default: break;
+  }
 }
 
-void outputs(const float* x, int64_t M, int64_t K, const float* w, const float* bias, float* y, int64_t N,
-             int64_t n0, int64_t n1) {
-  // blocks of rows small enough to stay in L2 while each panel of weights streams past them once
-  const int64_t block = std::max<int64_t>(MR, (int64_t(1) << 20) / (K * 4) / MR * MR);
-  for (int64_t mb = 0; mb < M; mb += block) {
-    const int64_t me = std::min(M, mb + block);
-    for (int64_t p = n0; p < n1; p += PANEL) {
-      const int64_t pe = std::min(n1, p + PANEL);
-      int64_t m = mb;
-      for (; m + MR <= me; m += MR) rows_by_panel<MR>(x + m * K, w, K, bias, y + m * N, N, p, pe);
-      switch (me - m) {
-        case 3: rows_by_panel<3>(x + m * K, w, K, bias, y + m * N, N, p, pe); break;
-        case 2: rows_by_panel<2>(x + m * K, w, K, bias, y + m * N, N, p, pe); break;
-        case 1: rows_by_panel<1>(x + m * K, w, K, bias, y + m * N, N, p, pe); break;
-        default: break;
+constexpr int64_t KBLOCK = 64;  // inputs of a panel block that the tiles of a few rows share while it is in L1
+constexpr int64_t FEW = 4 * MR;  // up to this many rows, the tiles go block by block (decode, verifies)
+
+void panel_rows(const float* x, int64_t M, int64_t K, const float* panel, const float* bias, float* y, int64_t N,
+                int64_t outputs) {
+  // as few tiles as MR allows, their rows balanced (8 rows: 4 + 4); the recipe is the same in all of them
+  const int64_t tiles = (M + MR - 1) / MR, base = M / tiles, extra = M % tiles;
+  alignas(64) V acc[FEW][VECS];
+  auto finish = [&](int64_t m, int64_t rows, V (*a)[VECS]) {
+    alignas(64) float out[PANEL];
+    for (int64_t i = 0; i < rows; i++) {
+      for (int j = 0; j < VECS; j++) vstore(out + 16 * j, a[i][j]);
+      for (int64_t n = 0; n < outputs; n++) y[(m + i) * N + n] = out[n] + (bias ? bias[n] : 0.f);
+    }
+  };
+  if (M <= FEW) {  // few rows: each block of the panel is read from memory once, for every tile
+    for (int64_t i = 0; i < M; i++)
+      for (int j = 0; j < VECS; j++) acc[i][j] = vzero();
+    const int64_t step = tiles > 1 ? KBLOCK : K;
+    for (int64_t k0 = 0; k0 < K; k0 += step) {
+      int64_t m = 0;
+      for (int64_t t = 0; t < tiles; t++) {
+        const int64_t rows = base + (t < extra);
+        rows_tile(rows, x + m * K, K, panel, k0, std::min(K, k0 + step), acc + m);
+        m += rows;
       }
     }
+    finish(0, M, acc);
+    return;
+  }
+  int64_t m = 0;  // many rows: tile by tile over the whole panel (it stays in L2)
+  for (int64_t t = 0; t < tiles; t++) {
+    const int64_t rows = base + (t < extra);
+    for (int64_t i = 0; i < rows; i++)
+      for (int j = 0; j < VECS; j++) acc[i][j] = vzero();
+    rows_tile(rows, x + m * K, K, panel, 0, K, acc);
+    finish(m, rows, acc);
+    m += rows;
   }
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "tfq linear: x [M, K], w [N, K]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "tfq linear: fp32 only");
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "tfq linear: contiguous operands only");
-  TORCH_CHECK(x.size(1) % LANES == 0, "tfq linear: K must be a multiple of 16 (pad it with zeros)");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+// w [N, K] -> panels [ceil(N / 64)][K][64], outputs past N zero
+at::Tensor pack(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous(), "tfq pack: w [N, K] fp32");
+  const int64_t N = w.size(0), K = w.size(1), P = (N + PANEL - 1) / PANEL;
+  auto out = at::empty({P, K, PANEL}, w.options());
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; p++)
+      for (int64_t k = 0; k < K; k++)
+        for (int64_t j = 0; j < PANEL; j++) {
+          const int64_t n = p * PANEL + j;
+          op[(p * K + k) * PANEL + j] = n < N ? wp[n * K + k] : 0.f;
+        }
+  });
+  return out;
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& b, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && x.size(1) == panels.size(1) && panels.size(2) == PANEL,
+              "tfq linear: x [M, K], panels [P, K, 64]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat, "tfq linear: fp32 only");
+  TORCH_CHECK(x.is_contiguous() && panels.is_contiguous(), "tfq linear: contiguous operands only");
+  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
+  TORCH_CHECK(N <= P * PANEL && N > (P - 1) * PANEL, "tfq linear: N does not match the panels");
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
+  const float* wp = panels.data_ptr<float>();
   const float* bp = b.has_value() ? b->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  const int64_t tiles = (N + NR - 1) / NR;
-  // a few chunks a thread, so a slow core does not hold the rest up; whole tiles of outputs a chunk
-  const int64_t grain = std::max<int64_t>(PANEL / NR, tiles / (4 * at::get_num_threads()));
-  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-    outputs(xp, M, K, wp, bp, yp, N, t0 * NR, std::min(N, t1 * NR));
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; p++)
+      panel_rows(xp, M, K, wp + p * K * PANEL, bp ? bp + p * PANEL : nullptr, yp + p * PANEL, N,
+                 std::min(PANEL, N - p * PANEL));
   });
   return y;
 }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) { m.def("linear(Tensor x, Tensor w, Tensor? b) -> Tensor", linear); }
+TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) {
+  m.def("pack(Tensor w) -> Tensor", pack);
+  m.def("linear(Tensor x, Tensor panels, Tensor? b, int n) -> Tensor", linear);
+}
