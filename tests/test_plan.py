@@ -221,7 +221,7 @@ def test_device_line_says_where_and_which_kernels(tiny):
     plan = load_plan(None, env={"TFQ_DEVICE": "CPU"})
     lay = plan.layout(tiny)
     assert lay.device == "cpu"
-    assert "device: cpu (set by TFQ_DEVICE): torch kernels: tfq's fixed-order linear layers" in "\n".join(plan_lines(plan, tiny, lay))
+    assert "device: cpu (set by TFQ_DEVICE): tfq's C++ kernels: linear layers and attention" in "\n".join(plan_lines(plan, tiny, lay))
     assert plan_json(plan, tiny, lay)["plan"]["device"] == "cpu" and plan_json(plan, tiny, lay)["layout"]["device"] == "cpu"
 
 

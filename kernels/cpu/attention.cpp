@@ -79,42 +79,46 @@ inline float exp1(float x) {
 template <typename T>
 inline float widen(T v) { return static_cast<float>(v); }
 
-// One (query row, KV head): `group` query heads that share the KV head.
+// A block of query rows that share one table of keys (consecutive rows of a prompt chunk or a verify, row r
+// attending to lengths[r] keys), for one KV head and its `group` query heads. Each tile of keys is read once
+// for the whole block; every row then runs exactly its own recipe on it (a key past a row's end scores -inf,
+// and the lanes it adds to the tile's sum are exact zeros), so a row's bits are those it gets alone.
 template <typename T>
-void attend_item(const float* q, int64_t group, int64_t D, const T* kc, const T* vc, int64_t row_stride,
-                 const int64_t* table, int64_t length, float scale, int64_t tile, int64_t split, float* out,
-                 std::vector<float>& work) {
-  const int64_t G = group;
-  // work: qs [G][D], kt [D][tile], vt [tile][D], s [tile], p [tile], acc [G][D], o [D], m/l [G],
-  //       and for partial: per split m [G], l [G], acc [G][D]
-  const int64_t splits = split > 0 ? (length + split - 1) / split : 1;
-  const size_t need = G * D + D * tile + tile * D + 2 * tile + G * D + D + 2 * G + splits * (2 * G + G * D) + 32;
+void attend_block(const float* q, int64_t rows, int64_t q_stride, int64_t group, int64_t D, const T* kc,
+                  const T* vc, int64_t row_stride, const int64_t* table, const int64_t* lengths, float scale,
+                  int64_t tile, int64_t split, float* out, std::vector<float>& work) {
+  const int64_t G = group, RG = rows * group;
+  int64_t longest = 0;
+  for (int64_t r = 0; r < rows; r++) longest = std::max(longest, lengths[r]);
+  const int64_t per_split = split > 0 ? split : longest;
+  const int64_t splits = (longest + per_split - 1) / per_split;
+  // work: qs [RG][D], kt [D][tile], vt [tile][D], s, p [tile], o [D], per split: m, l [RG], acc [RG][D]
+  const size_t need = RG * D + 2 * D * tile + 2 * tile + D + splits * RG * (2 + D) + 32;
   if (work.size() < need) work.resize(need);
   float* qs = work.data();
-  float* kt = qs + G * D;
+  float* kt = qs + RG * D;
   float* vt = kt + D * tile;
   float* s = vt + tile * D;
   float* p = s + tile;
-  float* acc = p + tile;
-  float* o = acc + G * D;
-  float* m = o + D;
-  float* l = m + G;
-  float* sm = l + G;          // per split: m [G]
-  float* sl = sm + splits * G;  // l [G]
-  float* sacc = sl + splits * G;  // acc [G][D]
-  for (int64_t i = 0; i < G * D; i++) qs[i] = q[i] * scale;
+  float* o = p + tile;
+  float* sm = o + D;                  // [splits][RG]
+  float* sl = sm + splits * RG;       // [splits][RG]
+  float* sacc = sl + splits * RG;     // [splits][RG][D]
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t i = 0; i < G * D; i++) qs[r * G * D + i] = q[r * q_stride + i] * scale;
 
-  const int64_t per_split = split > 0 ? split : length;
   for (int64_t sp = 0; sp < splits; sp++) {
-    const int64_t begin = sp * per_split, end = std::min(length, begin + per_split);
-    for (int64_t g = 0; g < G; g++) {
-      m[g] = NEG_INF;
-      l[g] = 0.0f;
-      std::fill(acc + g * D, acc + (g + 1) * D, 0.0f);
-    }
-    for (int64_t j0 = begin; j0 < end; j0 += tile) {
-      const int64_t cnt = std::min(tile, end - j0);
-      for (int64_t j = 0; j < cnt; j++) {  // gather the tile's keys (transposed) and values, widened to fp32
+    const int64_t begin = sp * per_split;
+    float* m = sm + sp * RG;
+    float* l = sl + sp * RG;
+    float* acc = sacc + sp * RG * D;
+    std::fill(m, m + RG, NEG_INF);
+    std::fill(l, l + RG, 0.0f);
+    std::fill(acc, acc + RG * D, 0.0f);
+    const int64_t block_end = std::min(longest, begin + per_split);
+    for (int64_t j0 = begin; j0 < block_end; j0 += tile) {
+      const int64_t loaded = std::min(tile, block_end - j0);
+      for (int64_t j = 0; j < loaded; j++) {  // the tile's keys (transposed) and values, widened to fp32
         const T* kr = kc + table[j0 + j] * row_stride;
         const T* vr = vc + table[j0 + j] * row_stride;
         for (int64_t d = 0; d < D; d++) {
@@ -122,58 +126,69 @@ void attend_item(const float* q, int64_t group, int64_t D, const T* kc, const T*
           vt[j * D + d] = widen(vr[d]);
         }
       }
-      const int64_t lanes = (cnt + 15) / 16 * 16;
-      for (int64_t j = cnt; j < lanes; j++)
+      const int64_t lanes = (loaded + 15) / 16 * 16;
+      for (int64_t j = loaded; j < lanes; j++)
         for (int64_t d = 0; d < D; d++) kt[d * tile + j] = 0.0f;
-      for (int64_t g = 0; g < G; g++) {
-        const float* qg = qs + g * D;
-        for (int64_t j = 0; j < lanes; j += 16) {  // scores, 16 keys at a time: each key's sum runs over d in order
-          V sv = vzero();
-          for (int64_t d = 0; d < D; d++) sv = vfma(tfq::vbroadcast(qg[d]), vload(kt + d * tile + j), sv);
-          vstore(s + j, sv);
+      for (int64_t r = 0; r < rows; r++) {
+        const int64_t end = std::min(lengths[r], begin + per_split);
+        if (j0 >= end) continue;  // past this row's keys (in this split): its state stays as it is
+        const int64_t cnt = std::min(tile, end - j0);
+        for (int64_t g = 0; g < G; g++) {
+          const int64_t rg = r * G + g;
+          const float* qg = qs + rg * D;
+          for (int64_t j = 0; j < lanes; j += 16) {  // scores, 16 keys at a time: each key's sum over d in order
+            V sv = vzero();
+            for (int64_t d = 0; d < D; d++) sv = vfma(tfq::vbroadcast(qg[d]), vload(kt + d * tile + j), sv);
+            vstore(s + j, sv);
+          }
+          float top = NEG_INF;
+          for (int64_t j = 0; j < cnt; j++) top = std::max(top, s[j]);
+          const float mn = std::max(m[rg], top);
+          for (int64_t j = cnt; j < lanes; j++) s[j] = NEG_INF;
+          for (int64_t j = 0; j < lanes; j++) s[j] = s[j] - mn;
+          for (int64_t j = 0; j < lanes; j += 16) exp16(s + j, p + j);
+          const float a = exp1(m[rg] - mn);  // m = -inf: a = 0
+          const int64_t own = (cnt + 15) / 16 * 16;  // the row's own lanes: the sum's vectors, as alone
+          V tv = vzero();
+          for (int64_t j = 0; j < own; j += 16) tv = tfq::vadd(tv, vload(p + j));
+          const float t = reduce(tv);
+          std::fill(o, o + D, 0.0f);
+          for (int64_t j = 0; j < cnt; j++)
+            for (int64_t d = 0; d < D; d += 16)
+              vstore(o + d, vfma(tfq::vbroadcast(p[j]), vload(vt + j * D + d), vload(o + d)));
+          float* ag = acc + rg * D;
+          for (int64_t d = 0; d < D; d += 16) vstore(ag + d, vfma(vload(ag + d), tfq::vbroadcast(a), vload(o + d)));
+          l[rg] = std::fma(l[rg], a, t);
+          m[rg] = mn;
         }
-        float top = NEG_INF;
-        for (int64_t j = 0; j < cnt; j++) top = std::max(top, s[j]);
-        const float mn = std::max(m[g], top);
-        for (int64_t j = cnt; j < lanes; j++) s[j] = NEG_INF;
-        for (int64_t j = 0; j < lanes; j++) s[j] = s[j] - mn;
-        for (int64_t j = 0; j < lanes; j += 16) exp16(s + j, p + j);
-        const float a = exp1(m[g] - mn);  // m = -inf: a = 0
-        V tv = vzero();
-        for (int64_t j = 0; j < lanes; j += 16) tv = tfq::vadd(tv, vload(p + j));
-        const float t = reduce(tv);
-        std::fill(o, o + D, 0.0f);
-        for (int64_t j = 0; j < cnt; j++)
-          for (int64_t d = 0; d < D; d += 16) vstore(o + d, vfma(tfq::vbroadcast(p[j]), vload(vt + j * D + d), vload(o + d)));
-        float* ag = acc + g * D;
-        for (int64_t d = 0; d < D; d += 16) vstore(ag + d, vfma(vload(ag + d), tfq::vbroadcast(a), vload(o + d)));
-        l[g] = std::fma(l[g], a, t);
-        m[g] = mn;
       }
     }
-    std::copy(m, m + G, sm + sp * G);
-    std::copy(l, l + G, sl + sp * G);
-    std::copy(acc, acc + G * D, sacc + sp * G * D);
   }
-  for (int64_t g = 0; g < G; g++) {
-    float* og = out + g * D;
-    if (split <= 0) {
-      for (int64_t d = 0; d < D; d++) og[d] = acc[g * D + d] / l[g];
-      continue;
+  for (int64_t r = 0; r < rows; r++) {
+    const int64_t own_splits = (lengths[r] + per_split - 1) / per_split;
+    for (int64_t g = 0; g < G; g++) {
+      const int64_t rg = r * G + g;
+      float* og = out + r * q_stride + g * D;
+      if (split <= 0) {
+        for (int64_t d = 0; d < D; d++) og[d] = sacc[rg * D + d] / sl[rg];
+        continue;
+      }
+      float big = NEG_INF;
+      for (int64_t sp = 0; sp < own_splits; sp++) big = std::max(big, sm[sp * RG + rg]);
+      float L = 0.0f;
+      std::fill(o, o + D, 0.0f);
+      for (int64_t sp = 0; sp < own_splits; sp++) {
+        const float w = exp1(sm[sp * RG + rg] - big);
+        L = std::fma(sl[sp * RG + rg], w, L);
+        const float* as = sacc + (sp * RG + rg) * D;
+        for (int64_t d = 0; d < D; d += 16) vstore(o + d, vfma(vload(as + d), tfq::vbroadcast(w), vload(o + d)));
+      }
+      for (int64_t d = 0; d < D; d++) og[d] = o[d] / L;
     }
-    float big = NEG_INF;
-    for (int64_t sp = 0; sp < splits; sp++) big = std::max(big, sm[sp * G + g]);
-    float L = 0.0f;
-    std::fill(o, o + D, 0.0f);
-    for (int64_t sp = 0; sp < splits; sp++) {
-      const float w = exp1(sm[sp * G + g] - big);
-      L = std::fma(sl[sp * G + g], w, L);
-      const float* as = sacc + (sp * G + g) * D;
-      for (int64_t d = 0; d < D; d += 16) vstore(o + d, vfma(vload(as + d), tfq::vbroadcast(w), vload(o + d)));
-    }
-    for (int64_t d = 0; d < D; d++) og[d] = o[d] / L;
   }
 }
+
+constexpr int64_t BLOCK_ROWS = 16;  // rows of one chunk that share the reading of a tile of keys
 
 template <typename T>
 void attend_all(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& table,
@@ -188,12 +203,18 @@ void attend_all(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
   const int64_t* op = offsets.data_ptr<int64_t>();
   const int64_t* lp = lengths.data_ptr<int64_t>();
   float* outp = out.data_ptr<float>();
-  at::parallel_for(0, N * Hkv, 1, [&](int64_t i0, int64_t i1) {
+  // blocks: runs of consecutive rows on one table (a chunk's rows), at most BLOCK_ROWS each
+  std::vector<int64_t> starts;
+  for (int64_t n = 0; n < N; n++)
+    if (n == 0 || op[n] != op[n - 1] || n - starts.back() >= BLOCK_ROWS) starts.push_back(n);
+  starts.push_back(N);
+  const int64_t blocks = static_cast<int64_t>(starts.size()) - 1;
+  at::parallel_for(0, blocks * Hkv, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> work;
     for (int64_t i = i0; i < i1; i++) {
-      const int64_t n = i / Hkv, h = i % Hkv;
-      attend_item<T>(qp + (n * H + h * G) * D, G, D, kp + h * D, vp + h * D, Hkv * D, tp + op[n], lp[n],
-                     static_cast<float>(scale), tile, split, outp + (n * H + h * G) * D, work);
+      const int64_t b = i / Hkv, h = i % Hkv, n0 = starts[b], rows = starts[b + 1] - n0;
+      attend_block<T>(qp + (n0 * H + h * G) * D, rows, H * D, G, D, kp + h * D, vp + h * D, Hkv * D, tp + op[n0],
+                      lp + n0, static_cast<float>(scale), tile, split, outp + (n0 * H + h * G) * D, work);
     }
   });
 }

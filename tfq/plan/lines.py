@@ -90,8 +90,8 @@ def _device_line(plan: Plan, lay: Layout) -> str:
     if plan.device == "auto":
         auto = " (auto: a CUDA GPU is here)" if lay.device != "cpu" else " (auto: no CUDA GPU here)"
     if lay.device == "cpu":
-        kernels = ("torch kernels: tfq's fixed-order linear layers (C++, built once for this CPU; oneDNN if no "
-                   "compiler), attention as one-row bmm items")
+        kernels = ("tfq's C++ kernels: linear layers and attention in fixed orders (built once for this CPU; "
+                   "TFQ_CPU_KERNELS=torch, or no compiler: oneDNN and bmm)")
     else:
         import torch
 
