@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from . import cpu_build
 from .contract import KEY_TILE, SATURATE, SPLIT_ROWS, AttentionBatch, Chunk, DecodeGroup
 
 NEG_INF = float("-inf")
@@ -48,14 +49,8 @@ def attend_fixed(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  scale: float) -> torch.Tensor:
     """`attend` by tfq's C++ kernel (kernels/cpu/attention.cpp): each (query row, KV head) one fixed-order
     computation over the row's own keys, the same wherever the row comes from. q: [N, H, D] fp32."""
-    from . import cpu_build
-
-    if not cpu_build.built():
-        ok, why = cpu_build.load()
-        if not ok:
-            raise RuntimeError(why)
     table, offsets, lengths = _memo(batch.memo, "tables", lambda: key_tables(batch, q.shape[0]))
-    return torch.ops.tfq_cpu.attend(q.contiguous(), k_cache, v_cache, table, offsets, lengths, scale, KEY_TILE,
+    return cpu_build.ops().attend(q.contiguous(), k_cache, v_cache, table, offsets, lengths, scale, KEY_TILE,
                                     SPLIT_ROWS if batch.partial else 0)
 
 

@@ -31,6 +31,7 @@ class Backend:
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # (x [..., n], weight [n], eps)
     attend: Callable[..., torch.Tensor]  # kernels.attention.attend's signature
     store: Callable[..., None]  # (cache_k, cache_v, rows, k, v, dtype_name): new keys/values into the cache
+    silu: Callable[[torch.Tensor], torch.Tensor]  # the MLP's activation, x * sigmoid(x)
 
     @property
     def interpreted(self) -> bool:
@@ -41,15 +42,15 @@ class Backend:
 def torch_backend() -> Backend:
     from . import cpu_build
     from .attention import attend, attend_fixed, write
-    from .rowwise import OneDnnLinear, linear_name, rms_norm
+    from .rowwise import OneDnnLinear, linear_name, rms_norm, silu
 
-    if cpu_build.wanted():  # tfq's C++ kernels (kernels/cpu/): linear layers and attention in fixed orders
-        from .rowwise import FixedOrderLinear
+    if cpu_build.wanted():  # tfq's C++ kernels (kernels/cpu/): every output one fixed-order computation
+        from .rowwise import FixedOrderLinear, rms_norm_fixed, silu_fixed
 
-        return Backend("torch", torch.device("cpu"), "CPU, tfq's fixed-order kernels (linear layers, attention)",
-                       FixedOrderLinear, rms_norm, attend_fixed, write)
+        return Backend("torch", torch.device("cpu"), "CPU, tfq's fixed-order kernels (linear layers, attention, "
+                       "RMS norm, SiLU)", FixedOrderLinear, rms_norm_fixed, attend_fixed, write, silu_fixed)
     return Backend("torch", torch.device("cpu"), f"CPU, linear layers by {linear_name()}, attention as bmm items",
-                   OneDnnLinear, rms_norm, attend, write)
+                   OneDnnLinear, rms_norm, attend, write, silu)
 
 
 def triton_backend(device: torch.device | None = None) -> tuple[Backend | None, str]:
@@ -75,4 +76,6 @@ def triton_backend(device: torch.device | None = None) -> tuple[Backend | None, 
     def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> LinearFn:
         return tr.TritonLinear(weight, bias, device)
 
-    return Backend("triton", device, where, linear, tr.rms_norm, ta.attend, ta.write), where
+    from .rowwise import silu
+
+    return Backend("triton", device, where, linear, tr.rms_norm, ta.attend, ta.write, silu), where

@@ -16,7 +16,7 @@ import os
 import platform
 from pathlib import Path
 
-SOURCES = ("linear.cpp", "attention.cpp")
+SOURCES = ("linear.cpp", "attention.cpp", "rowwise.cpp")
 HEADERS = ("lanes.h",)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
 CHOICES = ("auto", "tfq", "torch")
@@ -58,6 +58,17 @@ def wanted() -> bool:
     return ok
 
 
+def ops():
+    """torch.ops.tfq_cpu, built and loaded (RuntimeError saying why not)."""
+    import torch
+
+    if not _state.get("ok"):
+        ok, why = load()
+        if not ok:
+            raise RuntimeError(why)
+    return torch.ops.tfq_cpu
+
+
 def built() -> bool:
     """Whether this process has the kernels loaded already (cheap)."""
     return bool(_state.get("ok"))
@@ -75,7 +86,7 @@ def load() -> tuple[bool, str]:
         cpp_extension.load(name=f"tfq_cpu_{_cpu_tag()}", sources=[str(folder / s) for s in SOURCES],
                            extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"], is_python_module=False,
                            verbose=False)
-        ok = all(hasattr(torch.ops.tfq_cpu, op) for op in ("linear", "attend"))
+        ok = all(hasattr(torch.ops.tfq_cpu, op) for op in ("pack", "linear", "attend", "rms_norm", "silu"))
         why = "tfq's fixed-order kernels (built for this CPU)"
     except Exception as e:  # a missing compiler or ninja, a failed build: many kinds, one line
         ok, why = False, f"tfq's CPU kernels did not build ({' '.join(str(e).split())[:200]})"

@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import cpu_build
+
 PROBE_THREADS = (1, 2, 3, 4)  # thread counts the lone-row probe tries, besides the current one
 
 
@@ -30,15 +32,11 @@ def _onednn_available() -> bool:
 
 def linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
     """The CPU linear layer y = x W^T + b (fp32, row-invariant) that TFQ_CPU_KERNELS picks (kernels.cpu_build)."""
-    from . import cpu_build
-
     return FixedOrderLinear(weight, bias) if cpu_build.wanted() else OneDnnLinear(weight, bias)
 
 
 def linear_name() -> str:
     """Which linear layer `linear` makes in this process, in words."""
-    from . import cpu_build
-
     if cpu_build.wanted():
         return "tfq's fixed-order kernel"
     return "oneDNN (packed fp32)" if _onednn_available() else "torch, one row at a time"
@@ -49,17 +47,12 @@ class FixedOrderLinear:
     The weights are packed once into panels of 64 outputs ([N / 64][K][64])."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        from . import cpu_build
-
-        ok, why = cpu_build.load()
-        if not ok:
-            raise RuntimeError(why)
         self.out_features, self.in_features = weight.shape
-        self.panels = torch.ops.tfq_cpu.pack(weight.detach().float().contiguous())
+        self.panels = cpu_build.ops().pack(weight.detach().float().contiguous())
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.tfq_cpu.linear(x.contiguous(), self.panels, self.bias, self.out_features)
+        return cpu_build.ops().linear(x.contiguous(), self.panels, self.bias, self.out_features)
 
 
 class OneDnnLinear:
@@ -111,6 +104,16 @@ def _lone_row_agrees(layer: OneDnnLinear) -> bool:
 def _rowwise_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     # Fallback without oneDNN: one matrix-vector product per row is invariant by construction (slow).
     return torch.stack([F.linear(row[None], w, b)[0] for row in x]) if len(x) else F.linear(x, w, b)
+
+
+def rms_norm_fixed(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS norm by kernels/cpu/rowwise.cpp: each row's sum of squares in one fixed order."""
+    return cpu_build.ops().rms_norm(x.contiguous(), weight, eps)
+
+
+def silu_fixed(x: torch.Tensor) -> torch.Tensor:
+    """x / (1 + exp(-x)) by kernels/cpu/rowwise.cpp, with tfq's own exp: one op, the same bits everywhere."""
+    return cpu_build.ops().silu(x.contiguous())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

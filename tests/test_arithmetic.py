@@ -193,3 +193,28 @@ def test_control_a_layer_that_skips_the_padding_is_red(monkeypatch):
     assert not torch.equal(lin(x[:1]), lin(x)[:1])
     with pytest.raises(TfqError, match="at 1 rows"):
         check_rows(lin, 96, "the stand-in")
+
+
+def test_the_row_wise_kernels_give_a_row_its_bits_anywhere():
+    """tfq's RMS norm and SiLU: a row (an element) is one thread's fixed-order work, so its bits are the same
+    alone, among other rows and at any thread count; both stay close to float64."""
+    from tfq.kernels.rowwise import rms_norm_fixed, silu_fixed
+
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(37, 896, generator=g) * 3, torch.randn(896, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3, 5, 16):
+            torch.set_num_threads(n)
+            outs.append((rms_norm_fixed(x, w, 1e-6), silu_fixed(x)))
+            for i in (0, 17, 36):
+                assert torch.equal(rms_norm_fixed(x[i:i + 1], w, 1e-6), outs[-1][0][i:i + 1])
+                assert torch.equal(silu_fixed(x[i:i + 1]), outs[-1][1][i:i + 1])
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, outs[0][0]) and torch.equal(b, outs[0][1]) for a, b in outs[1:])
+    xd = x.double()
+    norm = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    assert (outs[0][0].double() - norm).abs().max() < 1e-5 * norm.abs().max()
+    assert (outs[0][1].double() - xd * torch.sigmoid(xd)).abs().max() < 1e-6 * xd.abs().max()

@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tfq.kernels.rowwise import silu
 from tfq.draft import NgramDrafter
 from tfq.engine import Engine, EngineSettings
 from tfq.errors import TfqError
@@ -106,45 +105,50 @@ def test_every_arm_equals_the_run_alone_on_one_thread(wide, reference, threads, 
     assert all(same(a, b) for a, b in zip(reference, alone_runs(wide, reqs)))
 
 
-def chunked_silu(x: torch.Tensor) -> torch.Tensor:
-    """SiLU with F.silu's flaw built in, so the control fails by construction on any build: the elements
-    are split into one chunk per thread as torch splits them, and each chunk's last elements that do not
-    fill a 16-float vector take another formula (here visibly another value)."""
-    flat = silu(x).reshape(-1)
-    n, t = flat.numel(), torch.get_num_threads()
-    size = -(-n // t)
-    for start in range(0, n, size):
-        end = min(n, start + size)
-        tail = (end - start) % 16
-        if tail:
-            flat[end - tail:end] *= 1 + 2 ** -8
-    return flat.view_as(x)
+def chunk_flaw(act):
+    """The model's own activation with F.silu's flaw built in, so the control fails by construction on any
+    build: the elements are split into one chunk per thread as torch splits them, and each chunk's last
+    elements that do not fill a 16-float vector take another formula (here visibly another value)."""
+    def flawed(x: torch.Tensor) -> torch.Tensor:
+        flat = act(x).reshape(-1)
+        n, t = flat.numel(), torch.get_num_threads()
+        size = -(-n // t)
+        for start in range(0, n, size):
+            end = min(n, start + size)
+            tail = (end - start) % 16
+            if tail:
+                flat[end - tail:end] *= 1 + 2 ** -8
+        return flat.view_as(x)
+
+    return flawed
 
 
 def test_control_an_activation_with_the_chunk_flaw_changes_replies_at_3_threads(wide, reference, threads):
     """The guard runs when an engine is built; build it where the flawed op is harmless (1 thread: one chunk
     of whole rows), then run at 3 threads, as a build without the guard would."""
     threads(1)
-    wide.act = chunked_silu
+    act = wide.act
+    wide.act = chunk_flaw(act)
     try:
         engine = Engine(wide, ARMS["whole"]["settings"], eos_ids=(), keep_logits=True)
         threads(3)
         together = engine.generate(requests())
         alone = [engine.generate([r])[0] for r in requests()]
     finally:
-        wide.act = silu
+        wide.act = act
     assert not all(same(a, b) for a, b in zip(alone, together))  # RED: together differs from alone
     assert not all(same(a, b) for a, b in zip(reference, alone))  # RED: 3 threads differ from 1
 
 
 def test_the_guard_refuses_the_flawed_activation_naming_op_and_count(wide, threads):
     threads(3)
-    wide.act = chunked_silu
+    act = wide.act
+    wide.act = chunk_flaw(act)
     try:
         with pytest.raises(TfqError) as e:
             Engine(wide, EngineSettings(window=256, lanes=4, prefill_chunk=64, kv_dtype="bf16"), eos_ids=())
     finally:
-        wide.act = silu
+        wide.act = act
     message = str(e.value)
     assert "silu" in message and "at 3 threads" in message and "\n" not in message
 
@@ -156,11 +160,12 @@ def test_the_guard_sees_what_f_silu_does_on_this_build(wide, threads):
     x = torch.randn(200, WIDE, generator=torch.Generator().manual_seed(1))
     full = F.silu(x)
     flawed = not all(torch.equal(F.silu(x[:m].clone()), full[:m]) for m in (1, 2, 3, 5, 7, 14, 17, 20, 33, 64))
+    act = wide.act
     wide.act = F.silu
     try:
         failure = LayerProof(wide, "fp16", False).holds(3, 4 * 64, 64)
     finally:
-        wide.act = silu
+        wide.act = act
     if flawed:
         assert failure is not None and failure.op == "silu"
     else:

@@ -44,37 +44,11 @@ using tfq::vzero;
 using tfq::vload;
 using tfq::vstore;
 using tfq::vfma;
+using tfq::exp16;
+using tfq::exp1;
 using tfq::reduce;
 
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
-
-// exp over 16 lanes, lane by lane the same operations on every instruction set
-inline void exp16(const float* x, float* out) {
-  for (int i = 0; i < 16; i++) {
-    float v = x[i];
-    if (!(v >= -87.0f)) {  // -inf, NaN-free below -87: 0
-      out[i] = 0.0f;
-      continue;
-    }
-    float n = std::nearbyint(v * 1.44269504088896341f);
-    float r = std::fma(-n, 0.693359375f, v);
-    r = std::fma(-n, -2.12194440e-4f, r);
-    float p = 1.9875691500e-4f;
-    p = std::fma(p, r, 1.3981999507e-3f);
-    p = std::fma(p, r, 8.3334519073e-3f);
-    p = std::fma(p, r, 4.1665795894e-2f);
-    p = std::fma(p, r, 1.6666665459e-1f);
-    p = std::fma(p, r, 5.0000001201e-1f);
-    float y = std::fma(p, r * r, r) + 1.0f;
-    out[i] = std::ldexp(y, static_cast<int>(n));  // exact: n >= -126 keeps the result normal
-  }
-}
-
-inline float exp1(float x) {
-  alignas(64) float in[16] = {x}, out[16];
-  exp16(in, out);
-  return out[0];
-}
 
 template <typename T>
 inline float widen(T v) { return static_cast<float>(v); }

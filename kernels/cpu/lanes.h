@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cmath>
+#include <limits>
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define TFQ_PREFETCH(p) _mm_prefetch((const char*)(p), _MM_HINT_T0)
@@ -47,6 +48,36 @@ inline float reduce(V v) {
   for (int i = 0; i < 4; i++) f[i] = f[i] + f[i + 4];
   for (int i = 0; i < 2; i++) f[i] = f[i] + f[i + 2];
   return f[0] + f[1];
+}
+
+// exp lane by lane, the same operations on every instruction set (Cephes' expf polynomial with fused
+// multiply-adds): within 2 units in the last place; an argument below -87 gives 0 (the true result would be a
+// denormal, where instruction sets round differently), one above 88.7 gives inf.
+inline void exp16(const float* x, float* out) {
+  for (int i = 0; i < 16; i++) {
+    float v = x[i];
+    if (!(v >= -87.0f)) {  // -inf and below -87: 0
+      out[i] = 0.0f;
+      continue;
+    }
+    float n = std::nearbyint(v * 1.44269504088896341f);
+    float r = std::fma(-n, 0.693359375f, v);
+    r = std::fma(-n, -2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = std::fma(p, r, 1.3981999507e-3f);
+    p = std::fma(p, r, 8.3334519073e-3f);
+    p = std::fma(p, r, 4.1665795894e-2f);
+    p = std::fma(p, r, 1.6666665459e-1f);
+    p = std::fma(p, r, 5.0000001201e-1f);
+    float y = std::fma(p, r * r, r) + 1.0f;
+    out[i] = std::ldexp(y, static_cast<int>(n));  // exact: n >= -126 keeps the result normal
+  }
+}
+
+inline float exp1(float x) {
+  alignas(64) float in[16] = {x}, out[16];
+  exp16(in, out);
+  return out[0];
 }
 
 }  // namespace tfq

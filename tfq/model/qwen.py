@@ -16,7 +16,6 @@ import torch
 
 from tfq.kernels.attention import AttentionBatch
 from tfq.kernels.backend import Backend, LinearFn, torch_backend
-from tfq.kernels.rowwise import silu
 from tfq.proofs.startup_kernels import check_layers, ensure_exact
 from tfq.errors import TfqError
 from tfq.model.config import ModelConfig
@@ -87,7 +86,7 @@ class Qwen:
         self.lm_head = Linear(head)
         self._rope_rows = 0
         self.scale = 1.0 / math.sqrt(c.head_dim)
-        self.act = silu  # the MLP's activation; the guard's tests swap in flawed ones and must see them
+        self.act = backend.silu  # the MLP's activation; the guard's tests swap in flawed ones and must see them
         self.proved: dict = {}  # what the start-up guard proved on this model (tfq.proofs.startup), by its settings
         first = self.layers[0]
         check_layers({"qkv": first.qkv, "o": first.o, "gate_up": first.gate_up, "down": first.down,

@@ -1,0 +1,73 @@
+// tfq's row-wise ops on the CPU: RMS norm and SiLU, each row (or element) computed by one thread in one fixed
+// order, so a row's bits never depend on the rows beside it or the thread count (row invariance by construction).
+//
+// RMS norm of a row x of n: ss = the squares as 16 lanes (lane l: fma(x_i, x_i, acc) for i = l, l + 16, ...),
+// the lanes added in the fixed tree of lanes.h; r = 1 / sqrt(ss / n + eps); y_i = (x_i * r) * w_i.
+// SiLU: y = x / (1 + exp(-x)) with the exp of lanes.h.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "lanes.h"
+
+namespace {
+
+using tfq::V;
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && x.is_contiguous() &&
+              w.is_contiguous() && w.dim() == 1 && x.size(-1) == w.size(0), "tfq rms_norm: x [..., n], w [n], fp32");
+  auto y = at::empty_like(x);
+  const int64_t n = w.size(0), rows = n ? x.numel() / n : 0;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const float e = static_cast<float>(eps), count = static_cast<float>(n);
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) {
+      const float* xr = xp + r * n;
+      float* yr = yp + r * n;
+      V acc = tfq::vzero();
+      int64_t i = 0;
+      for (; i + 16 <= n; i += 16) {
+        const V v = tfq::vload(xr + i);
+        acc = tfq::vfma(v, v, acc);
+      }
+      alignas(64) float lanes[16];
+      tfq::vstore(lanes, acc);
+      for (int64_t l = 0; i < n; i++, l++) lanes[l] = std::fma(xr[i], xr[i], lanes[l]);  // a short tail
+      const float ss = tfq::reduce(tfq::vload(lanes));
+      const float inv = 1.0f / std::sqrt(ss / count + e);
+      for (int64_t k = 0; k < n; k++) yr[k] = (xr[k] * inv) * wp[k];
+    }
+  });
+  return y;
+}
+
+at::Tensor silu(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "tfq silu: fp32, contiguous");
+  auto y = at::empty_like(x);
+  const int64_t n = x.numel();
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, (n + 15) / 16, 256, [&](int64_t b0, int64_t b1) {
+    alignas(64) float neg[16], e[16];
+    for (int64_t b = b0; b < b1; b++) {
+      const int64_t i0 = b * 16, cnt = std::min<int64_t>(16, n - i0);
+      for (int64_t j = 0; j < 16; j++) neg[j] = j < cnt ? -xp[i0 + j] : 0.0f;
+      tfq::exp16(neg, e);
+      for (int64_t j = 0; j < cnt; j++) yp[i0 + j] = xp[i0 + j] / (1.0f + e[j]);
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", rms_norm);
+  m.def("silu(Tensor x) -> Tensor", silu);
+}
