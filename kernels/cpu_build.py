@@ -58,6 +58,19 @@ def wanted() -> bool:
     return ok
 
 
+def name() -> str:
+    """The build's name (and its folder's) for this CPU, these flags, sources and torch."""
+    return f"tfq_cpu_{_cpu_tag()}"
+
+
+def cached() -> bool:
+    """Whether this machine has the build already (loading it then takes a moment, not a compile)."""
+    from torch.utils import cpp_extension
+
+    folder = Path(cpp_extension._get_build_directory(name(), verbose=False))
+    return (folder / f"{name()}.so").is_file()
+
+
 def ops():
     """torch.ops.tfq_cpu, built and loaded (RuntimeError saying why not)."""
     import torch
@@ -83,7 +96,7 @@ def load() -> tuple[bool, str]:
         from torch.utils import cpp_extension
 
         folder = Path(__file__).parent / "cpu"
-        cpp_extension.load(name=f"tfq_cpu_{_cpu_tag()}", sources=[str(folder / s) for s in SOURCES],
+        cpp_extension.load(name=name(), sources=[str(folder / s) for s in SOURCES],
                            extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"], is_python_module=False,
                            verbose=False)
         ok = all(hasattr(torch.ops.tfq_cpu, op) for op in ("pack", "linear", "attend", "rms_norm", "silu"))

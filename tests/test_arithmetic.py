@@ -218,3 +218,16 @@ def test_the_row_wise_kernels_give_a_row_its_bits_anywhere():
     norm = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
     assert (outs[0][0].double() - norm).abs().max() < 1e-5 * norm.abs().max()
     assert (outs[0][1].double() - xd * torch.sigmoid(xd)).abs().max() < 1e-6 * xd.abs().max()
+
+
+def test_loading_says_so_before_the_kernels_compile(tiny_dirs, monkeypatch, capsys):
+    from tfq.kernels import cpu_build
+    from tfq.model.load import load_model
+
+    monkeypatch.setattr(cpu_build, "built", lambda: False)
+    monkeypatch.setattr(cpu_build, "cached", lambda: False)  # as on a machine that never built them
+    load_model(str(tiny_dirs["qwen2"]), progress=True)
+    assert "building its CPU kernels for this machine" in capsys.readouterr().err
+    monkeypatch.setattr(cpu_build, "cached", lambda: True)
+    load_model(str(tiny_dirs["qwen2"]), progress=True)
+    assert "building" not in capsys.readouterr().err

@@ -29,8 +29,23 @@ def load_model(spec: str, progress: bool = True, device: str | torch.device = "c
     folder = resolve_model(spec, progress=progress)
     config = ModelConfig.from_folder(folder)
     tokenizer = Tokenizer.from_folder(folder)
+    if progress:
+        _say_if_building(torch.device(device))
     model = Qwen(config, load_state_dict(folder), backend_for(torch.device(device)))
     return LoadedModel(folder, config, model, tokenizer)
+
+
+def _say_if_building(device: torch.device) -> None:
+    """One line before tfq's CPU kernels compile for this machine (once, about 10 s), so the wait is explained."""
+    import sys
+
+    from tfq.kernels import cpu_build
+
+    try:
+        if device.type == "cpu" and cpu_build.choice() != "torch" and not cpu_build.built() and not cpu_build.cached():
+            print("tfq: building its CPU kernels for this machine (once, about 10 s)", file=sys.stderr, flush=True)
+    except (ValueError, OSError, AttributeError):
+        pass  # a bad TFQ_CPU_KERNELS is reported by backend_for, in its own words
 
 
 def backend_for(device: torch.device) -> Backend:
