@@ -42,8 +42,8 @@ def _cpu_tag() -> str:
     except OSError:
         flags = platform.processor()
     h = hashlib.sha256(" ".join((flags, *FLAGS, torch.__version__, platform.machine())).encode())
-    for name in SOURCES + HEADERS:
-        h.update((Path(__file__).parent / "cpu" / name).read_bytes())
+    for source in SOURCES + HEADERS:
+        h.update((Path(__file__).parent / "cpu" / source).read_bytes())
     return h.hexdigest()[:12]
 
 
