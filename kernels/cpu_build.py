@@ -87,6 +87,20 @@ def built() -> bool:
     return bool(_state.get("ok"))
 
 
+def _ninja_on_path() -> None:
+    """torch's builder runs `ninja` from PATH; the pip package `ninja` (a dependency) puts it beside the
+    interpreter, which is not on PATH when python is run by its full path. Add it there if needed."""
+    import shutil
+
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+
+
 def load() -> tuple[bool, str]:
     """Build (once per machine) and load the kernels; (True, where) or (False, why not)."""
     if "ok" in _state:
@@ -95,6 +109,7 @@ def load() -> tuple[bool, str]:
         import torch
         from torch.utils import cpp_extension
 
+        _ninja_on_path()
         folder = Path(__file__).parent / "cpu"
         cpp_extension.load(name=name(), sources=[str(folder / s) for s in SOURCES],
                            extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"], is_python_module=False,

@@ -231,3 +231,17 @@ def test_loading_says_so_before_the_kernels_compile(tiny_dirs, monkeypatch, caps
     monkeypatch.setattr(cpu_build, "cached", lambda: True)
     load_model(str(tiny_dirs["qwen2"]), progress=True)
     assert "building" not in capsys.readouterr().err
+
+
+def test_the_build_finds_the_ninja_that_pip_installed(monkeypatch):
+    """torch's builder runs `ninja` from PATH; python run by its full path may not have pip's on PATH."""
+    import shutil
+
+    import ninja
+
+    from tfq.kernels import cpu_build
+
+    monkeypatch.setenv("PATH", "/nowhere")
+    assert shutil.which("ninja") is None
+    cpu_build._ninja_on_path()
+    assert shutil.which("ninja") is not None and ninja.BIN_DIR in shutil.which("ninja")
