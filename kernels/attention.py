@@ -1,4 +1,6 @@
-"""Attention over a KV cache in torch (the CPU path), in the two arithmetics of docs/contract.md.
+"""Attention over a KV cache on the CPU, in the two arithmetics of docs/contract.md: `attend_fixed` runs tfq's
+C++ kernel (kernels/cpu/attention.cpp, its recipe in docs/contract.md section 5); `attend`, described below, is
+the torch path it falls back to.
 
 `rows`: one pass over the stream's keys in KEY_TILE-row tiles, online softmax in fp32 (running max m,
 sum l, accumulator), one division by l at the end. `partial`: the same tile loop restarted at every

@@ -42,14 +42,15 @@ class Backend:
 def torch_backend() -> Backend:
     from . import cpu_build
     from .attention import attend, attend_fixed, write
-    from .rowwise import OneDnnLinear, linear_name, rms_norm, silu
+    from .rowwise import OneDnnLinear, onednn_available, rms_norm, silu
 
     if cpu_build.wanted():  # tfq's C++ kernels (kernels/cpu/): every output one fixed-order computation
         from .rowwise import FixedOrderLinear, rms_norm_fixed, silu_fixed
 
         return Backend("torch", torch.device("cpu"), "CPU, tfq's fixed-order kernels (linear layers, attention, "
                        "RMS norm, SiLU)", FixedOrderLinear, rms_norm_fixed, attend_fixed, write, silu_fixed)
-    return Backend("torch", torch.device("cpu"), f"CPU, linear layers by {linear_name()}, attention as bmm items",
+    linear = "oneDNN (packed fp32)" if onednn_available() else "torch, one row at a time"
+    return Backend("torch", torch.device("cpu"), f"CPU, linear layers by {linear}, attention as bmm items",
                    OneDnnLinear, rms_norm, attend, write, silu)
 
 

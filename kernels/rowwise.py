@@ -26,20 +26,8 @@ from . import cpu_build
 PROBE_THREADS = (1, 2, 3, 4)  # thread counts the lone-row probe tries, besides the current one
 
 
-def _onednn_available() -> bool:
+def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
-
-def linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """The CPU linear layer y = x W^T + b (fp32, row-invariant) that TFQ_CPU_KERNELS picks (kernels.cpu_build)."""
-    return FixedOrderLinear(weight, bias) if cpu_build.wanted() else OneDnnLinear(weight, bias)
-
-
-def linear_name() -> str:
-    """Which linear layer `linear` makes in this process, in words."""
-    if cpu_build.wanted():
-        return "tfq's fixed-order kernel"
-    return "oneDNN (packed fp32)" if _onednn_available() else "torch, one row at a time"
 
 
 class FixedOrderLinear:
@@ -62,7 +50,7 @@ class OneDnnLinear:
         self.out_features, self.in_features = weight.shape
         weight = weight.detach().float().contiguous()
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        self.packed = _onednn_available()
+        self.packed = onednn_available()
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.packed else weight
         self.pad_lone = self.packed and not _lone_row_agrees(self)
         self._pair = torch.zeros(2, self.in_features) if self.pad_lone else None  # row 1 stays zero

@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tfq.kernels.rowwise import FixedOrderLinear, OneDnnLinear, linear
+from tfq.kernels.backend import torch_backend
+from tfq.kernels.rowwise import FixedOrderLinear, OneDnnLinear
 from tfq.proofs.startup_kernels import check_linear, check_rows
 from tfq.errors import TfqError
 
@@ -48,7 +49,7 @@ def test_the_head_row_bits_hold_at_every_size_it_runs(make):
 
 
 def test_the_engine_linear_is_tfqs_kernel_unless_told():
-    assert isinstance(linear(torch.ones(4, 16)), FixedOrderLinear)  # this machine has gcc: the kernel builds
+    assert isinstance(torch_backend().linear(torch.ones(4, 16)), FixedOrderLinear)  # this machine has gcc: the kernel builds
 
 
 def test_torch_kernels_on_request(monkeypatch):
@@ -56,11 +57,11 @@ def test_torch_kernels_on_request(monkeypatch):
     from tfq.kernels.backend import torch_backend
 
     monkeypatch.setenv("TFQ_CPU_KERNELS", "torch")
-    assert isinstance(linear(torch.ones(4, 16)), OneDnnLinear)
+    assert isinstance(torch_backend().linear(torch.ones(4, 16)), OneDnnLinear)
     assert torch_backend().attend is attend and "oneDNN" in torch_backend().where
     monkeypatch.setenv("TFQ_CPU_KERNELS", "fast")
     with pytest.raises(ValueError, match="choose auto, tfq"):
-        linear(torch.ones(4, 16))
+        torch_backend().linear(torch.ones(4, 16))
 
 
 def test_a_bad_linear_choice_is_one_line(monkeypatch, capsys, tiny_dirs):
@@ -132,7 +133,7 @@ def test_guard_refuses_plain_linear():
 def test_guard_refuses_a_subtly_wrong_path():
     """A path that is right for one row but sums differently in a batch (a control that must be caught)."""
     def make(w, b):
-        lin = linear(w, b)
+        lin = torch_backend().linear(w, b)
         return lambda x: lin(x) if len(x) == 1 else lin(x) + (lin(x) * 1e-7)
     with pytest.raises(TfqError):
         check_linear(make)

@@ -37,20 +37,20 @@ def measure_bandwidth(mib: int = BANDWIDTH_MIB, tries: int = BANDWIDTH_TRIES) ->
     """Bytes/s this machine reads, by probe: {"what, N threads": bytes/s}. The probes read tensors far larger
     than the caches:
 
-    - `linear`: the engine's own linear layer (kernels.rowwise.linear) over a weight of `mib` MiB for one and for two rows,
+    - `linear`: the engine's own linear layer (the CPU backend's) over a weight of `mib` MiB for one and for two rows,
       the way a decode step streams its weights; its rate is what a step can reach, so it sets the roofline.
     - `sum`: a plain reduction over a tensor of `mib` MiB, with one thread and with torch's threads.
 
     Each is the second best of `tries` (a rate reached twice, so one glitch of the clock cannot set the
     roofline); the report takes the best probe (on a shared machine the best read is the nearest to the
     physical limit)."""
-    from tfq.kernels.rowwise import linear
+    from tfq.kernels.backend import torch_backend
 
     threads = torch.get_num_threads()
     out = {}
     inner = 896
     weight = torch.rand(mib * 2**20 // 4 // inner, inner)  # distinct pages: nothing a hypervisor could merge
-    layer = linear(weight)
+    layer = torch_backend().linear(weight)
     del weight
     for rows in (1, 2):
         x = torch.rand(rows, inner)

@@ -15,21 +15,25 @@ import torch
 from tfq.errors import TfqError
 from tfq.kernels.attention import attend, tile_count
 from tfq.kernels.contract import KEY_TILE, SPLIT_ROWS, AttentionBatch, Chunk, DecodeGroup, LinearFn
-from tfq.kernels.rowwise import linear
 
 CHECK_ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 33, 48, 63)
 TORCH_FIX = "use tfq's own kernels (TFQ_CPU_KERNELS=tfq, which needs gcc) or a torch build with oneDNN"
 
 
-def check_linear(make: Callable[[torch.Tensor, torch.Tensor], LinearFn] = linear, rows: int = 64,
+def check_linear(make: Callable[[torch.Tensor, torch.Tensor], LinearFn] | None = None, rows: int = 64,
                  device: torch.device | str = "cpu", fix: str = TORCH_FIX) -> None:
     """Refuse to run if a linear row's bits change with the number of rows in the matmul.
 
     Checks a few shapes like the model's (square, wide, tall) at the row counts where MKL and oneDNN switch
     kernels, against one call of `rows` rows. tests/test_arithmetic.py sweeps the default model's shapes at
     every size the engine runs (1..64 rows, then steps up to 4096; the head up to 80), and tfq/proofs/startup.py
-    proves the loaded model's own layer up to the plan's largest forward at start.
+    proves the loaded model's own layer up to the plan's largest forward at start. `make`: the CPU backend's
+    linear layer unless given.
     """
+    if make is None:
+        from tfq.kernels.backend import torch_backend
+
+        make = torch_backend().linear
     g = torch.Generator().manual_seed(1234)
     for n_in, n_out in ((96, 96), (64, 352), (352, 64), (896, 128), (4864, 64)):
         w = torch.randn(n_out, n_in, generator=g)
