@@ -221,6 +221,71 @@ def test_the_row_wise_kernels_give_a_row_its_bits_anywhere():
     assert (outs[0][1].double() - xd * torch.sigmoid(xd)).abs().max() < 1e-6 * xd.abs().max()
 
 
+def _round32(exact):
+    """A rational rounded once to fp32, to nearest, ties to even (float() then fp32 can round twice)."""
+    import numpy as np
+    from fractions import Fraction
+
+    f = np.float32(float(exact))
+    best = f
+    for g in (np.nextafter(f, np.float32(-np.inf)), np.nextafter(f, np.float32(np.inf))):
+        db, dg = abs(Fraction(float(best)) - exact), abs(Fraction(float(g)) - exact)
+        if dg < db or (dg == db and int(g.view(np.uint32)) % 2 == 0):
+            best = g
+    return best
+
+
+def _fma32(a, b, c):
+    from fractions import Fraction
+    return _round32(Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c)))
+
+
+def _silu_recipe(u, ln2_lo=-2.12194440e-4):
+    """docs/contract.md's SiLU, x / (1 + exp(-x)), with tfq's exp, one rounding a step, in exact arithmetic."""
+    import numpy as np
+
+    f32 = np.float32
+    x = f32(u)
+    a = -x
+    if not a >= f32(-87.0):
+        e = f32(0.0)
+    else:
+        v = min(a, f32(89.0))
+        n = f32(np.rint(v * f32(1.44269504088896341)))
+        r = _fma32(-n, f32(0.693359375), v)
+        r = _fma32(-n, f32(ln2_lo), r)
+        p = f32(1.9875691500e-4)
+        for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+            p = _fma32(p, r, f32(c))
+        y = _fma32(p, r * r, r) + f32(1.0)
+        n1 = int(n) >> 1
+        e = (y * f32(2.0 ** n1)) * f32(2.0 ** (int(n) - n1))
+    return x / (f32(1.0) + e)
+
+
+SILU_POINTS = [0.0, -0.0, 1e-30, -1e-30, 86.9, 87.0, 87.01, 87.5, 88.7, 88.8, 89.0, 95.0, 200.0,
+               -86.9, -87.0, -87.5, -88.7, -88.8, -89.0, -95.0, -200.0, float("inf"), float("-inf")]
+
+
+def test_the_activation_is_its_recipe_bit_for_bit():
+    """tfq's SiLU (and the exp inside it, which attention shares) is docs/contract.md's recipe exactly: computed
+    here one rounding a step in exact arithmetic, over random and edge arguments, the kernel's bits. A control
+    that skips the second half of ln 2 (`r` loses n * 2e-4) must part."""
+    import numpy as np
+    from tfq.kernels.rowwise import silu_fixed
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.cat([torch.randn(600, generator=g) * 6, torch.rand(200, generator=g) * 200 - 100,
+                   torch.tensor(SILU_POINTS)]).float()
+    got = silu_fixed(x).numpy()
+    with np.errstate(over="ignore", invalid="ignore"):  # exp(89) is inf, and -inf / inf is NaN, as in the kernel
+        want = np.array([_silu_recipe(u) for u in x.numpy()], dtype=np.float32)
+        control = np.array([_silu_recipe(u, ln2_lo=0.0) for u in x.numpy()], dtype=np.float32)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert not np.array_equal(got.view(np.uint32), control.view(np.uint32))
+    assert np.isnan(silu_fixed(torch.tensor([float("nan")])).numpy()).all()
+
+
 def test_loading_says_so_before_the_kernels_compile(tiny_dirs, monkeypatch, capsys):
     from tfq.kernels import cpu_build
     from tfq.model.load import load_model

@@ -33,6 +33,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "lanes.h"
@@ -44,7 +45,6 @@ using tfq::vzero;
 using tfq::vload;
 using tfq::vstore;
 using tfq::vfma;
-using tfq::exp16;
 using tfq::exp1;
 using tfq::reduce;
 
@@ -57,22 +57,114 @@ inline float widen(T v) { return static_cast<float>(v); }
 // attending to lengths[r] keys), for one KV head and its `group` query heads. Each tile of keys is read once
 // for the whole block; every row then runs exactly its own recipe on it (a key past a row's end scores -inf,
 // and the lanes it adds to the tile's sum are exact zeros), so a row's bits are those it gets alone.
+// 16 rows of 16 floats (rows[i] points at row i) -> out[d * stride + i]: a tile's keys turned so that lanes run
+// across keys. Moving data rounds nothing, so every path here gives the same kt.
+inline void transpose16(const float* const* rows, float* out, int64_t stride) {
+#if defined(__AVX512F__)
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(rows[i]);
+  for (int i = 0; i < 16; i += 2) {  // pairs of rows interleaved: t[i] = a0 b0 a1 b1 | a4 b4 a5 b5 | ...
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // quads: each 128-bit lane holds one column of 4 rows
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; i++) {  // 128-bit lanes gathered across the quads
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 8; i++) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+  }
+  for (int i = 0; i < 16; i++) _mm512_storeu_ps(out + i * stride, r[i]);  // r[i] is column i
+#else
+  for (int d = 0; d < 16; d++)
+    for (int i = 0; i < 16; i++) out[d * stride + i] = rows[i][d];
+#endif
+}
+
+// Scores of 16 keys at a time (lanes across keys), each key's sum over d in order from 0; four groups of keys
+// run side by side so that four independent chains hide the latency of a fused multiply-add (the order of
+// each key's sum is unchanged).
+inline void scores(const float* qg, const float* kt, int64_t tile, int64_t lanes, int64_t D, float* s) {
+  int64_t j = 0;
+  for (; j + 64 <= lanes; j += 64) {
+    V a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+    for (int64_t d = 0; d < D; d++) {
+      const V q = tfq::vbroadcast(qg[d]);
+      const float* kd = kt + d * tile + j;
+      a0 = vfma(q, vload(kd), a0);
+      a1 = vfma(q, vload(kd + 16), a1);
+      a2 = vfma(q, vload(kd + 32), a2);
+      a3 = vfma(q, vload(kd + 48), a3);
+    }
+    vstore(s + j, a0);
+    vstore(s + j + 16, a1);
+    vstore(s + j + 32, a2);
+    vstore(s + j + 48, a3);
+  }
+  for (; j < lanes; j += 16) {
+    V a = vzero();
+    for (int64_t d = 0; d < D; d++) a = vfma(tfq::vbroadcast(qg[d]), vload(kt + d * tile + j), a);
+    vstore(s + j, a);
+  }
+}
+
+// o_d = sum over the tile's keys j in order of fma(p_j, v_jd, o_d), from 0; `values[j]` is key j's value row.
+// With DV = D / 16 known, o stays in registers.
+template <int DV>
+inline void weigh_values(const float* p, int64_t cnt, const float* const* values, float* o) {
+  V acc[DV];
+  for (int v = 0; v < DV; v++) acc[v] = vzero();
+  for (int64_t j = 0; j < cnt; j++) {
+    const V pj = tfq::vbroadcast(p[j]);
+    for (int v = 0; v < DV; v++) acc[v] = vfma(pj, vload(values[j] + 16 * v), acc[v]);
+  }
+  for (int v = 0; v < DV; v++) vstore(o + 16 * v, acc[v]);
+}
+
+inline void weigh_values(const float* p, int64_t cnt, const float* const* values, int64_t D, float* o) {
+  switch (D) {
+    case 64: weigh_values<4>(p, cnt, values, o); return;
+    case 128: weigh_values<8>(p, cnt, values, o); return;
+    default: break;
+  }
+  std::fill(o, o + D, 0.0f);
+  for (int64_t j = 0; j < cnt; j++)
+    for (int64_t d = 0; d < D; d += 16)
+      vstore(o + d, vfma(tfq::vbroadcast(p[j]), vload(values[j] + d), vload(o + d)));
+}
+
 template <typename T>
 void attend_block(const float* q, int64_t rows, int64_t q_stride, int64_t group, int64_t D, const T* kc,
                   const T* vc, int64_t row_stride, const int64_t* table, const int64_t* lengths, float scale,
-                  int64_t tile, int64_t split, float* out, std::vector<float>& work) {
+                  int64_t tile, int64_t split, float* out, std::vector<float>& work,
+                  std::vector<const float*>& values) {
   const int64_t G = group, RG = rows * group;
   int64_t longest = 0;
   for (int64_t r = 0; r < rows; r++) longest = std::max(longest, lengths[r]);
   const int64_t per_split = split > 0 ? split : longest;
   const int64_t splits = (longest + per_split - 1) / per_split;
-  // work: qs [RG][D], kt [D][tile], vt [tile][D], s, p [tile], o [D], per split: m, l [RG], acc [RG][D]
-  const size_t need = RG * D + 2 * D * tile + 2 * tile + D + splits * RG * (2 + D) + 32;
+  // work: qs [RG][D], kt [D][tile], vt [tile][D], kw [16][D], zeros [16], s, p [tile], o [D],
+  // per split: m, l [RG], acc [RG][D]
+  const size_t need = RG * D + 2 * D * tile + 16 * D + 16 + 2 * tile + D + splits * RG * (2 + D) + 32;
   if (work.size() < need) work.resize(need);
+  if (values.size() < static_cast<size_t>(tile)) values.resize(tile);
+  const float** vrows = values.data();
   float* qs = work.data();
   float* kt = qs + RG * D;
   float* vt = kt + D * tile;
-  float* s = vt + tile * D;
+  float* kw = vt + tile * D;
+  float* zeros = kw + 16 * D;
+  std::fill(zeros, zeros + 16, 0.0f);
+  float* s = zeros + 16;
   float* p = s + tile;
   float* o = p + tile;
   float* sm = o + D;                  // [splits][RG]
@@ -92,17 +184,36 @@ void attend_block(const float* q, int64_t rows, int64_t q_stride, int64_t group,
     const int64_t block_end = std::min(longest, begin + per_split);
     for (int64_t j0 = begin; j0 < block_end; j0 += tile) {
       const int64_t loaded = std::min(tile, block_end - j0);
-      for (int64_t j = 0; j < loaded; j++) {  // the tile's keys (transposed) and values, widened to fp32
-        const T* kr = kc + table[j0 + j] * row_stride;
+      const int64_t lanes = (loaded + 15) / 16 * 16;
+      for (int64_t j = 0; j < loaded; j++) {  // the tile's values, widened to fp32 (fp32 is read where it is)
         const T* vr = vc + table[j0 + j] * row_stride;
-        for (int64_t d = 0; d < D; d++) {
-          kt[d * tile + j] = widen(kr[d]);
-          vt[j * D + d] = widen(vr[d]);
+        if constexpr (std::is_same_v<T, float>) {
+          vrows[j] = vr;
+        } else {
+          for (int64_t d = 0; d < D; d++) vt[j * D + d] = widen(vr[d]);
+          vrows[j] = vt + j * D;
         }
       }
-      const int64_t lanes = (loaded + 15) / 16 * 16;
-      for (int64_t j = loaded; j < lanes; j++)
-        for (int64_t d = 0; d < D; d++) kt[d * tile + j] = 0.0f;
+      for (int64_t j = 0; j < lanes; j += 16) {  // the tile's keys, transposed 16 x 16 at a time (missing keys 0)
+        const float* krows[16];
+        for (int64_t i = 0; i < 16; i++) {
+          if (j + i >= loaded) {
+            krows[i] = zeros;
+          } else if constexpr (std::is_same_v<T, float>) {
+            krows[i] = kc + table[j0 + j + i] * row_stride;
+          } else {  // widened into the value buffer's spare rows first
+            const T* kr = kc + table[j0 + j + i] * row_stride;
+            float* wide = kw + i * D;
+            for (int64_t d = 0; d < D; d++) wide[d] = widen(kr[d]);
+            krows[i] = wide;
+          }
+        }
+        for (int64_t d = 0; d < D; d += 16) {
+          const float* part[16];
+          for (int i = 0; i < 16; i++) part[i] = krows[i] + (krows[i] == zeros ? 0 : d);
+          transpose16(part, kt + d * tile + j, tile);
+        }
+      }
       for (int64_t r = 0; r < rows; r++) {
         const int64_t end = std::min(lengths[r], begin + per_split);
         if (j0 >= end) continue;  // past this row's keys (in this split): its state stays as it is
@@ -110,26 +221,25 @@ void attend_block(const float* q, int64_t rows, int64_t q_stride, int64_t group,
         for (int64_t g = 0; g < G; g++) {
           const int64_t rg = r * G + g;
           const float* qg = qs + rg * D;
-          for (int64_t j = 0; j < lanes; j += 16) {  // scores, 16 keys at a time: each key's sum over d in order
-            V sv = vzero();
-            for (int64_t d = 0; d < D; d++) sv = vfma(tfq::vbroadcast(qg[d]), vload(kt + d * tile + j), sv);
-            vstore(s + j, sv);
-          }
-          float top = NEG_INF;
-          for (int64_t j = 0; j < cnt; j++) top = std::max(top, s[j]);
-          const float mn = std::max(m[rg], top);
+          scores(qg, kt, tile, lanes, D, s);
           for (int64_t j = cnt; j < lanes; j++) s[j] = NEG_INF;
-          for (int64_t j = 0; j < lanes; j++) s[j] = s[j] - mn;
-          for (int64_t j = 0; j < lanes; j += 16) exp16(s + j, p + j);
+          // the largest score, as 16 lanes then across them: a max is exact in any order (but for a zero's
+          // sign, which the exp of a difference never sees)
+          V tops = tfq::vbroadcast(NEG_INF);
+          for (int64_t j = 0; j < lanes; j += 16) tops = tfq::vmax(vload(s + j), tops);
+          alignas(64) float lane_tops[16];
+          vstore(lane_tops, tops);
+          float top = NEG_INF;
+          for (int i = 0; i < 16; i++) top = std::max(top, lane_tops[i]);
+          const float mn = std::max(m[rg], top);
+          const V shift = tfq::vbroadcast(mn);
+          for (int64_t j = 0; j < lanes; j += 16) vstore(p + j, tfq::vexp(tfq::vsub(vload(s + j), shift)));
           const float a = exp1(m[rg] - mn);  // m = -inf: a = 0
           const int64_t own = (cnt + 15) / 16 * 16;  // the row's own lanes: the sum's vectors, as alone
           V tv = vzero();
           for (int64_t j = 0; j < own; j += 16) tv = tfq::vadd(tv, vload(p + j));
           const float t = reduce(tv);
-          std::fill(o, o + D, 0.0f);
-          for (int64_t j = 0; j < cnt; j++)
-            for (int64_t d = 0; d < D; d += 16)
-              vstore(o + d, vfma(tfq::vbroadcast(p[j]), vload(vt + j * D + d), vload(o + d)));
+          weigh_values(p, cnt, vrows, D, o);
           float* ag = acc + rg * D;
           for (int64_t d = 0; d < D; d += 16) vstore(ag + d, vfma(vload(ag + d), tfq::vbroadcast(a), vload(o + d)));
           l[rg] = std::fma(l[rg], a, t);
@@ -185,10 +295,12 @@ void attend_all(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
   const int64_t blocks = static_cast<int64_t>(starts.size()) - 1;
   at::parallel_for(0, blocks * Hkv, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> work;
+    std::vector<const float*> values;
     for (int64_t i = i0; i < i1; i++) {
       const int64_t b = i / Hkv, h = i % Hkv, n0 = starts[b], rows = starts[b + 1] - n0;
       attend_block<T>(qp + (n0 * H + h * G) * D, rows, H * D, G, D, kp + h * D, vp + h * D, Hkv * D, tp + op[n0],
-                      lp + n0, static_cast<float>(scale), tile, split, outp + (n0 * H + h * G) * D, work);
+                      lp + n0, static_cast<float>(scale), tile, split, outp + (n0 * H + h * G) * D, work,
+                      values);
     }
   });
 }

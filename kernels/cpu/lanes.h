@@ -3,6 +3,7 @@
 // these gives the same bits on all three.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #if defined(__x86_64__) || defined(_M_X64)
@@ -21,6 +22,10 @@ inline V vbroadcast(float x) { return {_mm512_set1_ps(x)}; }
 inline V vload(const float* p) { return {_mm512_loadu_ps(p)}; }
 inline V vfma(V x, V w, V acc) { return {_mm512_fmadd_ps(x.a, w.a, acc.a)}; }
 inline V vadd(V x, V y) { return {_mm512_add_ps(x.a, y.a)}; }
+inline V vsub(V x, V y) { return {_mm512_sub_ps(x.a, y.a)}; }
+inline V vmul(V x, V y) { return {_mm512_mul_ps(x.a, y.a)}; }
+inline V vdiv(V x, V y) { return {_mm512_div_ps(x.a, y.a)}; }
+inline V vmax(V x, V m) { return {_mm512_max_ps(x.a, m.a)}; }
 inline void vstore(float* p, V v) { _mm512_storeu_ps(p, v.a); }
 #elif defined(__AVX2__) && defined(__FMA__)
 struct V { __m256 lo, hi; };
@@ -29,6 +34,10 @@ inline V vbroadcast(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
 inline V vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
 inline V vfma(V x, V w, V acc) { return {_mm256_fmadd_ps(x.lo, w.lo, acc.lo), _mm256_fmadd_ps(x.hi, w.hi, acc.hi)}; }
 inline V vadd(V x, V y) { return {_mm256_add_ps(x.lo, y.lo), _mm256_add_ps(x.hi, y.hi)}; }
+inline V vsub(V x, V y) { return {_mm256_sub_ps(x.lo, y.lo), _mm256_sub_ps(x.hi, y.hi)}; }
+inline V vmul(V x, V y) { return {_mm256_mul_ps(x.lo, y.lo), _mm256_mul_ps(x.hi, y.hi)}; }
+inline V vdiv(V x, V y) { return {_mm256_div_ps(x.lo, y.lo), _mm256_div_ps(x.hi, y.hi)}; }
+inline V vmax(V x, V m) { return {_mm256_max_ps(x.lo, m.lo), _mm256_max_ps(x.hi, m.hi)}; }
 inline void vstore(float* p, V v) { _mm256_storeu_ps(p, v.lo); _mm256_storeu_ps(p + 8, v.hi); }
 #else
 struct V { float f[16]; };
@@ -37,8 +46,15 @@ inline V vbroadcast(float x) { V v; for (int i = 0; i < 16; i++) v.f[i] = x; ret
 inline V vload(const float* p) { V v; for (int i = 0; i < 16; i++) v.f[i] = p[i]; return v; }
 inline V vfma(V x, V w, V acc) { V v; for (int i = 0; i < 16; i++) v.f[i] = std::fma(x.f[i], w.f[i], acc.f[i]); return v; }
 inline V vadd(V x, V y) { V v; for (int i = 0; i < 16; i++) v.f[i] = x.f[i] + y.f[i]; return v; }
+inline V vsub(V x, V y) { V v; for (int i = 0; i < 16; i++) v.f[i] = x.f[i] - y.f[i]; return v; }
+inline V vmul(V x, V y) { V v; for (int i = 0; i < 16; i++) v.f[i] = x.f[i] * y.f[i]; return v; }
+inline V vdiv(V x, V y) { V v; for (int i = 0; i < 16; i++) v.f[i] = x.f[i] / y.f[i]; return v; }
+inline V vmax(V x, V m) { V v; for (int i = 0; i < 16; i++) v.f[i] = x.f[i] > m.f[i] ? x.f[i] : m.f[i]; return v; }
 inline void vstore(float* p, V v) { for (int i = 0; i < 16; i++) p[i] = v.f[i]; }
 #endif
+
+// vmax(x, m): x where x > m, else m, lane by lane (the instruction sets' max: a NaN in x keeps m, and of two
+// zeros m is kept), so a running max over vectors skips NaNs as the scalar (m < x ? x : m) does.
 
 // the lanes added in a fixed tree: lane l + 8 into lane l, then l + 4, l + 2, and lane 1 into lane 0
 inline float reduce(V v) {
@@ -51,28 +67,74 @@ inline float reduce(V v) {
 }
 
 // exp lane by lane, the same operations on every instruction set (Cephes' expf polynomial with fused
-// multiply-adds): within 2 units in the last place; an argument below -87 gives 0 (the true result would be a
-// denormal, where instruction sets round differently), one above 88.7 gives inf.
-inline void exp16(const float* x, float* out) {
+// multiply-adds), each rounding once, so AVX-512, AVX2 and plain C++ give the same bits: within 2 units in the
+// last place. An argument below -87 (or NaN) gives 0 (the true result would be a denormal, where instruction
+// sets round differently); one above 89 is taken as 89, whose exp is already inf. The scaling by 2^n is two
+// multiplications by 2^(n >> 1) and 2^(n - (n >> 1)): the first is exact, the second rounds once, as ldexp does.
+constexpr float EXP_LO = -87.0f, EXP_HI = 89.0f, LOG2E = 1.44269504088896341f, LN2_HI = 0.693359375f,
+                LN2_LO = -2.12194440e-4f;
+constexpr float EXP_P[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                            4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+#if defined(__AVX512F__)
+inline V vexp(V x) {
+  const __mmask16 ok = _mm512_cmp_ps_mask(x.a, _mm512_set1_ps(EXP_LO), _CMP_GE_OQ);
+  const __m512 v = _mm512_min_ps(x.a, _mm512_set1_ps(EXP_HI));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(LOG2E)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), v);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
+  __m512 p = _mm512_set1_ps(EXP_P[0]);
+  for (int i = 1; i < 6; i++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P[i]));
+  __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+  const __m512i ni = _mm512_cvtps_epi32(n), n1 = _mm512_srai_epi32(ni, 1), n2 = _mm512_sub_epi32(ni, n1);
+  const __m512i bias = _mm512_set1_epi32(127);
+  y = _mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n1, bias), 23)));
+  y = _mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n2, bias), 23)));
+  return {_mm512_maskz_mov_ps(ok, y)};
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+inline __m256 exp8(__m256 x) {
+  const __m256 ok = _mm256_cmp_ps(x, _mm256_set1_ps(EXP_LO), _CMP_GE_OQ);
+  const __m256 v = _mm256_min_ps(x, _mm256_set1_ps(EXP_HI));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(LOG2E)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), v);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
+  __m256 p = _mm256_set1_ps(EXP_P[0]);
+  for (int i = 1; i < 6; i++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P[i]));
+  __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+  const __m256i ni = _mm256_cvtps_epi32(n), n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  y = _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23)));
+  y = _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23)));
+  return _mm256_and_ps(ok, y);
+}
+inline V vexp(V x) { return {exp8(x.lo), exp8(x.hi)}; }
+#else
+inline V vexp(V x) {
+  V out;
   for (int i = 0; i < 16; i++) {
-    float v = x[i];
-    if (!(v >= -87.0f)) {  // -inf and below -87: 0
-      out[i] = 0.0f;
+    const float u = x.f[i];
+    if (!(u >= EXP_LO)) {
+      out.f[i] = 0.0f;
       continue;
     }
-    float n = std::nearbyint(v * 1.44269504088896341f);
-    float r = std::fma(-n, 0.693359375f, v);
-    r = std::fma(-n, -2.12194440e-4f, r);
-    float p = 1.9875691500e-4f;
-    p = std::fma(p, r, 1.3981999507e-3f);
-    p = std::fma(p, r, 8.3334519073e-3f);
-    p = std::fma(p, r, 4.1665795894e-2f);
-    p = std::fma(p, r, 1.6666665459e-1f);
-    p = std::fma(p, r, 5.0000001201e-1f);
-    float y = std::fma(p, r * r, r) + 1.0f;
-    out[i] = std::ldexp(y, static_cast<int>(n));  // exact: n >= -126 keeps the result normal
+    const float v = std::min(u, EXP_HI);
+    const float n = std::nearbyint(v * LOG2E);
+    float r = std::fma(-n, LN2_HI, v);
+    r = std::fma(-n, LN2_LO, r);
+    float p = EXP_P[0];
+    for (int k = 1; k < 6; k++) p = std::fma(p, r, EXP_P[k]);
+    const int ni = static_cast<int>(n), n1 = ni >> 1, n2 = ni - n1;
+    const float y = std::fma(p, r * r, r) + 1.0f;
+    out.f[i] = (y * std::ldexp(1.0f, n1)) * std::ldexp(1.0f, n2);
   }
+  return out;
 }
+#endif
+
+inline void exp16(const float* x, float* out) { vstore(out, vexp(vload(x))); }
 
 inline float exp1(float x) {
   alignas(64) float in[16] = {x}, out[16];

@@ -9,7 +9,9 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "lanes.h"
 
@@ -53,13 +55,21 @@ at::Tensor silu(const at::Tensor& x) {
   const int64_t n = x.numel();
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  const V one = tfq::vbroadcast(1.0f);
   at::parallel_for(0, (n + 15) / 16, 256, [&](int64_t b0, int64_t b1) {
-    alignas(64) float neg[16], e[16];
     for (int64_t b = b0; b < b1; b++) {
       const int64_t i0 = b * 16, cnt = std::min<int64_t>(16, n - i0);
-      for (int64_t j = 0; j < 16; j++) neg[j] = j < cnt ? -xp[i0 + j] : 0.0f;
-      tfq::exp16(neg, e);
-      for (int64_t j = 0; j < cnt; j++) yp[i0 + j] = xp[i0 + j] / (1.0f + e[j]);
+      alignas(64) float in[16] = {}, out[16];  // a short tail goes through a zero-padded vector
+      const float* src = xp + i0;
+      if (cnt < 16) src = static_cast<const float*>(std::memcpy(in, xp + i0, cnt * sizeof(float)));
+      const V x = tfq::vload(src);
+      const V y = tfq::vdiv(x, tfq::vadd(one, tfq::vexp(tfq::vsub(tfq::vzero(), x))));
+      if (cnt == 16) {
+        tfq::vstore(yp + i0, y);
+      } else {
+        tfq::vstore(out, y);
+        std::memcpy(yp + i0, out, cnt * sizeof(float));
+      }
     }
   });
   return y;

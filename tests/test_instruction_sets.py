@@ -1,0 +1,82 @@
+"""tfq's C++ kernels give the same bits on every instruction set: AVX-512 (where this machine has it), AVX2 with
+FMA, and plain C++ with fmaf. Each recipe is written over 16 lanes whose every operation rounds once, so the
+three builds must agree bit for bit (docs/contract.md). Each build here is the same sources compiled for another
+-march, run in its own process (the ops share one torch namespace), on the same inputs."""
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+KERNELS = Path(__file__).resolve().parents[1] / "kernels" / "cpu"
+
+RUN = r"""
+import sys, torch
+from torch.utils import cpp_extension
+march, name, src, out = sys.argv[1:5]
+flags = ["-O3", "-ffp-contract=off", "-fopenmp"] + ([f"-march={march}"] if march != "tfq" else [])
+if march == "tfq":
+    from tfq.kernels import cpu_build
+    ops = cpu_build.ops()
+else:
+    cpp_extension.load(name=name, sources=[f"{src}/{s}" for s in ("linear.cpp", "attention.cpp", "rowwise.cpp")],
+                       extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    ops = torch.ops.tfq_cpu
+g = torch.Generator().manual_seed(5)
+res = {}
+D, H, Hkv, R = 64, 14, 2, 700
+kc, vc = torch.randn(R, Hkv, D, generator=g), torch.randn(R, Hkv, D, generator=g)
+q = torch.randn(40, H, D, generator=g) * 2
+table = torch.randperm(R, generator=g)[:600].long()
+lengths = torch.tensor([1, 17, 64, 65, 130, 257, 511, 600] + list(range(300, 332))).long()
+offsets = torch.zeros(40, dtype=torch.long)
+for split in (0, 256):
+    res[f"attention, split {split}"] = ops.attend(q, kc, vc, table, offsets, lengths, 0.125, 64, split)
+res["attention, bf16 cache"] = ops.attend(q, kc.bfloat16(), vc.bfloat16(), table, offsets, lengths, 0.125, 64, 0)
+x = torch.cat([torch.randn(5000, generator=g) * 10, torch.tensor([87.3, -87.3, 89.5, -89.5, 0.0, -0.0])])
+res["silu"] = ops.silu(x)
+w, xs = torch.randn(300, 896, generator=g), torch.randn(9, 896, generator=g)
+res["linear"] = ops.linear(xs, ops.pack(w), torch.randn(300, generator=g), 300)
+res["linear, no bias"] = ops.linear(xs, ops.pack(w), None, 300)
+res["linear, inputs reversed"] = ops.linear(xs.flip(1).contiguous(), ops.pack(w.flip(1).contiguous()), None, 300)
+res["rms norm"] = ops.rms_norm(xs, torch.randn(896, generator=g), 1e-6)
+torch.save(res, out)
+"""
+
+
+def _outputs(march: str, tmp_path: Path) -> dict:
+    h = hashlib.sha256(march.encode())
+    for f in sorted(KERNELS.iterdir()):
+        h.update(f.read_bytes())
+    name = f"tfq_isa_{march.replace('-', '_')}_{h.hexdigest()[:10]}"
+    out = tmp_path / f"{march}.pt"
+    done = subprocess.run([sys.executable, "-c", RUN, march, name, str(KERNELS), str(out)], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("isa")
+    return {march: _outputs(march, tmp) for march in ("tfq", "haswell", "x86-64")}
+
+
+@pytest.mark.parametrize("march", ["haswell", "x86-64"])
+def test_every_kernel_has_the_same_bits_on_every_instruction_set(builds, march):
+    """The engine's build (-march=native) against AVX2 + FMA (haswell) and plain C++ (x86-64: no vector FMA,
+    so every fused multiply-add is fmaf): every output equal bit for bit."""
+    native, other = builds["tfq"], builds[march]
+    assert [k for k in native if not torch.equal(native[k], other[k])] == []
+
+
+def test_control_the_comparison_sees_one_sum_in_another_order(builds):
+    """The comparison above is sharp enough to see a change of order alone: the same products summed from the
+    last input to the first (inputs and weights reversed) part from the kernel's bits."""
+    native = builds["tfq"]
+    assert not torch.equal(native["linear, no bias"], native["linear, inputs reversed"])
+    assert (native["linear, no bias"] - native["linear, inputs reversed"]).abs().max() < 1e-3  # same sums
