@@ -9,8 +9,10 @@
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define TFQ_PREFETCH(p) _mm_prefetch((const char*)(p), _MM_HINT_T0)
+#define TFQ_PREFETCH_L2(p) _mm_prefetch((const char*)(p), _MM_HINT_T1)
 #else
-#define TFQ_PREFETCH(p) __builtin_prefetch(p)
+#define TFQ_PREFETCH(p) __builtin_prefetch(p, 0, 3)
+#define TFQ_PREFETCH_L2(p) __builtin_prefetch(p, 0, 2)
 #endif
 
 namespace tfq {

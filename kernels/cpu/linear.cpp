@@ -8,10 +8,10 @@
 // with AVX2 (two 8-lane halves) and with plain fmaf, and those machines agree bit for bit.
 //
 // Layout and speed: the weights are packed once into panels of PANEL = 64 outputs, [N / 64][K][64], so that a
-// panel is one contiguous stream (decode reads every weight once a step and is bound by memory; a panel is
-// prefetched a kilobyte ahead). A tile of MR rows x 64 outputs keeps 4 * MR accumulators in registers and
-// reads each weight vector once for its MR rows, which is what makes long prompts fast. Threads take whole
-// panels.
+// panel is one contiguous stream (decode reads every weight once a step and is bound by memory). A tile of MR
+// rows x 64 outputs keeps 4 * MR accumulators in registers and reads each weight vector once for its MR rows,
+// which is what makes long prompts fast. Threads take whole panels. Software prefetches keep memory busy while
+// the tiles compute; how the tiles share that work depends on their number (panel_rows).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -38,19 +38,40 @@ using tfq::vzero;
 constexpr int64_t PANEL = 64;  // outputs a panel: 4 vectors of 16
 constexpr int VECS = PANEL / 16;
 constexpr int MR = 6;  // rows a tile: 6 x 4 accumulators + 4 weight vectors + a broadcast fit 32 registers
-constexpr int64_t AHEAD = 256;  // floats of the panel prefetched ahead of the ones being read
+constexpr int64_t AHEAD_ROWS = 16;  // rows of the panel (256 bytes each, 4 cache lines) a stream prefetches ahead
+
+// What a tile prefetches while it computes: in its iteration i (0-based) the `lines` cache lines
+// base + 64 bytes * ((i * lines + l) * share + first), l = 0 .. lines - 1, into L1 or L2. A tile that streams its
+// own rows from memory prefetches AHEAD_ROWS rows ahead of itself (share 1, 4 lines); tiles that compute on
+// data already near prefetch what comes next, each taking every share-th line from `first` on.
+struct Ahead {
+  const char* base;
+  int64_t share, first, lines;
+  bool to_l2;
+};
+
+Ahead own_stream(const float* panel, int64_t k0) {
+  return {reinterpret_cast<const char*>(panel + (k0 + AHEAD_ROWS) * PANEL), 1, 0, 4, false};
+}
 
 // rows [mr] x the panel's 64 outputs, over inputs [k0, k1): the accumulators start from and return to `acc`
 // (in memory between k blocks, so several tiles can share a block of the panel while it is in L1)
 template <int mr>
-inline void tile(const float* x, int64_t K, const float* panel, int64_t k0, int64_t k1, V (*acc)[VECS]) {
+inline void tile(const float* x, int64_t K, const float* panel, int64_t k0, int64_t k1, V (*acc)[VECS],
+                 Ahead ahead) {
   V a[mr][VECS];
   for (int i = 0; i < mr; i++)
     for (int j = 0; j < VECS; j++) a[i][j] = acc[i][j];
   for (int64_t k = k0; k < k1; k++) {
     const float* wk = panel + k * PANEL;
-    TFQ_PREFETCH(wk + AHEAD);
-    TFQ_PREFETCH(wk + AHEAD + 32);
+    for (int64_t l = 0, i = k - k0; l < ahead.lines; l++) {
+      const char* line = ahead.base + 64 * ((i * ahead.lines + l) * ahead.share + ahead.first);
+      if (ahead.to_l2) {
+        TFQ_PREFETCH_L2(line);
+      } else {
+        TFQ_PREFETCH(line);
+      }
+    }
     V w[VECS];
     for (int j = 0; j < VECS; j++) w[j] = vload(wk + 16 * j);
     for (int i = 0; i < mr; i++) {
@@ -62,24 +83,34 @@ inline void tile(const float* x, int64_t K, const float* panel, int64_t k0, int6
     for (int j = 0; j < VECS; j++) acc[i][j] = a[i][j];
 }
 
-void rows_tile(int64_t rows, const float* x, int64_t K, const float* panel, int64_t k0, int64_t k1, V (*acc)[VECS]) {
+void rows_tile(int64_t rows, const float* x, int64_t K, const float* panel, int64_t k0, int64_t k1, V (*acc)[VECS],
+               Ahead ahead) {
   switch (rows) {
-    case 6: tile<6>(x, K, panel, k0, k1, acc); break;
-    case 5: tile<5>(x, K, panel, k0, k1, acc); break;
-    case 4: tile<4>(x, K, panel, k0, k1, acc); break;
-    case 3: tile<3>(x, K, panel, k0, k1, acc); break;
-    case 2: tile<2>(x, K, panel, k0, k1, acc); break;
-    case 1: tile<1>(x, K, panel, k0, k1, acc); break;
+    case 6: tile<6>(x, K, panel, k0, k1, acc, ahead); break;
+    case 5: tile<5>(x, K, panel, k0, k1, acc, ahead); break;
+    case 4: tile<4>(x, K, panel, k0, k1, acc, ahead); break;
+    case 3: tile<3>(x, K, panel, k0, k1, acc, ahead); break;
+    case 2: tile<2>(x, K, panel, k0, k1, acc, ahead); break;
+    case 1: tile<1>(x, K, panel, k0, k1, acc, ahead); break;
     default: break;
   }
 }
 
 constexpr int64_t KBLOCK = 64;  // inputs of a panel block that the tiles of a few rows share while it is in L1
-constexpr int64_t FEW = 4 * MR;  // up to this many rows, the tiles go block by block (decode, verifies)
+constexpr int64_t FEW = 4 * MR;  // up to this many rows (3 or 4 tiles), the tiles go block by block
+constexpr int64_t LARGE_PANEL = 512 << 10;  // bytes: a panel this large and the next do not both stay in L2
 
+// A panel's rows in as few tiles as MR allows, their rows balanced (8 rows: 4 + 4); the recipe is the same in
+// all of them, so none of this changes a bit. What it changes is how memory and arithmetic overlap (measured
+// on the default model's layers, docs/speed.md):
+//   1 tile: it streams the panel, prefetching its own rows ahead;
+//   2 tiles: the first streams the panel into L2, the second computes from L2 and prefetches the next panel
+//     (unless a panel is too large for it and the next to share L2: then as 3-4 tiles);
+//   3-4 tiles: blocks of KBLOCK inputs, each read from memory once for every tile while in L1, the tiles
+//     splitting the prefetch of the next block between them;
+//   more (prompts): tile by tile over the whole panel, which stays in L2.
 void panel_rows(const float* x, int64_t M, int64_t K, const float* panel, const float* bias, float* y, int64_t N,
                 int64_t outputs) {
-  // as few tiles as MR allows, their rows balanced (8 rows: 4 + 4); the recipe is the same in all of them
   const int64_t tiles = (M + MR - 1) / MR, base = M / tiles, extra = M % tiles;
   alignas(64) V acc[FEW][VECS];
   auto finish = [&](int64_t m, int64_t rows, V (*a)[VECS]) {
@@ -89,27 +120,32 @@ void panel_rows(const float* x, int64_t M, int64_t K, const float* panel, const 
       for (int64_t n = 0; n < outputs; n++) y[(m + i) * N + n] = out[n] + (bias ? bias[n] : 0.f);
     }
   };
-  if (M <= FEW) {  // few rows: each block of the panel is read from memory once, for every tile
-    for (int64_t i = 0; i < M; i++)
+  auto zero = [&](int64_t rows) {
+    for (int64_t i = 0; i < rows; i++)
       for (int j = 0; j < VECS; j++) acc[i][j] = vzero();
-    const int64_t step = tiles > 1 ? KBLOCK : K;
-    for (int64_t k0 = 0; k0 < K; k0 += step) {
+  };
+  if ((tiles >= 3 || (tiles == 2 && K * PANEL * 4 > LARGE_PANEL)) && M <= FEW) {
+    zero(M);
+    for (int64_t k0 = 0; k0 < K; k0 += KBLOCK) {
+      const int64_t k1 = std::min(K, k0 + KBLOCK);
+      const char* next = reinterpret_cast<const char*>(panel + k1 * PANEL);  // the next block (or panel)
       int64_t m = 0;
       for (int64_t t = 0; t < tiles; t++) {
         const int64_t rows = base + (t < extra);
-        rows_tile(rows, x + m * K, K, panel, k0, std::min(K, k0 + step), acc + m);
+        rows_tile(rows, x + m * K, K, panel, k0, k1, acc + m, Ahead{next, tiles, t, (4 + tiles - 1) / tiles, false});
         m += rows;
       }
     }
     finish(0, M, acc);
     return;
   }
-  int64_t m = 0;  // many rows: tile by tile over the whole panel (it stays in L2)
+  const char* next_panel = reinterpret_cast<const char*>(panel + K * PANEL);
+  int64_t m = 0;
   for (int64_t t = 0; t < tiles; t++) {
     const int64_t rows = base + (t < extra);
-    for (int64_t i = 0; i < rows; i++)
-      for (int j = 0; j < VECS; j++) acc[i][j] = vzero();
-    rows_tile(rows, x + m * K, K, panel, 0, K, acc);
+    zero(rows);
+    const Ahead ahead = tiles == 2 && t == 1 ? Ahead{next_panel, 1, 0, 4, true} : own_stream(panel, 0);
+    rows_tile(rows, x + m * K, K, panel, 0, K, acc, ahead);
     finish(m, rows, acc);
     m += rows;
   }
