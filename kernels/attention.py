@@ -52,8 +52,8 @@ def attend_fixed(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     """`attend` by tfq's C++ kernel (kernels/cpu/attention.cpp): each (query row, KV head) one fixed-order
     computation over the row's own keys, the same wherever the row comes from. q: [N, H, D] fp32."""
     table, offsets, lengths = _memo(batch.memo, "tables", lambda: key_tables(batch, q.shape[0]))
-    return cpu_build.ops().attend(q.contiguous(), k_cache, v_cache, table, offsets, lengths, scale, KEY_TILE,
-                                    SPLIT_ROWS if batch.partial else 0)
+    return cpu_build.op("attend")(q.contiguous(), k_cache, v_cache, table, offsets, lengths, scale, KEY_TILE,
+                                  SPLIT_ROWS if batch.partial else 0)
 
 
 def key_tables(batch: AttentionBatch, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

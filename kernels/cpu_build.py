@@ -82,6 +82,15 @@ def ops():
     return torch.ops.tfq_cpu
 
 
+def op(name: str):
+    """torch.ops.tfq_cpu.<name>.default, looked up once: a decode step calls the ops hundreds of times, and the
+    packet's own dispatch costs more than the small ones' work."""
+    handles = _state.setdefault("handles", {})
+    if name not in handles:
+        handles[name] = getattr(ops(), name).default
+    return handles[name]
+
+
 def built() -> bool:
     """Whether this process has the kernels loaded already (cheap)."""
     return bool(_state.get("ok"))

@@ -36,11 +36,11 @@ class FixedOrderLinear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.out_features, self.in_features = weight.shape
-        self.panels = cpu_build.ops().pack(weight.detach().float().contiguous())
+        self.panels = cpu_build.op("pack")(weight.detach().float().contiguous())
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_build.ops().linear(x.contiguous(), self.panels, self.bias, self.out_features)
+        return cpu_build.op("linear")(x.contiguous(), self.panels, self.bias, self.out_features)
 
 
 class OneDnnLinear:
@@ -96,12 +96,12 @@ def _rowwise_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) ->
 
 def rms_norm_fixed(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMS norm by kernels/cpu/rowwise.cpp: each row's sum of squares in one fixed order."""
-    return cpu_build.ops().rms_norm(x.contiguous(), weight, eps)
+    return cpu_build.op("rms_norm")(x.contiguous(), weight, eps)
 
 
 def silu_fixed(x: torch.Tensor) -> torch.Tensor:
     """x / (1 + exp(-x)) by kernels/cpu/rowwise.cpp, with tfq's own exp: one op, the same bits everywhere."""
-    return cpu_build.ops().silu(x.contiguous())
+    return cpu_build.op("silu")(x.contiguous())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

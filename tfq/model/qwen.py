@@ -125,7 +125,8 @@ class Qwen:
         norm = self.backend.rms_norm
         q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         h = tap("input norm", norm(x, layer.input_norm, c.rms_eps))
-        qk, v = tap("qkv", layer.qkv(h)).split((q_out + kv_out, kv_out), -1)
+        qkv = tap("qkv", layer.qkv(h))
+        qk, v = qkv[:, :q_out + kv_out], qkv[:, q_out + kv_out:]  # views (slicing is cheaper than split)
         qk = qk.reshape(n, c.num_heads + c.num_kv_heads, c.head_dim)
         v = v.reshape(n, c.num_kv_heads, c.head_dim)
         if layer.q_norm is not None:
@@ -139,7 +140,8 @@ class Qwen:
         a = tap("attention", self.backend.attend(q, cache.k[index], cache.v[index], batch, self.scale))
         x = tap("attention residual", x + tap("o", layer.o(a.reshape(n, q_out))))
         h = tap("post norm", norm(x, layer.post_norm, c.rms_eps))
-        gate, up = tap("gate_up", layer.gate_up(h)).split((c.intermediate_size, c.intermediate_size), -1)
+        gate_up = tap("gate_up", layer.gate_up(h))
+        gate, up = gate_up[:, :c.intermediate_size], gate_up[:, c.intermediate_size:]
         mixed = tap("silu * up", tap("silu", self.act(gate)) * up)
         return tap("mlp residual", x + tap("down", layer.down(mixed)))
 
