@@ -51,9 +51,14 @@ def attend_fixed(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  scale: float) -> torch.Tensor:
     """`attend` by tfq's C++ kernel (kernels/cpu/attention.cpp): each (query row, KV head) one fixed-order
     computation over the row's own keys, the same wherever the row comes from. q: [N, H, D] fp32."""
-    table, offsets, lengths = _memo(batch.memo, "tables", lambda: key_tables(batch, q.shape[0]))
+    table, offsets, lengths = attention_tables(batch, q.shape[0])
     return cpu_build.op("attend")(q.contiguous(), k_cache, v_cache, table, offsets, lengths, scale, KEY_TILE,
                                   SPLIT_ROWS if batch.partial else 0)
+
+
+def attention_tables(batch: AttentionBatch, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """key_tables, built once per forward (every layer's attention reads the same tables)."""
+    return _memo(batch.memo, "tables", lambda: key_tables(batch, rows))
 
 
 def key_tables(batch: AttentionBatch, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

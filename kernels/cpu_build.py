@@ -16,7 +16,7 @@ import os
 import platform
 from pathlib import Path
 
-SOURCES = ("linear.cpp", "attention.cpp", "rowwise.cpp")
+SOURCES = ("linear.cpp", "attention.cpp", "rowwise.cpp", "layer.cpp")
 HEADERS = ("lanes.h",)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
 CHOICES = ("auto", "tfq", "torch")
@@ -123,7 +123,7 @@ def load() -> tuple[bool, str]:
         cpp_extension.load(name=name(), sources=[str(folder / s) for s in SOURCES],
                            extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"], is_python_module=False,
                            verbose=False)
-        ok = all(hasattr(torch.ops.tfq_cpu, op) for op in ("pack", "linear", "attend", "rms_norm", "silu"))
+        ok = all(hasattr(torch.ops.tfq_cpu, op) for op in ("pack", "linear", "attend", "rms_norm", "silu", "layer"))
         why = "tfq's fixed-order kernels (built for this CPU)"
     except Exception as e:  # a missing compiler or ninja, a failed build: many kinds, one line
         ok, why = False, f"tfq's CPU kernels did not build ({' '.join(str(e).split())[:200]})"

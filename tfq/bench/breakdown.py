@@ -2,9 +2,10 @@
 cache store, indexing, the scheduler, sampling, Python).
 
 A few decode steps run with a clock around every linear layer and every attention call of the model (the
-clocks cost well under a microsecond each); the rest is the step's wall time less both. With `top`, a second
-pass under the torch profiler names the ops that take the most time (the profiler adds its own cost to every
-op, so its times only rank them; benchmarks/profile_step.py asks for it, `tfq bench` does not).
+clocks cost well under a microsecond each); the rest is the step's wall time less both. Where a layer runs as
+one C++ call (kernels/layer.py), the clock is inside it (`model.layer_clock`), around the same kernels. With
+`top`, a second pass under the torch profiler names the ops that take the most time (the profiler adds its own
+cost to every op, so its times only rank them; benchmarks/profile_step.py asks for it, `tfq bench` does not).
 """
 from __future__ import annotations
 
@@ -36,17 +37,25 @@ def step_breakdown(engine, steps: int, top: int = 0) -> dict:
     engine.step()  # warm-up
     linear, attention = _Clock(), _Clock()
     backend, layers, head = model.backend, model.layers, model.lm_head
-    model.backend = dataclasses.replace(backend, attend=attention.wrap(backend.attend))
-    model.layers = [dataclasses.replace(layer, **{name: linear.wrap(getattr(layer, name))
-                                                  for name in ("qkv", "o", "gate_up", "down")}) for layer in layers]
+    one_call = model.runs_in_one_call(layers[0])
+    if one_call:  # the layer is one C++ call: its own clock times the linear layers and attention inside
+        model.layer_clock = torch.zeros(2, dtype=torch.float64)
+    else:
+        model.backend = dataclasses.replace(backend, attend=attention.wrap(backend.attend))
+        model.layers = [dataclasses.replace(layer, **{name: linear.wrap(getattr(layer, name))
+                                                      for name in ("qkv", "o", "gate_up", "down")})
+                        for layer in layers]
     model.lm_head = linear.wrap(head)
     try:
         t0 = time.perf_counter()
         for _ in range(steps):
             engine.step()
         wall = time.perf_counter() - t0
+        if one_call:
+            linear.seconds += float(model.layer_clock[0])
+            attention.seconds += float(model.layer_clock[1])
     finally:
-        model.backend, model.layers, model.lm_head = backend, layers, head
+        model.backend, model.layers, model.lm_head, model.layer_clock = backend, layers, head, None
     ranked = []
     if top:
         with profile(activities=[ProfilerActivity.CPU]) as prof:

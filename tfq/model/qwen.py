@@ -14,8 +14,9 @@ from typing import Callable
 
 import torch
 
-from tfq.kernels.attention import AttentionBatch
+from tfq.kernels.attention import AttentionBatch, attend_fixed
 from tfq.kernels.backend import Backend, LinearFn, torch_backend
+from tfq.kernels.layer import fusable
 from tfq.proofs.startup_kernels import check_layers, ensure_exact
 from tfq.errors import TfqError
 from tfq.model.config import ModelConfig
@@ -87,6 +88,7 @@ class Qwen:
         self._rope_rows = 0
         self.scale = 1.0 / math.sqrt(c.head_dim)
         self.act = backend.silu  # the MLP's activation; the guard's tests swap in flawed ones and must see them
+        self.layer_clock: torch.Tensor | None = None  # float64 [2]: tfq bench's breakdown reads the one-call layer
         self.proved: dict = {}  # what the start-up guard proved on this model (tfq.proofs.startup), by its settings
         first = self.layers[0]
         check_layers({"qkv": first.qkv, "o": first.o, "gate_up": first.gate_up, "down": first.down,
@@ -119,7 +121,10 @@ class Qwen:
     def decoder_layer(self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, index: int,
                       cache_rows: torch.Tensor, batch: AttentionBatch, tap: Tap = untapped) -> torch.Tensor:
         """One decoder layer over the forward's rows x [N, hidden]; its keys and values go to layer `index` of
-        the cache. `tap` sees every op's output (the start-up guard compares them row by row)."""
+        the cache. `tap` sees every op's output (the start-up guard compares them row by row). Untapped, on
+        tfq's CPU kernels, the layer runs as one call (`one_call`): the same ops in the same order."""
+        if tap is untapped and self.runs_in_one_call(layer):
+            return self.one_call(layer, x, cos, sin, cache, index, cache_rows, batch)
         c = self.config
         n = x.shape[0]
         norm = self.backend.rms_norm
@@ -144,6 +149,22 @@ class Qwen:
         gate, up = gate_up[:, :c.intermediate_size], gate_up[:, c.intermediate_size:]
         mixed = tap("silu * up", tap("silu", self.act(gate)) * up)
         return tap("mlp residual", x + tap("down", layer.down(mixed)))
+
+    def runs_in_one_call(self, layer: Layer) -> bool:
+        """Whether the backend has a one-call layer and this layer is made of exactly what it runs (the guard's
+        tests swap in flawed kernels, and a clock that wraps a linear layer sees it only op by op)."""
+        b = self.backend
+        return (b.layer is not None and self.act is b.silu and b.attend is attend_fixed
+                and fusable(layer.qkv, layer.o, layer.gate_up, layer.down))
+
+    def one_call(self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, index: int,
+                 cache_rows: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        """decoder_layer in one call to the backend (kernels/layer.py)."""
+        c = self.config
+        return self.backend.layer(x, layer.input_norm, layer.qkv, layer.q_norm, layer.k_norm, cos, sin,
+                                  cache.k[index], cache.v[index], cache_rows, cache.dtype_name, batch, self.scale,
+                                  layer.o, layer.post_norm, layer.gate_up, layer.down, c.num_heads,
+                                  c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_eps, self.layer_clock)
 
     def logits(self, x: torch.Tensor, tap: Tap = untapped) -> torch.Tensor:
         """The final norm and the head over the rows that draw; fp32 logits on the CPU."""

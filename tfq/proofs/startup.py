@@ -13,7 +13,9 @@ order, reversed, two decode rows, and the largest forward the plan allows (`lane
 filled with other streams' prompt chunks) with the probes first, among the fillers and last. Every
 op's output rows (norms, qkv, q/k norm, rotary, cache store, attention, o, residuals, gate_up, the activation,
 down, final norm, head) and the drawn tokens must equal the runs alone bit for bit, and so at every thread
-count proved: references are taken once, at the first count. The first op that differs is named.
+count proved: references are taken once, at the first count. The first op that differs is named. Where the
+engine runs a layer in one C++ call (kernels/layer.py), that call runs too, on the same input and cache: alone
+its output and cache rows must be those of the layer run op by op, and in every scene those alone.
 
 The proof is remembered on the model (`model.proved`) by its settings, so engines built later on the same
 model (every arm of `tfq together`) pay for it once.
@@ -124,6 +126,9 @@ class LayerProof:
         bench = _Bench(self.model, self.kv_dtype, self.partial, rows, chunk, draws)
         alone = bench.alone()
         alone.ops["sampler"] = _draws(alone)  # a function of one logits row: proved per thread count only
+        failure = _one_call_agrees(alone, threads)
+        if failure:
+            return failure
         if self.reference is None:  # references are taken at the first count proved
             self.reference = alone
         else:
@@ -142,6 +147,22 @@ class LayerProof:
             if failure:
                 return failure
         return None
+
+
+ONE_CALL, ONE_CALL_STORE = "layer in one call", "layer in one call's cache store"
+
+
+def _one_call_agrees(record: Record, threads: int) -> Failure | None:
+    """The layer in one call (kernels/layer.py) gives each probe the bits the layer gives op by op: its output
+    those of the last residual, its cache rows those of the cache store. (Its row invariance is then proved
+    with every other op's, scene by scene.)"""
+    if ONE_CALL not in record.ops:
+        return None
+    for one, by_ops in ((ONE_CALL, "mlp residual"), (ONE_CALL_STORE, "cache store")):
+        for probe, rows in record.ops[one].items():
+            if not torch.equal(rows, record.ops[by_ops][probe]):
+                return Failure(one, probe, "from those of the layer run op by op", threads)
+    return None
 
 
 def _draws(record: Record) -> dict[str, torch.Tensor]:
@@ -219,8 +240,7 @@ class _Bench:
 
     def run(self, streams: list[Stream]) -> Record:
         """One forward of `streams` through layer 0, the head and the sampler; the probes' rows kept."""
-        for t, saved in zip(self.cache.k + self.cache.v, self.snapshot):
-            t.copy_(saved)
+        self.restore()
         feeds = [Feed(self.places[s.name], s.start, self.tokens[s.name], s.logits) for s in streams]
         s = step_rows(self.cache, feeds, self.partial)
         probes = {p.name for p in PROBES}
@@ -232,13 +252,22 @@ class _Bench:
             row, logit_row = row + st.count, logit_row + st.logits
         record = Record()
         model, dev = self.model, self.model.backend.device
+        layer = model.layers[0]
         with torch.inference_mode():
             cos, sin = model._rope(s.positions.to(dev))
-            x = model.embed[s.ids.to(dev)]
-            x = model.decoder_layer(model.layers[0], x, cos, sin, self.cache, 0, s.cache_rows, s.batch,
-                                    _Tap(keep, record))
+            x0 = model.embed[s.ids.to(dev)]
+            x = model.decoder_layer(layer, x0, cos, sin, self.cache, 0, s.cache_rows, s.batch, _Tap(keep, record))
             model.logits(x[s.logit_rows.to(dev)], _Tap(keep_logits, record))
+            if model.runs_in_one_call(layer):  # what the engine runs: the same layer in one call, same cache
+                self.restore()
+                tap = _Tap(keep, record)
+                tap(ONE_CALL, model.one_call(layer, x0, cos, sin, self.cache, 0, s.cache_rows, s.batch))
+                tap(ONE_CALL_STORE, self.cache.stored(0, s.cache_rows))
         return record
+
+    def restore(self) -> None:
+        for t, saved in zip(self.cache.k + self.cache.v, self.snapshot):
+            t.copy_(saved)
 
 
 def prove(model, kv_dtype: str, partial: bool, threads: int, rows: int, chunk: int, draws: int = 1) -> LayerProof:

@@ -1,0 +1,37 @@
+"""A whole decoder layer in one call to tfq's C++ kernels (kernels/cpu/layer.cpp): the same ops in the same
+order as the layer written op by op (tfq/model/qwen.py), so the same bits by construction, and the start-up
+guard checks on the running build that both give every row the same bits (tfq/proofs/startup.py).
+
+It exists for speed alone: at one lane a decode step spent several milliseconds between its linear layers
+dispatching ~25 small ops a layer from Python, each on cold caches after a linear layer's stream of weights.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import cpu_build
+from .attention import attention_tables
+from .contract import KEY_TILE, SATURATE, SPLIT_ROWS, AttentionBatch
+from .rowwise import FixedOrderLinear
+
+
+def fusable(*linears) -> bool:
+    """Whether these layers are tfq's C++ linear kernel, which the one-call layer runs (and nothing else)."""
+    return all(type(f) is FixedOrderLinear for f in linears)
+
+
+def decoder_layer_fixed(x: torch.Tensor, input_norm: torch.Tensor, qkv: FixedOrderLinear,
+                        q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, cos: torch.Tensor,
+                        sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
+                        cache_dtype: str, batch: AttentionBatch, scale: float, o: FixedOrderLinear,
+                        post_norm: torch.Tensor, gate_up: FixedOrderLinear, down: FixedOrderLinear, heads: int,
+                        kv_heads: int, head_dim: int, intermediate: int, eps: float,
+                        clock: torch.Tensor | None = None) -> torch.Tensor:
+    """x [N, hidden] through one layer; its keys and values go to the cache at `rows`. `clock` (float64 [2]),
+    when given, gains the seconds spent in linear layers and in attention."""
+    table, offsets, lengths = attention_tables(batch, x.shape[0])
+    return cpu_build.op("layer")(
+        x, input_norm, qkv.panels, qkv.bias, q_norm, k_norm, cos, sin, k_cache, v_cache, rows,
+        SATURATE.get(cache_dtype, 0.0), table, offsets, lengths, scale, KEY_TILE,
+        SPLIT_ROWS if batch.partial else 0, o.panels, post_norm, gate_up.panels, down.panels, heads, kv_heads,
+        head_dim, intermediate, eps, clock)
