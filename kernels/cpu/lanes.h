@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -137,6 +138,26 @@ inline V vexp(V x) {
 #endif
 
 inline void exp16(const float* x, float* out) { vstore(out, vexp(vload(x))); }
+
+// SiLU lane by lane: x / (1 + exp(-x)), with the exp above
+inline V vsilu(V x) { return vdiv(x, vadd(vbroadcast(1.0f), vexp(vsub(vzero(), x)))); }
+
+// RMS norm of one row x of n: ss = the squares as 16 lanes (lane l: fma(x_i, x_i, acc) for i = l, l + 16, ...),
+// the lanes added in the fixed tree of `reduce`; r = 1 / sqrt(ss / n + eps); y_i = (x_i * r) * w_i.
+inline void rms_norm_row(const float* x, const float* w, int64_t n, float eps, float* y) {
+  V acc = vzero();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const V v = vload(x + i);
+    acc = vfma(v, v, acc);
+  }
+  alignas(64) float lanes[16];
+  vstore(lanes, acc);
+  for (int64_t l = 0; i < n; i++, l++) lanes[l] = std::fma(x[i], x[i], lanes[l]);  // a short tail
+  const float ss = reduce(vload(lanes));
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t k = 0; k < n; k++) y[k] = (x[k] * inv) * w[k];
+}
 
 inline float exp1(float x) {
   alignas(64) float in[16] = {x}, out[16];

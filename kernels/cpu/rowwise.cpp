@@ -27,24 +27,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const float e = static_cast<float>(eps), count = static_cast<float>(n);
+  const float e = static_cast<float>(eps);
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; r++) {
-      const float* xr = xp + r * n;
-      float* yr = yp + r * n;
-      V acc = tfq::vzero();
-      int64_t i = 0;
-      for (; i + 16 <= n; i += 16) {
-        const V v = tfq::vload(xr + i);
-        acc = tfq::vfma(v, v, acc);
-      }
-      alignas(64) float lanes[16];
-      tfq::vstore(lanes, acc);
-      for (int64_t l = 0; i < n; i++, l++) lanes[l] = std::fma(xr[i], xr[i], lanes[l]);  // a short tail
-      const float ss = tfq::reduce(tfq::vload(lanes));
-      const float inv = 1.0f / std::sqrt(ss / count + e);
-      for (int64_t k = 0; k < n; k++) yr[k] = (xr[k] * inv) * wp[k];
-    }
+    for (int64_t r = r0; r < r1; r++) tfq::rms_norm_row(xp + r * n, wp, n, e, yp + r * n);
   });
   return y;
 }
@@ -55,7 +40,6 @@ at::Tensor silu(const at::Tensor& x) {
   const int64_t n = x.numel();
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const V one = tfq::vbroadcast(1.0f);
   at::parallel_for(0, (n + 15) / 16, 256, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; b++) {
       const int64_t i0 = b * 16, cnt = std::min<int64_t>(16, n - i0);
@@ -63,7 +47,7 @@ at::Tensor silu(const at::Tensor& x) {
       const float* src = xp + i0;
       if (cnt < 16) src = static_cast<const float*>(std::memcpy(in, xp + i0, cnt * sizeof(float)));
       const V x = tfq::vload(src);
-      const V y = tfq::vdiv(x, tfq::vadd(one, tfq::vexp(tfq::vsub(tfq::vzero(), x))));
+      const V y = tfq::vsilu(x);
       if (cnt == 16) {
         tfq::vstore(yp + i0, y);
       } else {
