@@ -90,8 +90,8 @@ def _device_line(plan: Plan, lay: Layout) -> str:
     if plan.device == "auto":
         auto = " (auto: a CUDA GPU is here)" if lay.device != "cpu" else " (auto: no CUDA GPU here)"
     if lay.device == "cpu":
-        kernels = ("tfq's C++ kernels: linear layers and attention in fixed orders (built once for this CPU; "
-                   "TFQ_CPU_KERNELS=torch, or no compiler: oneDNN and bmm)")
+        kernels = ("tfq's C++ kernels: linear layers and attention in fixed orders, each decoder layer one call "
+                   "(built once for this CPU; TFQ_CPU_KERNELS=torch, or no compiler: oneDNN and bmm)")
     else:
         import torch
 
