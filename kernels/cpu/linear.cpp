@@ -102,7 +102,7 @@ constexpr int64_t LARGE_PANEL = 512 << 10;  // bytes: a panel this large and the
 
 // A panel's rows in as few tiles as MR allows, their rows balanced (8 rows: 4 + 4); the recipe is the same in
 // all of them, so none of this changes a bit. What it changes is how memory and arithmetic overlap (measured
-// on the default model's layers, docs/contract.md section 3):
+// on the default model's layers by benchmarks/linear_shapes.py, docs/contract.md section 3):
 //   1 tile: it streams the panel, prefetching its own rows ahead;
 //   2 tiles: the first streams the panel into L2, the second computes from L2 and prefetches the next panel
 //     (unless a panel is too large for it and the next to share L2: then as 3-4 tiles);
