@@ -14,9 +14,10 @@ from typing import Callable
 
 import torch
 
-from tfq.kernels.attention import AttentionBatch, attend_fixed
+from tfq.kernels.attention import AttentionBatch, attend_fixed, write
 from tfq.kernels.backend import Backend, LinearFn, torch_backend
 from tfq.kernels.layer import fusable
+from tfq.kernels.rowwise import rms_norm_fixed
 from tfq.proofs.startup_kernels import check_layers, ensure_exact
 from tfq.errors import TfqError
 from tfq.model.config import ModelConfig
@@ -154,8 +155,8 @@ class Qwen:
         """Whether the backend has a one-call layer and this layer is made of exactly what it runs (the guard's
         tests swap in flawed kernels, and a clock that wraps a linear layer sees it only op by op)."""
         b = self.backend
-        return (b.layer is not None and self.act is b.silu and b.attend is attend_fixed
-                and fusable(layer.qkv, layer.o, layer.gate_up, layer.down))
+        return (b.layer is not None and self.act is b.silu and b.attend is attend_fixed and b.store is write
+                and b.rms_norm is rms_norm_fixed and fusable(layer.qkv, layer.o, layer.gate_up, layer.down))
 
     def one_call(self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, index: int,
                  cache_rows: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
