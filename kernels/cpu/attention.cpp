@@ -31,7 +31,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -53,10 +52,6 @@ constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 template <typename T>
 inline float widen(T v) { return static_cast<float>(v); }
 
-// A block of query rows that share one table of keys (consecutive rows of a prompt chunk or a verify, row r
-// attending to lengths[r] keys), for one KV head and its `group` query heads. Each tile of keys is read once
-// for the whole block; every row then runs exactly its own recipe on it (a key past a row's end scores -inf,
-// and the lanes it adds to the tile's sum are exact zeros), so a row's bits are those it gets alone.
 // 16 rows of 16 floats (rows[i] points at row i) -> out[d * stride + i]: a tile's keys turned so that lanes run
 // across keys. Moving data rounds nothing, so every path here gives the same kt.
 inline void transpose16(const float* const* rows, float* out, int64_t stride) {
@@ -142,6 +137,10 @@ inline void weigh_values(const float* p, int64_t cnt, const float* const* values
       vstore(o + d, vfma(tfq::vbroadcast(p[j]), vload(values[j] + d), vload(o + d)));
 }
 
+// A block of query rows that share one table of keys (consecutive rows of a prompt chunk or a verify, row r
+// attending to lengths[r] keys), for one KV head and its `group` query heads. Each tile of keys is read once
+// for the whole block; every row then runs exactly its own recipe on it (a key past a row's end scores -inf,
+// and the lanes it adds to the tile's sum are exact zeros), so a row's bits are those it gets alone.
 template <typename T>
 void attend_block(const float* q, int64_t rows, int64_t q_stride, int64_t group, int64_t D, const T* kc,
                   const T* vc, int64_t row_stride, const int64_t* table, const int64_t* lengths, float scale,
