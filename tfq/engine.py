@@ -20,7 +20,7 @@ from tfq.model.qwen import Qwen
 from tfq.plan.layout import lane_split
 from tfq.proofs.startup import prove
 from tfq.runner import AttentionPolicy, Runner, plan_arithmetic
-from tfq.sampling import digest, sample
+from tfq.sampling import TokenLogprob, digest, logprob, sample
 from tfq.scheduler import Scheduler
 from tfq.stream import Request, Result, Status, Stream
 
@@ -35,6 +35,8 @@ class Output:
     token: int
     text: str  # the text this token made visible (may be empty: half a character, or EOS)
     finished: bool
+    logprob: TokenLogprob | None = None  # when the request asks for log-probabilities
+    digest: str = ""  # of the logits row the token was drawn from
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,7 @@ class Engine:
         self.scheduler = Scheduler(s.lanes, s.contiguous_lanes, s.prefill_chunk, s.window, self.pages, drafter)
         self.runner = Runner(model, self.cache, attention or plan_arithmetic(s.partial))
         self.streams: dict[int, Stream] = {}
+        self._next_id = 0
         self.proof = None  # tfq.proofs.startup.LayerProof: the model's layer proved row-invariant here
         if not model.backend.interpreted:  # under Triton's interpreter the tests prove the same, faster
             self.proof = prove(model, s.kv_dtype, s.partial, torch.get_num_threads(), self.largest_forward,
@@ -116,8 +119,9 @@ class Engine:
     def add(self, request: Request) -> int:
         """Queue a request; its id. A prompt that cannot fit the window finishes at once with an error."""
         request.validate()
-        st = Stream(len(self.streams), request, list(request.prompt),
+        st = Stream(self._next_id, request, list(request.prompt),
                     decoder=self.tokenizer.stream() if self.tokenizer else None)
+        self._next_id += 1
         self.streams[st.index] = st
         if len(st.tokens) >= self.settings.window:
             st.fail(f"prompt of {len(st.tokens)} tokens does not fit the window of {self.settings.window} rows; "
@@ -154,6 +158,11 @@ class Engine:
     def result(self, id: int) -> Result:
         return self.streams[id].result(self.keep_logits)
 
+    def forget(self, id: int) -> None:
+        """Drop a finished stream's record (a server running for days keeps none)."""
+        if self.streams[id].status is Status.FINISHED:
+            del self.streams[id]
+
     def generate(self, requests: Sequence[Request], on_token: OnToken | None = None) -> list[Result]:
         """Run requests to the end; results in their order. on_token(request index, token id, new text)."""
         for r in requests:
@@ -177,12 +186,16 @@ class Engine:
     # -- applying a forward ---------------------------------------------------------------------------------
     def _apply(self, st: Stream, feed, rows: torch.Tensor) -> list[Output]:
         """The logits of one stream's rows: draw, keep the guesses the draws confirm, settle the drafter."""
-        if not feed.logits:  # a prompt chunk short of the prompt's end: its rows are cached, nothing drawn
+        own = len(feed.tokens) - len(st.drafts)  # rows of the stream's own tokens, then its guesses
+        draws = 1 + len(st.drafts) if feed.start + own == len(st.tokens) else 0
+        if len(rows) > draws:  # rows before the drawing ones: the request scores its prompt
+            self._score_prompt(st, feed.start + len(feed.tokens) - feed.logits, rows[:len(rows) - draws])
+        if not draws:  # a prompt chunk short of the prompt's end: its rows are cached, nothing drawn
             st.cached += len(feed.tokens)
             return []
         outputs = []
-        st.cached += len(feed.tokens) - len(st.drafts) - 1  # rows before the one that draws
-        for j, row_logits in enumerate(rows):
+        st.cached += own - 1  # rows before the one that draws
+        for j, row_logits in enumerate(rows[len(rows) - draws:]):
             st.cached += 1
             outputs.append(self._draw(st, row_logits))
             if st.finish is not None or j == len(st.drafts) or st.tokens[-1] != st.drafts[j]:
@@ -200,8 +213,19 @@ class Engine:
         if self.keep_logits:
             st.logits.append(logits.clone())
         token = sample(logits, req.temperature, req.top_p, req.seed, len(st.tokens))
+        scored = logprob(logits, token, req.logprobs) if req.logprobs is not None else None
+        if scored is not None:
+            st.logprobs.append(scored)
         text = st.append(token, self.eos_ids, self.settings.window)
-        return Output(st.index, token, text, st.finish is not None)
+        return Output(st.index, token, text, st.finish is not None, scored, st.digests[-1])
+
+    def _score_prompt(self, st: Stream, first: int, rows: torch.Tensor) -> None:
+        """Row i (position first + i) scores the prompt token after it; once, even when recomputed."""
+        prompt, top = st.request.prompt, st.request.prompt_logprobs
+        for i, row in enumerate(rows):
+            nxt = first + i + 1
+            if nxt < len(prompt) and nxt not in st.prompt_logprobs:
+                st.prompt_logprobs[nxt] = logprob(row, prompt[nxt], top)
 
     def _proved(self, threads: int) -> bool:
         """Whether the thread policy may switch to `threads` (proved once, on first wish)."""

@@ -37,6 +37,7 @@ class Scheduler:
         self.drafter = drafter  # tfq.draft.Drafter or None
         self.waiting: deque[Stream] = deque()
         self.admitted = 0
+        self.preemptions = 0  # streams sent back to the queue, in all (the server's metrics)
 
     def add(self, st: Stream) -> None:
         st.status = Status.WAITING
@@ -57,9 +58,11 @@ class Scheduler:
         for st in self._reserve(running, step):
             n = min(st.pending, self.prefill_chunk)
             done = st.cached + n == len(st.tokens)
+            logits = (1 + len(st.drafts)) if done else 0
+            if st.request.prompt_logprobs is not None and st.cached < len(st.request.prompt):
+                logits = n + len(st.drafts)  # every row of a prompt chunk: each scores the prompt's next token
             step.streams.append(st)
-            step.feeds.append(Feed(st.placement, st.cached, st.tokens[st.cached:st.cached + n] + st.drafts,
-                                   logits=(1 + len(st.drafts)) if done else 0))
+            step.feeds.append(Feed(st.placement, st.cached, st.tokens[st.cached:st.cached + n] + st.drafts, logits))
         return step
 
     def _admit(self) -> None:
@@ -119,6 +122,7 @@ class Scheduler:
         """Free a stream's lane and pages and requeue it first; it recomputes its cache when readmitted."""
         self._vacate(st)
         st.preempted += 1
+        self.preemptions += 1
         st.recomputed += st.cached > 0  # sent back with cached work, which it computes again
         st.cached, st.drafts, st.status = 0, [], Status.WAITING
         self.waiting.appendleft(st)

@@ -9,6 +9,9 @@ import torch
 
 from tfq.errors import TfqError
 from tfq.pages import Placement
+from tfq.sampling import TokenLogprob, choice_seed
+
+MOST_TOP_LOGPROBS = 20  # as OpenAI's API
 
 
 class Status(Enum):
@@ -26,6 +29,9 @@ class Request:
     seed: int = 0
     stop: tuple[str, ...] = ()
     label: str = ""
+    logprobs: int | None = None  # None: none; k >= 0: each drawn token's log-probability and the top k
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (the head runs on
+    # every prompt row then: evaluation's log-likelihood)
 
     def validate(self) -> None:
         """Bad settings are refused before anything runs."""
@@ -38,6 +44,16 @@ class Request:
             raise TfqError(f"{name}: temperature must be >= 0 (0 is greedy), got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise TfqError(f"{name}: top_p must be in (0, 1], got {self.top_p!r}")
+        for key in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, key)
+            if k is not None and (not isinstance(k, int) or not 0 <= k <= MOST_TOP_LOGPROBS):
+                raise TfqError(f"{name}: {key} must be an integer from 0 to {MOST_TOP_LOGPROBS}, got {k!r}")
+
+
+def choices(prompts: list[list[int]], n: int, seed: int, **settings) -> list[Request]:
+    """n requests per prompt, prompt-major (as OpenAI numbers choices); choice j draws with
+    `choice_seed(seed, j)`, so choice 0 is the request with n = 1."""
+    return [Request(prompt=tuple(p), seed=choice_seed(seed, j), **settings) for p in prompts for j in range(n)]
 
 
 @dataclass
@@ -57,6 +73,13 @@ class Result:
     accepted: int = 0  # of those, tokens the target drew too
     verifies: int = 0  # forwards that verified guesses
     logits: list[torch.Tensor] | None = None  # per step, when the engine keeps them
+    logprobs: list[TokenLogprob] | None = None  # per reply token, when the request asks
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (None for the first)
+
+
+def held_back(text: str, stops: tuple[str, ...]) -> int:
+    """Characters at the end of `text` that begin some stop string (and so may not be shown yet)."""
+    return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
 
 
 @dataclass
@@ -73,6 +96,7 @@ class Stream:
     logits: list[torch.Tensor] = field(default_factory=list)
     decoder: object | None = None  # tfq.model.tokenizer.StreamDecoder: text as whole characters
     text: str = ""
+    shown: int = 0  # characters of text returned by append so far
     finish: str | None = None
     error: str | None = None
     added_s: float = field(default_factory=time.perf_counter)
@@ -83,6 +107,8 @@ class Stream:
     proposed: int = 0
     accepted: int = 0
     verifies: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: dict[int, TokenLogprob] = field(default_factory=dict)  # by the token's position
 
     @property
     def reply(self) -> list[int]:
@@ -100,7 +126,6 @@ class Stream:
         self.tokens.append(token)
         if len(self.digests) == 1:
             self.first_token_s = time.perf_counter() - self.added_s
-        before = len(self.text)
         if token in eos_ids:
             self.finish = "eos"
         elif self.decoder is not None:
@@ -115,7 +140,11 @@ class Stream:
             self.finish = "window"
         if self.finish not in (None, "stop") and self.decoder is not None:
             self.text += self.decoder.flush()  # a character cut at the very end still shows
-        return self.text[before:]
+        # text that may be the start of a stop string is held back until the next token settles it
+        visible = len(self.text) if self.finish is not None else len(self.text) - held_back(self.text, req.stop)
+        piece = self.text[self.shown:visible]
+        self.shown = max(self.shown, visible)
+        return piece
 
     def fail(self, message: str) -> None:
         self.finish, self.error = "error", message
@@ -126,4 +155,7 @@ class Stream:
                       first_token_s=self.first_token_s,
                       total_s=time.perf_counter() - self.added_s if total_s is None else total_s,
                       preempted=self.preempted, recomputed=self.recomputed, proposed=self.proposed,
-                      accepted=self.accepted, verifies=self.verifies, logits=self.logits if keep_logits else None)
+                      accepted=self.accepted, verifies=self.verifies, logits=self.logits if keep_logits else None,
+                      logprobs=self.logprobs if self.request.logprobs is not None else None,
+                      prompt_logprobs=None if self.request.prompt_logprobs is None else
+                      [self.prompt_logprobs.get(i) for i in range(len(self.request.prompt))])

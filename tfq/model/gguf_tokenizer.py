@@ -30,7 +30,7 @@ def build_tokenizer(h: GgufHeader):
     types = md.get("tokenizer.ggml.token_type") or [1] * len(tokens)
 
     alphabet = set(pre_tokenizers.ByteLevel.alphabet())
-    byte_map = _bytes_to_unicode()
+    byte_map = bytes_to_unicode()
 
     def spelled(tok: str) -> str:
         # every token of a byte-level vocabulary is written in the byte alphabet; respell any that is not
@@ -94,7 +94,7 @@ def build_tokenizer(h: GgufHeader):
     return tok, tok_config, gen_config
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte alphabet: printable bytes stand for themselves, the rest map to chars from U+0100."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]

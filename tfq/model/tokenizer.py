@@ -46,6 +46,8 @@ class Tokenizer:
         self.special = special  # bos_token, eos_token, ... as text (for the template)
         self.eos_ids = eos_ids
         self._template = None
+        self._byte_of: dict[str, int] | None = None  # GPT-2's byte alphabet, reversed (token_bytes)
+        self._added: set[int] = set()
 
     @classmethod
     def from_folder(cls, folder: Path) -> "Tokenizer":
@@ -81,6 +83,18 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Ids of `text`, special tokens written in it recognized, none added."""
         return self.backend.encode(text, add_special_tokens=False).ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for: a byte-level piece may be part of a character; added tokens as UTF-8."""
+        if self._byte_of is None:
+            from tfq.model.gguf_tokenizer import bytes_to_unicode
+
+            self._byte_of = {c: b for b, c in bytes_to_unicode().items()}
+            self._added = set(self.backend.get_added_tokens_decoder())
+        piece = self.backend.id_to_token(int(token_id)) or ""
+        if token_id in self._added or not all(c in self._byte_of for c in piece):
+            return piece.encode("utf-8")
+        return bytes(self._byte_of[c] for c in piece)
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special)

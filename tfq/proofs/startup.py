@@ -12,7 +12,7 @@ real weights, the final norm, the head and the sampler: first each probe alone, 
 order, reversed, two decode rows, and the largest forward the plan allows (`lanes x prefill_chunk` rows,
 filled with other streams' prompt chunks) with the probes first, among the fillers and last. Every
 op's output rows (norms, qkv, q/k norm, rotary, cache store, attention, o, residuals, gate_up, the activation,
-down, final norm, head) and the drawn tokens must equal the runs alone bit for bit, and so at every thread
+down, final norm, head), the drawn tokens and their log-probabilities must equal the runs alone bit for bit, and so at every thread
 count proved: references are taken once, at the first count. The first op that differs is named. Where the
 engine runs a layer in one C++ call (kernels/layer.py), that call runs too, on the same input and cache: alone
 its output and cache rows must be those of the layer run op by op, and in every scene those alone.
@@ -33,7 +33,7 @@ from tfq.batch import Feed, step_rows
 from tfq.cache import KVCache
 from tfq.pages import Placement, pages_for
 from tfq.errors import TfqError
-from tfq.sampling import sample
+from tfq.sampling import logprob, sample
 from tfq.kernels.contract import KEY_TILE
 
 LANE_WINDOW = 384  # rows of each probe lane: the deepest probe sits at position 300, past a 256-row split
@@ -125,7 +125,8 @@ class LayerProof:
     def _prove(self, threads: int, rows: int, chunk: int, draws: int) -> Failure | None:
         bench = _Bench(self.model, self.kv_dtype, self.partial, rows, chunk, draws)
         alone = bench.alone()
-        alone.ops["sampler"] = _draws(alone)  # a function of one logits row: proved per thread count only
+        alone.ops["sampler"] = _draws(alone)  # functions of one logits row: proved per thread count only
+        alone.ops["log-probabilities"] = _scores(alone)
         failure = _one_call_agrees(alone, threads)
         if failure:
             return failure
@@ -173,6 +174,19 @@ def _draws(record: Record) -> dict[str, torch.Tensor]:
         drawn[p.name] = torch.tensor([[sample(row, 0.0, 1.0, 0, position), sample(row, position=position, **SAMPLE)]
                                       for row in record.ops["head"][p.name]])
     return drawn
+
+
+def _scores(record: Record) -> dict[str, torch.Tensor]:
+    """What the server returns as log-probabilities for each probe's logits rows: the greedy token's and the
+    top 5 (ids and values)."""
+    scored = {}
+    for p in PROBES:
+        rows = []
+        for row in record.ops["head"][p.name]:
+            s = logprob(row, int(row.argmax()), top=5)
+            rows.append([s.logprob, *(v for pair in s.top for v in pair)])
+        scored[p.name] = torch.tensor(rows, dtype=torch.float64)
+    return scored
 
 
 def _compare(reference: Record, got: Record, scene: str, threads: int) -> Failure | None:

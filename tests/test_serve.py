@@ -1,0 +1,292 @@
+"""`tfq serve` on a tiny model: exact under load with the real `openai` client, a control that comes out RED,
+and faults (hostile bodies, a burst over the queue, clients that go away, SIGTERM) that leave it serving with
+every page back in the pool."""
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from serve_load import calls, differences, fire
+from tfq.cli.plan import resolve_plan
+from tfq.engine import Engine
+from tfq.runner import paged_partial
+from tfq.serve.background import served_engine, serving
+
+TINY_PLAN = str(Path(__file__).parent.parent / "plans" / "tiny.yaml")
+POOL = 8  # pages of 64 rows: four streams with long prompts cannot all hold theirs, so some are preempted
+NAME = "tiny"
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dirs, tiny_models):
+    plan, _, layout = resolve_plan(TINY_PLAN, str(tiny_dirs["qwen2"]), [f"kv.pool={POOL}"], True, None)
+    return plan, layout, tiny_models["qwen2"]
+
+
+def server(tiny, queue: int = 64, api_key: str | None = None, **engine_kw):
+    """A fresh engine behind a fresh app (the weights are shared; nothing else is)."""
+    plan, layout, loaded = tiny
+    return served_engine(Engine.from_plan(plan, layout, loaded, **engine_kw), loaded.tokenizer, NAME, queue, api_key)
+
+
+def metrics(base: str) -> dict[str, float]:
+    conn = http.client.HTTPConnection(base.removeprefix("http://"))
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    return {m[0]: float(m[1]) for m in re.findall(r"^(tfq_[a-z_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", text, re.M)}
+
+
+def idle(base: str, timeout_s: float = 20) -> dict[str, float]:
+    """Metrics once no stream is left (aborts land at the engine's next step)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = metrics(base)
+        if m["tfq_streams"] == 0 or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def load():
+    return calls(seed=0)
+
+
+@pytest.fixture(scope="module")
+def alone(tiny, load):
+    """Each call sent alone to a fresh server."""
+    out = []
+    for call in load:
+        with serving(server(tiny)) as base:
+            out.append(asyncio.run(fire(base, NAME, [call.__class__(**{**call.__dict__, "delay": 0.0})]))[0])
+    return out
+
+
+def test_the_load_is_what_the_issue_asks(tiny, load):
+    plan, layout, loaded = tiny
+    assert len(load) == 32
+    assert {c.chat for c in load} == {True, False} and any(c.stream for c in load)
+    assert any(c.body["n"] == 2 for c in load) and any(c.body["temperature"] > 0 for c in load)
+    assert len({c.body["max_tokens"] for c in load}) > 10
+    longest = max(len(loaded.tokenizer.encode(c.body.get("prompt", ""))) for c in load)
+    assert 256 < longest < layout.window - 40  # past one split of `partial`, within the window
+
+
+def test_under_load_every_reply_equals_its_run_alone(tiny, load, alone):
+    with serving(server(tiny)) as base:
+        under = asyncio.run(fire(base, NAME, load))
+        after = idle(base)
+    assert differences(under, alone, load) == []
+    assert after["tfq_preemptions_total"] > 0, "the pool never ran dry: preemption went untested"
+    assert after["tfq_pages_free"] == POOL and after["tfq_streams"] == 0 and after["tfq_lanes_busy"] == 0
+    assert after['tfq_requests_total{outcome="finished"}'] == len(load)
+    assert all(r[0]["logprobs"] and r[0]["digests"] for r in under)
+
+
+def test_control_paged_partial_under_load_comes_out_red(tiny, load, alone):
+    """The field report's split: forwards holding a paged stream run `partial`. The two long prompts start
+    together, so one of them runs on pages, past one 256-key split: its logits change."""
+    with serving(server(tiny, attention=paged_partial)) as base:
+        under = asyncio.run(fire(base, NAME, load))
+    assert differences(under, alone, load) != []
+
+
+def test_choice_zero_of_n_is_the_request_with_n_1(tiny):
+    from openai import OpenAI
+
+    with serving(server(tiny)) as base:
+        client = OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+        kw = dict(model=NAME, prompt="def fibonacci", max_tokens=12, temperature=1.0, seed=7,
+                  extra_body={"return_token_ids": True})
+        two = client.completions.create(n=2, **kw).model_dump()["choices"]
+        one = client.completions.create(n=1, **kw).model_dump()["choices"]
+    assert two[0]["token_ids"] == one[0]["token_ids"]
+    assert two[0]["token_ids"] != two[1]["token_ids"]  # choice 1 draws with another seed
+
+
+def test_echo_returns_the_prompts_log_probabilities(tiny):
+    """Completions with echo and logprobs score every prompt token after the first, as evaluation harnesses
+    read them; the scores do not depend on how the prompt was chunked (tiny plan: 64-row chunks)."""
+    from openai import OpenAI
+
+    prompt = "def fibonacci(n: int) -> int:\n    if n < 2:\n        return n\n" * 6
+    with serving(server(tiny)) as base:
+        client = OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+        r = client.completions.create(model=NAME, prompt=prompt, max_tokens=1, echo=True, logprobs=0,
+                                      temperature=0).model_dump()
+    lp = r["choices"][0]["logprobs"]
+    prompt_len = r["usage"]["prompt_tokens"]
+    assert prompt_len > 64 and len(lp["tokens"]) == prompt_len + 1
+    assert lp["token_logprobs"][0] is None and all(v < 0 for v in lp["token_logprobs"][1:])
+    assert r["choices"][0]["text"].startswith(prompt)
+    plan, layout, loaded = tiny
+    from tfq.stream import Request
+
+    whole = Engine.from_plan(plan.set("prefill_chunk", 512, "test"), layout, loaded)
+    ids = loaded.tokenizer.encode(prompt)
+    res = whole.generate([Request(tuple(ids), max_tokens=1, prompt_logprobs=0)])[0]
+    assert [s.logprob for s in res.prompt_logprobs[1:]] == lp["token_logprobs"][1:prompt_len]
+
+
+# -- faults ----------------------------------------------------------------------------------------------
+def raw(base: str, method: str, path: str, body: bytes | None, headers: dict | None = None):
+    conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=120)
+    conn.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
+    r = conn.getresponse()
+    return r.status, dict(r.getheaders()), r.read()
+
+
+def hostile_requests() -> list[tuple[str, bytes, dict, int]]:
+    """(path, body, headers, expected status): 200 of them, malformed or hostile."""
+    ok_chat = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    ok_text = {"model": NAME, "prompt": "hi", "max_tokens": 2}
+    auth = {"Authorization": "Bearer sesame"}
+    cases: list[tuple[str, bytes, dict, int]] = []
+
+    def body(path, d, status, headers=auth):
+        cases.append((path, json.dumps(d).encode() if not isinstance(d, bytes) else d, headers, status))
+
+    for path, ok in (("/v1/chat/completions", ok_chat), ("/v1/completions", ok_text)):
+        for bad in (b"{", b"", b"null", b"[1, 2", b"\xff\xfe\x00", b'{"model": }', b"42", b'"text"'):
+            body(path, bad, 400)
+        for key, value in (("max_tokens", -5), ("max_tokens", 0), ("max_tokens", "ten"), ("max_tokens", 2.5),
+                           ("temperature", float("nan")), ("temperature", float("inf")), ("temperature", -1),
+                           ("temperature", "hot"), ("top_p", 0), ("top_p", 1.5), ("n", 0), ("n", 1000),
+                           ("n", "two"), ("seed", "x"), ("seed", 2 ** 70), ("stop", 5), ("stop", ["a"] * 9),
+                           ("stream", "yes"), ("presence_penalty", 1.0), ("logit_bias", {"5": 10}),
+                           ("frobnicate", True), ("return_token_ids", "maybe"), ("stream_options", {"x": 1}),
+                           ("model", 7), ("model", None)):
+            body(path, {**ok, key: value}, 400)
+        body(path, {**ok, "model": "gpt-4"}, 404)
+        body(path, {k: v for k, v in ok.items() if k != "model"}, 400)
+        body(path, ok, 401, headers={})
+        body(path, ok, 401, headers={"Authorization": "Bearer wrong"})
+        body(path, ok, 401, headers={"Authorization": "sesame"})
+    huge = "lorem ipsum " * 90_000  # about 1 MB
+    for bad in ({"messages": []}, {"messages": "hi"}, {"messages": [{"role": "robot", "content": "x"}]},
+                {"messages": [{"role": "user"}]}, {"messages": [{"role": "user", "content": 5}]},
+                {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+                {"top_logprobs": 3}, {"logprobs": True, "top_logprobs": 50}, {"max_completion_tokens": -1},
+                {"messages": [{"role": "user", "content": huge}]}):
+        body("/v1/chat/completions", {**ok_chat, **bad}, 400)
+    for bad in ({"prompt": ""}, {"prompt": []}, {"prompt": [[]]}, {"prompt": [-1, 5]}, {"prompt": [10 ** 9]},
+                {"prompt": {"a": 1}}, {"logprobs": 21}, {"logprobs": -1}, {"suffix": "x"}, {"best_of": 3},
+                {"prompt": huge}, {"prompt": [1] * 600}, {"echo": "no"}):
+        body("/v1/completions", {**ok_text, **bad}, 400)
+    distinct = len(cases)
+    assert distinct > 90
+    while len(cases) < 200:  # the rest: the same cases again, in another order
+        cases.append(cases[(len(cases) * 7) % distinct])
+    return cases
+
+
+def test_hostile_requests_get_their_status_and_the_server_keeps_serving(tiny):
+    cases = hostile_requests()
+    with serving(server(tiny, api_key="sesame")) as base:
+        for path, body, headers, want in cases:
+            status, _, reply = raw(base, "POST", path, body, headers)
+            assert status == want, (path, body[:80], reply[:200])
+            error = json.loads(reply)["error"]
+            assert error["message"] and "\n" not in error["message"] and "Traceback" not in error["message"]
+        status, _, reply = raw(base, "GET", "/v1/nothing", None)
+        assert status == 404 and json.loads(reply)["error"]["message"]
+        status, _, reply = raw(base, "POST", "/v1/completions",
+                               json.dumps({"model": NAME, "prompt": "hi", "max_tokens": 3}).encode(),
+                               {"Authorization": "Bearer sesame"})
+        assert status == 200 and json.loads(reply)["usage"]["completion_tokens"] == 3
+        m = idle(base)
+    assert m["tfq_pages_free"] == POOL and m["tfq_streams"] == 0
+    assert m['tfq_requests_total{outcome="invalid"}'] + m['tfq_requests_total{outcome="unauthorized"}'] >= 190
+
+
+def test_a_burst_over_the_queue_gets_429_with_retry_after(tiny):
+    from openai import AsyncOpenAI, RateLimitError
+
+    async def burst(base):
+        async with AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0) as client:
+            async def one(i):
+                try:
+                    r = await client.completions.create(model=NAME, prompt=f"request {i}", max_tokens=24,
+                                                        temperature=0)
+                    return r.usage.completion_tokens
+                except RateLimitError as e:
+                    return ("busy", e.response.headers.get("retry-after"), e.body)
+            return await asyncio.gather(*(one(i) for i in range(20)))
+
+    with serving(server(tiny, queue=2)) as base:  # 4 lanes + 2 waiting
+        got = asyncio.run(burst(base))
+        m = idle(base)
+    refused = [g for g in got if isinstance(g, tuple)]
+    assert refused and len(refused) < 20
+    assert all(g[1] == "1" and "busy" in g[2]["message"] for g in refused)
+    assert all(g == 24 for g in got if not isinstance(g, tuple))
+    assert m['tfq_requests_total{outcome="busy"}'] == len(refused)
+    assert m["tfq_pages_free"] == POOL and m["tfq_streams"] == 0
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_goes_away_aborts_its_streams(tiny, stream):
+    with serving(server(tiny)) as base:
+        conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=60)
+        body = {"model": NAME, "prompt": "x " * 40, "max_tokens": 400, "temperature": 0, "stream": stream}
+        conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        if stream:
+            r = conn.getresponse()
+            assert r.status == 200 and r.readline().startswith(b"data: ")
+            r.close()
+        else:
+            time.sleep(0.5)
+        conn.close()  # gone mid-reply
+        m = idle(base)
+        assert m["tfq_streams"] == 0 and m["tfq_pages_free"] == POOL and m["tfq_lanes_busy"] == 0
+        assert m['tfq_requests_total{outcome="aborted"}'] == 1
+        assert m["tfq_generation_tokens_total"] < 400  # it did not run to the end
+        status, _, reply = raw(base, "POST", "/v1/completions",
+                               json.dumps({"model": NAME, "prompt": "hi", "max_tokens": 2}).encode())
+        assert status == 200
+
+
+def test_sigterm_finishes_what_is_in_flight_and_exits_0(tiny_dirs):
+    proc = subprocess.Popen([sys.executable, "-m", "tfq", "serve", "--model", str(tiny_dirs["qwen2"]), "--plan",
+                             TINY_PLAN, "--port", "0", "--quiet", "--name", NAME], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        line = ""
+        while "serving" not in line:
+            line = proc.stderr.readline()
+            assert line or proc.poll() is None, "the server ended before serving"
+        base = re.search(r"(http://[0-9.:]+)/v1", line).group(1)
+        time.sleep(0.5)
+        conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=60)
+        conn.request("POST", "/v1/completions", body=json.dumps({"model": NAME, "prompt": "hi", "max_tokens": 60,
+                                                                 "stream": True, "temperature": 0}),
+                     headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.readline().startswith(b"data: ")
+        proc.send_signal(signal.SIGTERM)
+        rest = r.read().decode()
+        assert rest.rstrip().endswith("data: [DONE]")  # the reply in flight was finished
+        assert proc.wait(60) == 0
+    finally:
+        proc.kill()
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--port", "70000"], "not a TCP port"),
+    (["--queue", "-1"], "--queue"),
+    (["--host", "no.such.host.invalid"], "--host"),
+])
+def test_serve_bad_options_are_one_line_exit_2(tiny_dirs, args, words):
+    r = subprocess.run([sys.executable, "-m", "tfq", "serve", "--model", str(tiny_dirs["qwen2"]), *args],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1

@@ -1,0 +1,94 @@
+"""The Python API for offline use: `LLM(plan=...).generate(prompts, SamplingParams(...))`.
+
+The same engine and the same exactness as the CLI and the server: a prompt's outputs do not depend on the
+other prompts of the call, on the plan's pages or drafting, or on the thread count.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from tfq.sampling import TokenLogprob
+from tfq.stream import Request, choices
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.0  # 0 is greedy
+    top_p: float = 1.0
+    seed: int = 0  # choice j of n draws with tfq.sampling.choice_seed(seed, j): choice 0 with `seed` itself
+    n: int = 1
+    stop: Sequence[str] = ()
+    logprobs: int | None = None  # each reply token's log-probability and the top k (None: none)
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first
+
+    def requests(self, prompts: list[list[int]]) -> list[Request]:
+        if not isinstance(self.n, int) or self.n < 1:
+            from tfq.errors import TfqError
+
+            raise TfqError(f"n must be a positive integer, got {self.n!r}")
+        return choices(prompts, self.n, self.seed, max_tokens=self.max_tokens, temperature=self.temperature,
+                       top_p=self.top_p, stop=tuple(self.stop), logprobs=self.logprobs,
+                       prompt_logprobs=self.prompt_logprobs)
+
+
+@dataclass
+class Completion:
+    """One choice of one prompt."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # eos | stop | length | window | error
+    logprobs: list[TokenLogprob] | None
+    digests: list[str]  # per token, the digest of the logits it was drawn from
+
+
+@dataclass
+class RequestOutput:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[TokenLogprob | None] | None
+    outputs: list[Completion] = field(default_factory=list)
+
+
+class LLM:
+    """One model and one engine, built from a plan (file, TFQ_* variables, `sets`) like every tfq command."""
+
+    def __init__(self, model: str | None = None, plan: str | None = None, sets: Sequence[str] = (),
+                 quiet: bool = True):
+        from tfq.cli.plan import resolve_plan
+        from tfq.engine import Engine
+        from tfq.model.load import load_model
+
+        self.plan, self.config, self.layout = resolve_plan(plan, model, sets, quiet, None)
+        self.loaded = load_model(self.plan.model, progress=not quiet, device=self.layout.device)
+        self.tokenizer = self.loaded.tokenizer
+        self.engine = Engine.from_plan(self.plan, self.layout, self.loaded)
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+                 params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Raw prompts (text, or token ids), run together; outputs in the prompts' order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        texts = [p if isinstance(p, str) else None for p in prompts]
+        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        return self._run(texts, ids, params or SamplingParams())
+
+    def chat(self, conversations: Sequence[dict] | Sequence[Sequence[dict]],
+             params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Conversations ([{"role": ..., "content": ...}, ...]) through the model's chat template."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        texts = [self.tokenizer.render_chat(list(c)) for c in conversations]
+        return self._run(texts, [self.tokenizer.encode(t) for t in texts], params or SamplingParams())
+
+    def _run(self, texts: list[str | None], ids: list[list[int]], params: SamplingParams) -> list[RequestOutput]:
+        results = self.engine.generate(params.requests(ids))
+        outs = []
+        for i, (text, prompt) in enumerate(zip(texts, ids)):
+            mine = results[i * params.n:(i + 1) * params.n]
+            outs.append(RequestOutput(text, prompt, mine[0].prompt_logprobs, [
+                Completion(j, r.text, r.ids, r.finish, r.logprobs, r.digests) for j, r in enumerate(mine)]))
+        return outs

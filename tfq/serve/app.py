@@ -1,0 +1,346 @@
+"""The FastAPI app: OpenAI's routes over one engine loop, bearer-key authentication, and OpenAI-style errors.
+
+Every refusal is one JSON body `{"error": {"message", "type", "param", "code"}}` with a 4xx status: 400 for a
+body that does not validate (the message names the field), 401 without the key, 404 for an unknown model or
+route, 429 with Retry-After when the queue is full. A client that goes away aborts its streams at the next
+step; nothing else in the batch notices.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from fastapi import APIRouter, Depends, FastAPI, Request as HttpRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from tfq.errors import TfqError
+from tfq.serve.loop import Busy, Done, EngineLoop, Ticket, Token
+from tfq.serve.metrics import Metrics
+from tfq.serve.protocol import ChatBody, CompletionBody, Sampling
+from tfq.serve.replies import (Shape, chat_choice, chat_logprobs, finish_reason, text_choice, text_logprobs,
+                               usage)
+from tfq.stream import Request, Result
+
+RETRY_AFTER_S = 1
+DISCONNECT_POLL_S = 0.25
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 outcome: str = "invalid"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.outcome = status, message, param, kind, outcome
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+@dataclass
+class Served:
+    """What the routes need: the engine loop, the tokenizer, the model's name and window."""
+
+    loop: EngineLoop
+    tokenizer: object  # tfq.model.tokenizer.Tokenizer
+    model: str
+    window: int
+    vocab: int
+    metrics: Metrics
+    api_key: str | None = None
+
+
+def build_app(served: Served) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        served.loop.start()
+        try:
+            yield
+        finally:  # after uvicorn's graceful shutdown: whatever still runs is aborted
+            served.loop.stop()
+
+    app = FastAPI(title="tfq", lifespan=lifespan, description="Exact inference, OpenAI-compatible: a reply does "
+                  "not depend on what else is in flight.")
+    metrics = served.metrics
+
+    # -- errors ------------------------------------------------------------------------------------------
+    @app.exception_handler(ApiError)
+    async def api_error(_: HttpRequest, e: ApiError):
+        metrics.outcome(e.outcome)
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else None
+        return JSONResponse(error_body(e.message, e.kind, e.param), status_code=e.status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: HttpRequest, e: RequestValidationError):
+        metrics.outcome("invalid")
+        message, param = validation_message(e.errors())
+        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: HttpRequest, e: HTTPException):
+        return JSONResponse(error_body(str(e.detail), "invalid_request_error"), status_code=e.status_code)
+
+    async def authenticate(request: HttpRequest) -> None:
+        # a dependency, not a middleware: Starlette's middlewares hide a client's disconnect from the routes
+        if served.api_key is not None:
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {served.api_key}".encode()):
+                raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY' with the server's "
+                               "--api-key", kind="authentication_error", outcome="unauthorized")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])
+
+    # -- routes ------------------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.text(), media_type="text/plain; version=0.0.4")
+
+    @v1.get("/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served.model, "object": "model", "created": 0, "owned_by": "tfq",
+                                            "max_model_len": served.window}]}
+
+    @v1.post("/completions")
+    async def completions(body: CompletionBody, http: HttpRequest):
+        check_model(served, body)
+        prompts = await asyncio.to_thread(text_prompts, served, body.prompt)
+        if body.stream and body.echo and body.logprobs is not None:
+            raise ApiError(400, "echo with logprobs is returned whole; set stream to false", "stream")
+        requests = body.requests(prompts, served.window, body.max_tokens, body.logprobs,
+                                 body.logprobs if body.echo else None)
+        shape = Shape.new("text", served.model, body.return_token_ids, body.return_digests)
+        ticket = submit(served, requests)
+        owners = [prompts[i // body.n] for i in range(len(requests))]
+        if body.stream:
+            return sse(served, ticket, text_chunks(served, ticket, shape, owners, body.echo,
+                                                       sum(map(len, prompts)) if body.include_usage else None))
+        results = await collect(served, ticket, http)
+        choices = [text_choice(shape, served.tokenizer, i, r, owners[i], body.echo) for i, r in enumerate(results)]
+        return shape.body(choices, usage=usage(sum(map(len, prompts)), sum(len(r.ids) for r in results)))
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatBody, http: HttpRequest):
+        check_model(served, body)
+        prompt = await asyncio.to_thread(chat_prompt, served, body)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        requests = body.requests([prompt], served.window, body.reply_tokens, logprobs)
+        shape = Shape.new("chat", served.model, body.return_token_ids, body.return_digests)
+        ticket = submit(served, requests)
+        if body.stream:
+            return sse(served, ticket, chat_chunks(served, ticket, shape, len(prompt) if body.include_usage else None))
+        results = await collect(served, ticket, http)
+        choices = [chat_choice(shape, served.tokenizer, i, r) for i, r in enumerate(results)]
+        return shape.body(choices, usage=usage(len(prompt), sum(len(r.ids) for r in results)))
+
+    app.include_router(v1)
+    return app
+
+
+# -- requests in -------------------------------------------------------------------------------------------
+def validation_message(errors) -> tuple[str, str | None]:
+    """pydantic's first complaint as one line naming the field."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    if first.get("type") == "json_invalid":
+        return f"the body is not valid JSON ({first.get('ctx', {}).get('error', first['msg'])})", None
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # a union's complaint names the branch tried (`str`, `list[int]`): the field is the first part
+    field = ".".join(p for p in loc if not any(c in p for c in "[]") and p not in ("str", "int", "float"))
+    if first.get("type") == "extra_forbidden":
+        return f"unknown field {field!r}; tfq serves OpenAI's fields (see GET /docs)", field
+    if first.get("type") == "missing":
+        return (f"{field} is required" if field else "a JSON body is required"), field or None
+    return f"{field or 'body'}: {first['msg']}", field or None
+
+
+def check_model(served: Served, body: Sampling) -> None:
+    if body.model != served.model:
+        raise ApiError(404, f"model {body.model!r} is not served here; this server serves {served.model!r} "
+                       f"(GET /v1/models)", "model", kind="invalid_request_error")
+
+
+def text_prompts(served: Served, prompt) -> list[list[int]]:
+    """Completions' prompt forms: a string, strings, token ids, or lists of token ids."""
+    if isinstance(prompt, str):
+        prompts = [served.tokenizer.encode(prompt)]
+    elif all(isinstance(p, str) for p in prompt):
+        prompts = [served.tokenizer.encode(p) for p in prompt]
+    elif all(isinstance(p, int) for p in prompt):
+        prompts = [list(prompt)]
+    else:
+        prompts = [list(p) for p in prompt]
+    for p in prompts:
+        if not p:
+            raise ApiError(400, "prompt: empty after tokenizing; give some text", "prompt")
+        if any(not 0 <= t < served.vocab for t in p):
+            raise ApiError(400, f"prompt: token ids must be in [0, {served.vocab})", "prompt")
+        fits(served, len(p), "prompt")
+    return prompts
+
+
+def chat_prompt(served: Served, body: ChatBody) -> list[int]:
+    try:
+        prompt = served.tokenizer.chat_ids(body.chat())
+    except TfqError as e:
+        raise ApiError(400, f"messages: {e}", "messages") from None
+    fits(served, len(prompt), "messages")
+    return prompt
+
+
+def fits(served: Served, tokens: int, param: str) -> None:
+    if tokens >= served.window:
+        raise ApiError(400, f"{param}: {tokens} tokens leave no room for a reply in the window of {served.window}; "
+                       f"shorten it, or serve a plan with a larger window (TFQ_WINDOW)", param)
+
+
+def submit(served: Served, requests: list[Request]) -> Ticket:
+    try:
+        ticket = served.loop.submit(requests)
+    except Busy as e:
+        raise ApiError(429, f"the server is busy: {e}; retry after {RETRY_AFTER_S} s", None, "rate_limit_error",
+                       outcome="busy") from None
+    served.metrics.prompt_tokens.inc(sum(len(r.prompt) for r in requests))
+    return ticket
+
+
+# -- results out -------------------------------------------------------------------------------------------
+async def _disconnected(http: HttpRequest) -> None:
+    while not await http.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
+
+async def collect(served: Served, ticket: Ticket, http: HttpRequest) -> list[Result]:
+    """Every choice's result; a client gone before the end aborts them all."""
+    results: list[Result | None] = [None] * len(ticket.requests)
+    left = len(results)
+    gone = asyncio.ensure_future(_disconnected(http))
+    try:
+        while left:
+            event = asyncio.ensure_future(ticket.events.get())
+            await asyncio.wait({event, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not event.done():
+                event.cancel()
+                raise ApiError(499, "the client closed the request", outcome="aborted")
+            got = event.result()
+            if isinstance(got, Done):
+                results[got.choice] = got.result
+                left -= 1
+    finally:
+        gone.cancel()
+        if left:
+            served.loop.abort(ticket)
+    return finished(served, results)
+
+
+def finished(served: Served, results: list[Result]) -> list[Result]:
+    for r in results:
+        _check(r)
+    served.metrics.outcome("aborted" if any(r.finish == "abort" for r in results) else "finished")
+    return results
+
+
+def sse(served: Served, ticket: Ticket, chunks: AsyncIterator[dict]):
+    """Server-sent events: each chunk a `data:` line, an error as one, then `[DONE]`. A client that
+    disconnects cancels the generator; its streams are aborted."""
+    async def events():
+        completed = False
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk, allow_nan=False)}\n\n"
+            completed = True
+        except ApiError as e:
+            served.metrics.outcome(e.outcome)
+            yield f"data: {json.dumps(error_body(e.message, e.kind, e.param))}\n\n"
+            completed = True
+        finally:
+            served.loop.abort(ticket)  # the choices still running, if any (a finished one is left alone)
+            if not completed:
+                served.metrics.outcome("aborted")
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _events(ticket: Ticket) -> AsyncIterator[Token | Done]:
+    left = len(ticket.requests)
+    while left:
+        event = await ticket.events.get()
+        left -= isinstance(event, Done)
+        yield event
+
+
+def _token_fields(shape: Shape, out) -> dict:
+    out_ = {}
+    if shape.return_token_ids:
+        out_["token_ids"] = [out.token]
+    if shape.return_digests:
+        out_["digests"] = [out.digest]
+    return out_
+
+
+def _ended(served: Served, shape: Shape, results: list[Result], usage_of: int | None):
+    """After the last choice: the outcome counted, and the usage chunk when asked (`usage_of`: prompt tokens)."""
+    finished(served, results)
+    if usage_of is not None:
+        return shape.body([], chunk=True, usage=usage(usage_of, sum(len(r.ids) for r in results)))
+    return None
+
+
+def _check(result: Result) -> Result:
+    if result.finish == "error":
+        raise ApiError(400 if "raise" in (result.error or "") else 500, result.error or "the stream failed",
+                       outcome="failed")
+    return result
+
+
+async def chat_chunks(served: Served, ticket: Ticket, shape: Shape, usage_of: int | None) -> AsyncIterator[dict]:
+    tok = served.tokenizer
+    yield shape.body([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                       "finish_reason": None} for i in range(len(ticket.requests))], chunk=True)
+    results: list[Result | None] = [None] * len(ticket.requests)
+    async for event in _events(ticket):
+        if isinstance(event, Token):
+            out = event.output
+            lp = None if out.logprob is None else chat_logprobs(tok, [out.logprob])
+            yield shape.body([{"index": event.choice, "delta": {"content": out.text}, "logprobs": lp,
+                               "finish_reason": None, **_token_fields(shape, out)}], chunk=True)
+        else:
+            results[event.choice] = _check(event.result)
+            yield shape.body([{"index": event.choice, "delta": {}, "logprobs": None,
+                               "finish_reason": finish_reason(event.result)}], chunk=True)
+    last = _ended(served, shape, results, usage_of)
+    if last is not None:
+        yield last
+
+
+async def text_chunks(served: Served, ticket: Ticket, shape: Shape, owners: list[list[int]], echo: bool,
+                      usage_of: int | None) -> AsyncIterator[dict]:
+    tok = served.tokenizer
+    if echo:
+        yield shape.body([{"index": i, "text": tok.decode(p), "logprobs": None, "finish_reason": None}
+                          for i, p in enumerate(owners)], chunk=True)
+    results: list[Result | None] = [None] * len(ticket.requests)
+    offsets = [0] * len(ticket.requests)
+    async for event in _events(ticket):
+        if isinstance(event, Token):
+            out, i = event.output, event.choice
+            lp = None if out.logprob is None else text_logprobs(tok, [out.token], [out.logprob], offsets[i])
+            offsets[i] += len(tok.decode([out.token]))
+            yield shape.body([{"index": i, "text": out.text, "logprobs": lp, "finish_reason": None,
+                               **_token_fields(shape, out)}], chunk=True)
+        else:
+            results[event.choice] = _check(event.result)
+            yield shape.body([{"index": event.choice, "text": "", "logprobs": None,
+                               "finish_reason": finish_reason(event.result)}], chunk=True)
+    last = _ended(served, shape, results, usage_of)
+    if last is not None:
+        yield last

@@ -1,0 +1,156 @@
+"""The request bodies of the OpenAI API that tfq serves, as pydantic models, and how each becomes engine requests.
+
+Unknown fields are refused (a typo must not pass silently); fields OpenAI defines that would change the reply
+in ways tfq does not implement (penalties, logit_bias, suffix) are refused unless left at their neutral value.
+Defaults are OpenAI's (temperature 1, top_p 1), with one difference: a request without `seed` uses seed 0, so
+a reply is always a function of the request.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from tfq.stream import MOST_TOP_LOGPROBS, Request, choices
+
+MOST_CHOICES = 16
+MOST_STOPS = 4
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)  # no coercion: "yes" is not a bool, "10" not a count
+    include_usage: bool = False
+
+
+class Sampling(BaseModel):
+    """What completions and chat completions share."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)  # no coercion: "yes" is not a bool, "10" not a count
+
+    model: str
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: int = Field(1, ge=1, le=MOST_CHOICES)
+    seed: int = Field(0, ge=-(2 ** 63), lt=2 ** 64)
+    stop: Optional[Union[str, list[str]]] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None  # accepted and ignored, as OpenAI's
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Optional[dict[str, float]] = None
+    # tfq's own: each choice's token ids, and the digest of the logits each token was drawn from
+    return_token_ids: bool = False
+    return_digests: bool = False
+
+    @field_validator("temperature", "top_p", "presence_penalty", "frequency_penalty")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError("must be a finite number")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, v: float) -> float:
+        if v != 0:
+            raise ValueError("tfq does not apply penalties; leave it at 0")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, v):
+        if v:
+            raise ValueError("tfq does not apply logit_bias; leave it out")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MOST_STOPS or any(not s for s in stops):
+            raise ValueError(f"give at most {MOST_STOPS} non-empty stop strings")
+        return v
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def requests(self, prompts: list[list[int]], window: int, max_tokens: Optional[int], logprobs: Optional[int],
+                 prompt_logprobs: Optional[int] = None) -> list[Request]:
+        """One engine request per (prompt, choice); without max_tokens a reply may fill the window."""
+        return [replace(r, max_tokens=max_tokens or max(window - len(r.prompt), 1))
+                for r in choices(prompts, self.n, self.seed, temperature=self.temperature, top_p=self.top_p,
+                                 stop=self.stops, logprobs=logprobs, prompt_logprobs=prompt_logprobs)]
+
+
+class CompletionBody(Sampling):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    echo: bool = False
+    logprobs: Optional[int] = Field(None, ge=0, le=MOST_TOP_LOGPROBS)
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _some_prompt(cls, v):
+        if isinstance(v, list) and (not v or any(isinstance(p, (str, list)) and not p for p in v)):
+            raise ValueError("give a non-empty prompt (a string, strings, token ids, or lists of token ids)")
+        if isinstance(v, str) and not v:
+            raise ValueError("give a non-empty prompt")
+        return v
+
+    @model_validator(mode="after")
+    def _supported(self):
+        if self.suffix:
+            raise ValueError("suffix: tfq does not insert suffixes; leave it out")
+        if self.best_of not in (None, self.n):
+            raise ValueError("best_of: tfq returns every choice it draws; leave best_of out or equal to n")
+        return self
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)  # no coercion: "yes" is not a bool, "10" not a count
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[dict]]
+    name: Optional[str] = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError("content: tfq serves text only; give parts of type 'text'")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatBody(Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MOST_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: set logprobs to true as well")
+        for m in self.messages:
+            m.text()
+        return self
+
+    @property
+    def reply_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def chat(self) -> list[dict]:
+        """The messages as the chat template takes them (OpenAI's `developer` role is a system message)."""
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]

@@ -1,0 +1,102 @@
+"""Engine results as OpenAI response bodies: whole responses, and the chunks of a streamed one.
+
+Log-probabilities are the engine's (tfq/sampling.py: the log-softmax of the exact logits row in float64), so
+they carry the same bits alone or under load. Token text is the token decoded alone; `bytes` are the bytes
+it stands for (a piece of a character has no text of its own).
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from tfq.sampling import TokenLogprob
+from tfq.stream import Result
+
+FINISH = {"eos": "stop", "stop": "stop", "length": "length", "window": "length", "abort": "abort", "error": "error"}
+
+
+@dataclass
+class Shape:
+    """What every body of one response shares."""
+
+    kind: str  # "chat" or "text"
+    model: str
+    id: str
+    created: int
+    return_token_ids: bool = False
+    return_digests: bool = False
+
+    @classmethod
+    def new(cls, kind: str, model: str, return_token_ids: bool = False, return_digests: bool = False) -> "Shape":
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        return cls(kind, model, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), return_token_ids, return_digests)
+
+    def body(self, choices: list[dict], chunk: bool = False, usage: dict | None = None) -> dict:
+        obj = {"chat": "chat.completion", "text": "text_completion"}[self.kind]
+        out = {"id": self.id, "object": obj + (".chunk" if chunk and self.kind == "chat" else ""),
+               "created": self.created, "model": self.model, "choices": choices}
+        if usage is not None or not chunk:
+            out["usage"] = usage
+        return out
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def finish_reason(result: Result) -> str:
+    return FINISH[result.finish]
+
+
+# -- log-probabilities -------------------------------------------------------------------------------------
+def chat_logprobs(tokenizer, scored: list[TokenLogprob]) -> dict:
+    """Chat's shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}."""
+    def entry(token: int, lp: float) -> dict:
+        return {"token": tokenizer.decode([token]), "logprob": lp, "bytes": list(tokenizer.token_bytes(token))}
+
+    return {"content": [{**entry(s.token, s.logprob), "top_logprobs": [entry(t, lp) for t, lp in s.top]}
+                        for s in scored]}
+
+
+def text_logprobs(tokenizer, tokens: list[int], scored: list[TokenLogprob | None], offset: int) -> dict:
+    """Completions' (legacy) shape: parallel lists; a token without a score (the prompt's first) has None."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token, s in zip(tokens, scored):
+        text = tokenizer.decode([token])
+        out["tokens"].append(text)
+        out["token_logprobs"].append(None if s is None else s.logprob)
+        out["top_logprobs"].append(None if s is None else {tokenizer.decode([t]): lp for t, lp in s.top})
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+# -- whole responses ---------------------------------------------------------------------------------------
+def extensions(shape: Shape, result: Result) -> dict:
+    """tfq's own fields, when asked: the reply's token ids and each token's logits digest."""
+    out = {}
+    if shape.return_token_ids:
+        out["token_ids"] = result.ids
+    if shape.return_digests:
+        out["digests"] = result.digests
+    return out
+
+
+def chat_choice(shape: Shape, tokenizer, index: int, result: Result) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": result.text},
+            "logprobs": None if result.logprobs is None else chat_logprobs(tokenizer, result.logprobs),
+            "finish_reason": finish_reason(result), **extensions(shape, result)}
+
+
+def text_choice(shape: Shape, tokenizer, index: int, result: Result, prompt: list[int], echo: bool) -> dict:
+    text, logprobs = result.text, None
+    prompt_text = tokenizer.decode(prompt) if echo else ""
+    if result.logprobs is not None:
+        tokens, scored = list(result.ids), list(result.logprobs)
+        if echo:
+            tokens, scored = list(prompt) + tokens, list(result.prompt_logprobs or [None] * len(prompt)) + scored
+        logprobs = text_logprobs(tokenizer, tokens, scored, 0)
+    return {"index": index, "text": prompt_text + text, "logprobs": logprobs, "finish_reason": finish_reason(result),
+            **extensions(shape, result)}
