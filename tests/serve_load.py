@@ -99,3 +99,10 @@ def differences(under_load: list[list[dict]], alone: list[list[dict]], load: lis
         if len(got) != len(want):
             out.append(f"{call.name}: {len(got)} choices, alone {len(want)}")
     return out
+
+
+def tally(under_load: list[list[dict]], alone: list[list[dict]]) -> dict[str, int]:
+    """Choices in all, and how many equal their run alone in each respect."""
+    pairs = [(g, w) for got, want in zip(under_load, alone) for g, w in zip(got, want)]
+    return {"choices": len(pairs), **{k: sum(g[k] == w[k] for g, w in pairs) for k in ("ids", "logprobs", "digests")},
+            "tokens": sum(len(g["ids"]) for g, _ in pairs)}
