@@ -17,7 +17,7 @@ from tfq.runner import paged_partial
 from tfq.serve.background import served_engine, serving
 
 PAGED_PLAN = str(Path(__file__).parent.parent / "plans" / "paged.yaml")
-SETS = ["window=1024", "kv.pages=64", "kv.pool=12"]  # 12 pages of 64 rows for 7 paged lanes: preemption
+SETS = ["window=768", "kv.pages=64", "kv.pool=12"]  # 12 pages of 64 rows for 7 paged lanes: preemption
 
 
 @pytest.mark.slow

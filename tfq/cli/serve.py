@@ -59,7 +59,7 @@ def serve(
     served = Served(EngineLoop(engine, queue, metrics), loaded.tokenizer, name or served_name(the_plan.model),
                     layout.window, loaded.tokenizer.vocab_size, metrics, api_key or None)
     bound = sock.getsockname()[1]
-    err.print(f"serving {served.model!r} at http://{host}:{bound}/v1 (OpenAI's API; /docs, /health, /metrics)"
+    err.print(f"serving {served.model!r} at http://{host}:{bound}/v1 (OpenAI's API; /openapi.json, /health, /metrics)"
               + ("; API key required" if served.api_key else ""))
     # SIGTERM or Ctrl-C: uvicorn stops taking requests and lets those in flight finish (30 s at most);
     # the engine loop then aborts what is left, and the command exits 0

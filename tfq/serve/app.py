@@ -64,8 +64,10 @@ def build_app(served: Served) -> FastAPI:
         finally:  # after uvicorn's graceful shutdown: whatever still runs is aborted
             served.loop.stop()
 
-    app = FastAPI(title="tfq", lifespan=lifespan, description="Exact inference, OpenAI-compatible: a reply does "
-                  "not depend on what else is in flight.")
+    # /openapi.json describes every route and field; the Swagger and ReDoc pages are off, since they load
+    # their scripts from the internet
+    app = FastAPI(title="tfq", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  description="Exact inference, OpenAI-compatible: a reply does not depend on what else is in flight.")
     metrics = served.metrics
 
     # -- errors ------------------------------------------------------------------------------------------
@@ -155,7 +157,7 @@ def validation_message(errors) -> tuple[str, str | None]:
     # a union's complaint names the branch tried (`str`, `list[int]`): the field is the first part
     field = ".".join(p for p in loc if not any(c in p for c in "[]") and p not in ("str", "int", "float"))
     if first.get("type") == "extra_forbidden":
-        return f"unknown field {field!r}; tfq serves OpenAI's fields (see GET /docs)", field
+        return f"unknown field {field!r}; tfq serves OpenAI's fields (GET /openapi.json lists them)", field
     if first.get("type") == "missing":
         return (f"{field} is required" if field else "a JSON body is required"), field or None
     return f"{field or 'body'}: {first['msg']}", field or None
@@ -202,6 +204,11 @@ def fits(served: Served, tokens: int, param: str) -> None:
 
 
 def submit(served: Served, requests: list[Request]) -> Ticket:
+    try:
+        for r in requests:  # the engine's own checks, here rather than in its thread
+            r.validate()
+    except TfqError as e:
+        raise ApiError(400, str(e)) from None
     try:
         ticket = served.loop.submit(requests)
     except Busy as e:
