@@ -166,7 +166,7 @@ def hostile_requests() -> list[tuple[str, bytes, dict, int]]:
                            ("frobnicate", True), ("return_token_ids", "maybe"), ("stream_options", {"x": 1}),
                            ("model", 7), ("model", None)):
             body(path, {**ok, key: value}, 400)
-        body(path, {**ok, "model": "gpt-4"}, 404)
+        body(path, {**ok, "model": "gpt-4"}, 400)
         body(path, {k: v for k, v in ok.items() if k != "model"}, 400)
         body(path, ok, 401, headers={})
         body(path, ok, 401, headers={"Authorization": "Bearer wrong"})

@@ -165,8 +165,8 @@ def validation_message(errors) -> tuple[str, str | None]:
 
 def check_model(served: Served, body: Sampling) -> None:
     if body.model != served.model:
-        raise ApiError(404, f"model {body.model!r} is not served here; this server serves {served.model!r} "
-                       f"(GET /v1/models)", "model", kind="invalid_request_error")
+        raise ApiError(400, f"model {body.model!r} is not served here; this server serves {served.model!r} "
+                       f"(GET /v1/models)", "model")
 
 
 def text_prompts(served: Served, prompt) -> list[list[int]]:
