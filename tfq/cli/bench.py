@@ -1,4 +1,8 @@
-"""`tfq bench`: prefill and decode speed, time to first token and memory, per lane count and arm, beside a peer."""
+"""`tfq bench`: prefill and decode speed, time to first token and memory, per lane count and arm, beside a peer;
+`tfq bench serve`: the OpenAI-compatible server under the `openai` client at several concurrencies.
+
+`bench` is a group whose callback is the engine bench itself (run when no subcommand is named), so
+`tfq bench --lanes 1 ...` keeps working as it did when bench was a single command."""
 from __future__ import annotations
 
 import json
@@ -14,9 +18,13 @@ from rich.table import Table
 from tfq.cli.app import app, output_file
 from tfq.errors import TfqError
 
+bench_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+app.add_typer(bench_app, name="bench")
 
-@app.command("bench")
+
+@bench_app.callback(invoke_without_command=True)
 def bench_command(
+    ctx: typer.Context,
     plan: Optional[str] = typer.Option(None, "--plan", help="Plan YAML the arms are derived from (default plan if left out)."),
     model: Optional[str] = typer.Option(None, "--model", help="default, an HF folder or a .gguf file."),
     lanes: str = typer.Option("1,2,4,8", "--lanes", help="Lane counts (streams run together), comma-separated."),
@@ -36,7 +44,11 @@ def bench_command(
 ) -> None:
     """Measure tfq's speed and memory per lane count and arm, side by side with HF transformers on the same
     weights (runs interleaved, medians of the rounds), with each decode step as a fraction of the
-    memory-bandwidth roofline measured in the same run. Kernel correctness is a separate check: `tfq kernels`."""
+    memory-bandwidth roofline measured in the same run. Kernel correctness is a separate check: `tfq kernels`.
+    `tfq bench serve`: the server under the `openai` client (see `tfq bench serve --help`)."""
+    if ctx.invoked_subcommand is not None:
+        _no_options_before(ctx)
+        return
     from tfq.bench import (Bench, BenchSettings, HfPeer, bench_window, build_report, check_against_plan,
                            check_settings, measure_bandwidth, parse_arms, parse_lanes, require_peer)
     from tfq.cli.plan import resolve_plan
@@ -175,3 +187,109 @@ def _print_table(report: dict, console: Console) -> None:
     for g in report["targets"]:
         mark = "[green]met[/green]" if g["met"] else "[yellow]missed[/yellow]"
         console.print(f"target: {g['target']}: {g['value']:.2f} (goal {g['goal']}) {mark}", highlight=False)
+
+
+def _no_options_before(ctx: typer.Context) -> None:
+    """`tfq bench --plan P serve` would hand --plan to the engine bench, which does not run: say so rather
+    than drop it."""
+    # by the source's name: typer may carry a click of its own, whose ParameterSource is not click's
+    given = [p.opts[0] for p in ctx.command.params
+             if p.name and getattr(ctx.get_parameter_source(p.name), "name", None) == "COMMANDLINE"]
+    if given:
+        raise TfqError(f"{given[0]} before `{ctx.invoked_subcommand}` is an option of the engine bench (`tfq bench`); "
+                       f"put it after: tfq bench {ctx.invoked_subcommand} {given[0]} ...")
+
+
+@bench_app.command("serve")
+def bench_serve_command(
+    plan: Optional[str] = typer.Option(None, "--plan", help="Plan YAML each level's engine follows (default plan if left out)."),
+    model: Optional[str] = typer.Option(None, "--model", help="default, an HF folder or a .gguf file."),
+    sets: List[str] = typer.Option([], "--set", help="Plan override key=value (after TFQ_* variables)."),
+    concurrency: str = typer.Option("1,4,8,16", "--concurrency", help="Requests in flight at once, a level each, "
+                                    "comma-separated."),
+    requests_per_level: Optional[int] = typer.Option(None, "--requests-per-level", metavar="N",
+                                                     help="Requests a level (default: 2x its concurrency, at least 4)."),
+    max_tokens: int = typer.Option(32, "--max-tokens", help="max_tokens of every request (greedy; EOS may end a reply sooner)."),
+    json_file: Optional[str] = typer.Option(None, "--json", metavar="FILE", help="Also write the report as JSON ('-': stdout)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Exactly N torch threads (default: follow the free cores)."),
+    quiet: bool = typer.Option(False, "--quiet", help="No plan lines and no progress: the table only."),
+) -> None:
+    """The OpenAI-compatible server under the official `openai` client, at several concurrencies.
+
+    Requests/s, output tokens/s, time to first token and time between tokens (p50, p99, as the streaming
+    client reads them) at each concurrency, on the shipped suite's chats, a fresh server each level. Every
+    reply must also equal its chat's reply at concurrency 1 (the `equal replies` column)."""
+    import torch
+
+    from tfq.bench.serve import (Listener, ServeSettings, Target, build_serve_report, check_serve_settings,
+                                 fitting_chats, parse_concurrency, run_levels, total_requests)
+    from tfq.cli.plan import resolve_plan
+    from tfq.cli.serve import served_name
+    from tfq.cli.together import default_suite
+    from tfq.model.load import load_model
+    from tfq.suite import load_prompts
+    from tfq.threads import fix_threads
+
+    err = Console(stderr=True)
+    settings = ServeSettings(concurrency=parse_concurrency(concurrency), requests_per_level=requests_per_level,
+                             max_tokens=max_tokens, threads=threads)
+    check_serve_settings(settings)
+    output_file(json_file)
+    suite = default_suite()
+    fix_threads(threads)
+    the_plan, config, layout = resolve_plan(plan, model, sets, quiet, err)
+    load_before = os.getloadavg()
+    with err.status("loading the model"):
+        loaded = load_model(the_plan.model, progress=not quiet, device=layout.device)
+    chats, left_out = fitting_chats(load_prompts(suite), loaded.tokenizer, layout.window, settings.max_tokens)
+    if not quiet:
+        for out in left_out:
+            err.print(f"bench serve: left out {out['chat']}: {out['why']}", highlight=False, style="dim",
+                      soft_wrap=True)
+    target = Target(the_plan, layout, loaded, served_name(the_plan.model))
+    torch_threads = torch.get_num_threads()  # before the engines: their thread policy may move it
+    t0 = time.perf_counter()
+    if quiet:
+        levels, reference = run_levels(target, chats, settings)
+    else:
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=err, transient=True) as bar:
+            task = bar.add_task("bench serve", total=total_requests(settings, chats))
+            levels, reference = run_levels(target, chats, settings, Listener(
+                level=lambda what: bar.update(task, description=what), reply=lambda: bar.advance(task)))
+    wall = time.perf_counter() - t0
+    report = build_serve_report(target, config, settings, str(suite), chats, left_out, levels, reference,
+                                torch_threads, (load_before, os.getloadavg()), wall)
+    out = err if json_file == "-" else Console()
+    _print_serve_table(report, Console(file=out.file, width=max(out.width, 120)))
+    if json_file == "-":
+        print(json.dumps(report, indent=2))
+    elif json_file:
+        with open(json_file, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+
+
+def _print_serve_table(report: dict, console: Console) -> None:
+    s, m = report["settings"], report["machine"]
+    lanes = report["plan"]["layout"]["lanes"]
+    table = Table(title=f"tfq bench serve: {s['served_name']}, {len(s['chats'])} chats of the suite, "
+                        f"{s['max_tokens']}-token replies (greedy), {lanes} lanes")
+    cols = ("concurrency", "requests", "requests/s", "output\ntok/s", "TTFT p50\nms", "TTFT p99\nms",
+            "TBT p50\nms", "TBT p99\nms", "equal\nreplies")
+    for c in cols:
+        table.add_column(c, justify="right", no_wrap=True)
+    for lv in report["levels"]:
+        ttft, tbt = lv["ttft_ms"], lv["tbt_ms"]
+        equal = f"{lv['equal_replies']}/{lv['requests']}"
+        table.add_row(str(lv["concurrency"]), str(lv["requests"]), _num(lv["requests_per_s"], ".2f"),
+                      _num(lv["output_tokens_per_s"]), _num(ttft["p50"]), _num(ttft["p99"]), _num(tbt["p50"]),
+                      _num(tbt["p99"]), equal if lv["equal_replies"] == lv["requests"] else f"[red]{equal}[/red]")
+    console.print(table)
+    la, lb = m["load_average_before"], m["load_average_after"]
+    console.print(f"{m['torch_threads']} torch thread{'s' * (m['torch_threads'] > 1)} "
+                  f"({'fixed' if m['threads_fixed'] else 'following the free cores'}) on {m['cpus']} CPUs; load "
+                  f"average {la[0]:.2f} before, {lb[0]:.2f} after; {report['wall_s']:.1f} s in all", highlight=False)
+    console.print("a fresh server each level, one untimed request first; TTFT: request sent to its first token, "
+                  "TBT: between tokens, both as the streaming client read them; equal replies: replies equal to "
+                  "their chat's at concurrency 1; requests past the lanes wait in the server's queue",
+                  highlight=False, style="dim")
