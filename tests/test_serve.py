@@ -225,6 +225,9 @@ def test_a_burst_over_the_queue_gets_429_with_retry_after(tiny):
     with serving(server(tiny, queue=2)) as base:  # 4 lanes + 2 waiting
         got = asyncio.run(burst(base))
         m = idle(base)
+        status, _, reply = raw(base, "POST", "/v1/completions", json.dumps(
+            {"model": NAME, "prompt": ["a", "b", "c", "d"], "n": 2, "max_tokens": 2}).encode())
+        assert status == 400 and json.loads(reply)["error"]["param"] == "n"  # 8 streams can never fit in 6
     refused = [g for g in got if isinstance(g, tuple)]
     assert refused and len(refused) < 20
     assert all(g[1] == "1" and "busy" in g[2]["message"] for g in refused)

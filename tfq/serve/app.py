@@ -209,6 +209,9 @@ def submit(served: Served, requests: list[Request]) -> Ticket:
             r.validate()
     except TfqError as e:
         raise ApiError(400, str(e)) from None
+    if len(requests) > served.loop.capacity:  # never fits, however long the client waits: not a 429
+        raise ApiError(400, f"n: this request asks for {len(requests)} streams (prompts x n), more than this server "
+                       f"holds at once ({served.loop.capacity}: lanes and queue); send fewer at a time", "n")
     try:
         ticket = served.loop.submit(requests)
     except Busy as e:
