@@ -235,6 +235,11 @@ def bench_serve_command(
                              max_tokens=max_tokens, threads=threads)
     check_serve_settings(settings)
     output_file(json_file)
+    try:
+        import openai  # noqa: F401  (the client the bench measures with; not needed to serve)
+    except ImportError:
+        raise TfqError("tfq bench serve drives the server with the official openai client: pip install openai "
+                       "(or pip install -e \".[test]\")") from None
     suite = default_suite()
     fix_threads(threads)
     the_plan, config, layout = resolve_plan(plan, model, sets, quiet, err)
