@@ -101,3 +101,18 @@ def test_the_python_api(tiny_dirs):
                    for c in out.outputs)
     chat = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=4))
     assert chat[0].prompt.startswith("<|im_start|>") and len(chat[0].outputs[0].token_ids) == 4
+
+
+def test_streamed_pieces_join_to_the_reply_with_a_stop_string(tiny_models):
+    """Text that may begin a stop string is held back, so a streamed reply never shows a stop's first half."""
+    loaded = tiny_models["qwen2"]
+    tok = loaded.tokenizer
+    engine = Engine(loaded.model, EngineSettings(window=512, lanes=1), tok)
+    prompt = tuple(tok.encode("def fibonacci(n):"))
+    free = engine.generate([Request(prompt, max_tokens=24)])[0]
+    stop = free.text[5:9]  # four characters from inside the free reply: the stopped reply ends before them
+    pieces: list[str] = []
+    stopped = engine.generate([Request(prompt, max_tokens=24, stop=(stop,))],
+                              on_token=lambda _, __, piece: pieces.append(piece))[0]
+    assert stopped.finish == "stop" and stopped.text == free.text[:free.text.index(stop)]
+    assert "".join(pieces) == stopped.text
