@@ -20,19 +20,22 @@ class Call:
     body: dict  # what goes to create(), but model and stream
 
 
-def corpus_text(rng: random.Random, chars: int) -> str:
-    start = rng.randrange(len(CORPUS) - chars) if chars < len(CORPUS) else 0
+def corpus_text(rng: random.Random, chars: int, start: int | None = None) -> str:
+    if start is None:
+        start = rng.randrange(len(CORPUS) - chars) if chars < len(CORPUS) else 0
     return (CORPUS * (1 + chars // len(CORPUS)))[start:start + chars]
 
 
-def calls(seed: int = 0, count: int = 32, long_chars: int = 900, max_tokens: int = 40) -> list[Call]:
+def calls(seed: int = 0, count: int = 32, long_chars: int = 900, max_tokens: int = 40,
+          shared: bool = False) -> list[Call]:
     """Greedy and seeded sampled, mixed prompt and reply lengths, every fifth with n = 2, every third streamed;
-    the first two are long greedy prompts fired at once, so one of them runs on pages (the control needs it)."""
+    the first two are long greedy prompts fired at once, so one of them runs on pages (the control needs it).
+    `shared`: every long prompt starts at the same place, so they share their first pages (the prefix cache)."""
     rng = random.Random(seed)
     out = []
     for i in range(count):
         long = i < 2 or rng.random() < 0.15
-        text = corpus_text(rng, long_chars if long else rng.randrange(20, 200))
+        text = corpus_text(rng, long_chars if long else rng.randrange(20, 200), 0 if long and shared else None)
         sampled = i >= 2 and rng.random() < 0.5
         body = {"max_tokens": rng.randrange(4, max_tokens), "n": 2 if i % 5 == 4 else 1,
                 "temperature": 0.8 if sampled else 0.0, "top_p": 0.9 if sampled else 1.0, "seed": rng.randrange(1000),

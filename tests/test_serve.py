@@ -92,6 +92,24 @@ def test_under_load_every_reply_equals_its_run_alone(tiny, load, alone):
     assert all(r[0]["logprobs"] and r[0]["digests"] for r in under)
 
 
+def test_under_load_with_the_prefix_cache(tiny):
+    """The same kind of load with the prefix cache on: long prompts share their first pages, and every reply
+    still equals its run alone on a fresh server without the cache."""
+    plan, layout, loaded = tiny
+    load = calls(seed=5, shared=True)
+    on = plan.set("kv.prefix_cache", "on", "test")
+    alone = []
+    for call in load:
+        with serving(server(tiny)) as base:
+            alone.append(asyncio.run(fire(base, NAME, [call.__class__(**{**call.__dict__, "delay": 0.0})]))[0])
+    served = served_engine(Engine.from_plan(on, layout, loaded), loaded.tokenizer, NAME)
+    with serving(served) as base:
+        under = asyncio.run(fire(base, NAME, load))
+        after = idle(base)
+    assert differences(under, alone, load) == []
+    assert after["tfq_prefix_cache_reused_rows_total"] > 0 and after["tfq_pages_free"] == POOL
+
+
 def test_control_paged_partial_under_load_comes_out_red(tiny, load, alone):
     """The field report's split: forwards holding a paged stream run `partial`. The two long prompts start
     together, so one of them runs on pages, past one 256-key split: its logits change."""

@@ -35,7 +35,9 @@ def long_text(rng: random.Random, tokenizer, tokens: int) -> str:
 
 def random_suite(rng: random.Random, tokenizer) -> list[dict]:
     """Two long chats first (contexts past the 256-row split, and so big that two of them overflow a pool made
-    for one: the preempted arm must preempt), then short ones: multi-turn, sampled, with their own max_tokens."""
+    for one: the preempted arm must preempt), then short ones: multi-turn, sampled, with their own max_tokens;
+    last a longer one, with a full page past the split for the prefix control to reuse (drawn from a generator
+    of its own, so the others are what they were before it)."""
     chats = [{"name": f"long{i}", "messages": [{"role": "user", "content": long_text(rng, tokenizer, n)}]}
              for i, n in enumerate(rng.sample(range(265, 300), 2))]
     for i in range(rng.randint(1, 3)):
@@ -48,6 +50,9 @@ def random_suite(rng: random.Random, tokenizer) -> list[dict]:
         if rng.random() < 0.3:
             chat["max_tokens"] = rng.randint(1, 6)
         chats.append(chat)
+    own = random.Random(rng.random())
+    chats.append({"name": "longer", "messages": [{"role": "user",
+                                                   "content": long_text(own, tokenizer, own.randint(340, 400))}]})
     return chats
 
 
@@ -128,8 +133,8 @@ def test_a_differing_arm_fails_with_where_it_parts(tiny_models, monkeypatch):
 
 def test_arm_list_names_and_modes():
     assert arm_names() == ["whole", "paged-alone", "paged", "paged-all", "chunked", "preempted", "drafted",
-                           "drafted-model", "partial", "paged-partial"]
-    assert [a.name for a in ARMS if a.control] == ["partial", "paged-partial"]
+                           "drafted-model", "prefix", "partial", "paged-partial", "prefix-partial"]
+    assert [a.name for a in ARMS if a.control] == ["partial", "paged-partial", "prefix-partial"]
     assert [a.name for a in select_arms(" paged ,whole,paged")] == ["paged", "whole"]
     with pytest.raises(TfqError, match="unknown arm 'drafty'.*whole, paged-alone"):
         select_arms("whole,drafty")

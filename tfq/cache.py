@@ -15,14 +15,14 @@ from tfq.pages import PagePool, Placement
 
 class KVCache:
     def __init__(self, config: ModelConfig, *, lanes: int, window: int, page_rows: int = 0, pool_pages: int = 0,
-                 dtype: str = "fp32", page_order_seed: int | None = None, backend=None):
+                 dtype: str = "fp32", page_order_seed: int | None = None, backend=None, prefix=None):
         if backend is None:
             from tfq.kernels.backend import torch_backend
             backend = torch_backend()
         self.backend = backend  # tfq.kernels.backend.Backend: where the store lives and which kernel writes it
         self.dtype_name = dtype
         self.dtype = CACHE_DTYPES[dtype]
-        self.pages = PagePool(lanes, window, page_rows, pool_pages, page_order_seed)
+        self.pages = PagePool(lanes, window, page_rows, pool_pages, page_order_seed, prefix)  # prefix: PrefixCache
         self.rows_total = self.pages.rows
         shape = (self.rows_total, config.num_kv_heads, config.head_dim)
         dev = backend.device

@@ -17,6 +17,7 @@ import torch
 
 from tfq.cache import KVCache
 from tfq.model.qwen import Qwen
+from tfq.prefix import PrefixCache, root_key
 from tfq.plan.layout import lane_split
 from tfq.proofs.startup import prove
 from tfq.runner import AttentionPolicy, Runner, plan_arithmetic
@@ -51,6 +52,7 @@ class EngineSettings:
     paged_all: bool = False
     pool_pages: int = 0
     partial: bool = False
+    prefix_cache: bool = False  # full pages found again by their tokens (tfq/prefix.py)
 
     @property
     def contiguous_lanes(self) -> int:
@@ -61,7 +63,7 @@ class EngineSettings:
         """The plan's arithmetic and the layout's rows and pages (computed once, in tfq.plan.layout)."""
         return cls(window=layout.window, lanes=layout.lanes, prefill_chunk=plan.prefill_chunk, kv_dtype=plan.kv.dtype,
                    page_rows=layout.page_rows, paged_all=plan.kv.paged == "all", pool_pages=layout.pool_pages,
-                   partial=plan.attention == "partial")
+                   partial=plan.attention == "partial", prefix_cache=plan.kv.prefix_cache == "on")
 
 
 class Engine:
@@ -75,9 +77,12 @@ class Engine:
         self.keep_logits = keep_logits
         self.drafter = drafter  # tfq.draft.Drafter or None
         self.threads = threads  # tfq.threads.Threads (the CPU thread count follows the load) or None
+        prefix = None
+        if s.prefix_cache and s.page_rows:  # what besides the tokens decides a cached row's bits
+            prefix = PrefixCache(root_key(model.config, model.backend.name, s.kv_dtype, s.partial))
         self.cache = KVCache(model.config, lanes=s.contiguous_lanes, window=s.window, page_rows=s.page_rows,
                              pool_pages=s.pool_pages, dtype=s.kv_dtype, page_order_seed=page_order_seed,
-                             backend=model.backend)
+                             backend=model.backend, prefix=prefix)
         self.pages = self.cache.pages
         self.scheduler = Scheduler(s.lanes, s.contiguous_lanes, s.prefill_chunk, s.window, self.pages, drafter)
         self.runner = Runner(model, self.cache, attention or plan_arithmetic(s.partial))
@@ -143,6 +148,7 @@ class Engine:
                 self.threads.step(self._proved)
             for st, feed, rows in zip(step.streams, step.feeds, self.runner.run(step.feeds)):
                 outputs += self._apply(st, feed, rows)
+                self.pages.publish(st.placement, st.tokens, st.cached)  # its full pages, for later streams
         for st in self.scheduler.running():
             if st.finish is not None:
                 self.scheduler.finish(st)

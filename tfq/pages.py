@@ -4,11 +4,16 @@ The store (tfq/cache.py) is `lanes x window` rows of lanes, then `pool_pages x p
 stream's placement maps its positions to store rows: a lane is one block of `window` rows, a paged stream a
 list of pages in any order. Which pages a stream gets never matters to its bits (attention reads through
 row indices), so tests shuffle the pool.
+
+With a prefix cache (tfq/prefix.py) a page can be held by several streams at once (its reference count), and a
+full page keeps its rows after its last stream lets go, until the pool needs it back.
 """
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+
+from tfq.prefix import PrefixCache, page_key
 
 
 def pages_for(rows: int, page_rows: int) -> int:
@@ -24,6 +29,7 @@ class Placement:
     blocks: list[int] = field(default_factory=list)  # first store row of each block
     paged: bool = False
     pages: list[int] = field(default_factory=list)  # page ids (paged only)
+    keys: list[bytes] = field(default_factory=list)  # with a prefix cache: the keys of its first full pages
 
     @property
     def capacity(self) -> int:
@@ -32,17 +38,29 @@ class Placement:
 
 class PagePool:
     def __init__(self, lanes: int, window: int, page_rows: int = 0, pool_pages: int = 0,
-                 order_seed: int | None = None):
+                 order_seed: int | None = None, prefix: PrefixCache | None = None):
         self.window, self.page_rows, self.pool_pages = window, page_rows, pool_pages
         self.base = lanes * window  # first store row of the pool
-        self.free = list(range(pool_pages))
+        self.free = list(range(pool_pages))  # pages holding nothing worth keeping
         if order_seed is not None:  # which page ids a stream gets must not matter; tests shuffle them
             random.Random(order_seed).shuffle(self.free)
+        self.refs = [0] * pool_pages  # streams holding each page
+        self.prefix = prefix
 
     @property
     def rows(self) -> int:
         """Store rows in all: the lanes, then the pool."""
         return self.base + self.pool_pages * self.page_rows
+
+    @property
+    def available(self) -> int:
+        """Pages a stream may take: the free ones, and cached pages no stream holds."""
+        return len(self.free) + (len(self.prefix.idle) if self.prefix else 0)
+
+    @property
+    def unheld(self) -> int:
+        """Pages no stream holds (free or cached): the whole pool once every stream is done."""
+        return self.refs.count(0)
 
     def lane(self, i: int) -> Placement:
         return Placement(self.window, [i * self.window])
@@ -55,12 +73,10 @@ class PagePool:
         if not p.paged:
             return rows <= p.capacity
         need = pages_for(rows, self.page_rows) - len(p.pages)
-        if need > len(self.free):
+        if need > self.available:
             return False
         for _ in range(max(need, 0)):
-            page = self.free.pop()
-            p.pages.append(page)
-            p.blocks.append(self.base + page * self.page_rows)
+            self._hold(p, self.free.pop() if self.free else self.prefix.evict())
         return True
 
     def shrink(self, p: Placement, rows: int) -> None:
@@ -69,10 +85,56 @@ class PagePool:
             return
         keep = pages_for(rows, self.page_rows)
         while len(p.pages) > keep:
-            self.free.append(p.pages.pop())
+            self._let_go(p.pages.pop())
             p.blocks.pop()
 
     def release(self, p: Placement) -> None:
-        self.free.extend(reversed(p.pages))
+        for page in reversed(p.pages):
+            self._let_go(page)
         p.pages.clear()
         p.blocks.clear()
+        p.keys.clear()
+
+    # -- the prefix cache ---------------------------------------------------------------------------------
+    def adopt(self, p: Placement, tokens: list[int]) -> int:
+        """Map the cached full pages that start `tokens` into an empty placement; the rows they hold. The last
+        token is never taken: a stream draws from its own last row, so it computes at least that one."""
+        if self.prefix is None or not p.paged or p.pages:
+            return 0
+        parent = self.prefix.root
+        for i in range((len(tokens) - 1) // self.page_rows):
+            key = page_key(parent, tokens[i * self.page_rows:(i + 1) * self.page_rows])
+            page = self.prefix.find(key)
+            if page is None:
+                break
+            self.prefix.unpark(page)
+            self._hold(p, page)
+            p.keys.append(key)
+            parent = key
+        rows = len(p.pages) * self.page_rows
+        self.prefix.reused_rows += rows
+        return rows
+
+    def publish(self, p: Placement, tokens: list[int], cached: int) -> None:
+        """Name the placement's pages that `cached` rows fill, so later streams can find them."""
+        if self.prefix is None or not p.paged:
+            return
+        for i in range(len(p.keys), cached // self.page_rows):
+            key = page_key(p.keys[-1] if p.keys else self.prefix.root,
+                           tokens[i * self.page_rows:(i + 1) * self.page_rows])
+            p.keys.append(key)
+            self.prefix.name(p.pages[i], key)
+
+    def _hold(self, p: Placement, page: int) -> None:
+        self.refs[page] += 1
+        p.pages.append(page)
+        p.blocks.append(self.base + page * self.page_rows)
+
+    def _let_go(self, page: int) -> None:
+        self.refs[page] -= 1
+        if self.refs[page]:
+            return
+        if self.prefix is not None and self.prefix.named(page):
+            self.prefix.park(page)
+        else:
+            self.free.append(page)

@@ -26,6 +26,21 @@ def paged_partial(feeds: list[Feed]) -> bool:
     return any(f.placement.paged for f in feeds)
 
 
+class ColdPartial:
+    """The prefix cache's control: `partial` until `warm()`, `rows` after, under one cache, so pages computed
+    in one arithmetic are found again by streams of the other (tfq never does this: the cache's key names the
+    plan's arithmetic). One object per engine: it has a state."""
+
+    def __init__(self) -> None:
+        self.partial = True
+
+    def warm(self) -> None:
+        self.partial = False
+
+    def __call__(self, feeds: list[Feed]) -> bool:
+        return self.partial
+
+
 class Runner:
     def __init__(self, model, cache: KVCache, policy: AttentionPolicy):
         self.model, self.cache, self.policy = model, cache, policy

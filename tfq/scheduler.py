@@ -68,11 +68,38 @@ class Scheduler:
     def _admit(self) -> None:
         for i in range(len(self.lanes)):
             if self.lanes[i] is None and self.waiting:
-                st = self.waiting.popleft()
+                st = self._next(paged=i >= self.contiguous_lanes)
+                if st is None:
+                    continue
                 st.lane, st.order, st.status = i, self.admitted, Status.RUNNING
                 self.admitted += 1
                 st.placement = self.pages.lane(i) if i < self.contiguous_lanes else self.pages.paged()
+                st.cached = self.pages.adopt(st.placement, st.tokens)  # cached pages of its prefix, if any
+                st.reused += st.cached
                 self.lanes[i] = st
+
+    def _next(self, paged: bool) -> Stream | None:
+        """The oldest waiting stream, passing over those a running stream is about to compute the pages for."""
+        for st in self.waiting:
+            if not (paged and self._sibling_prefilling(st)):
+                self.waiting.remove(st)
+                return st
+        return None
+
+    def _sibling_prefilling(self, st: Stream) -> bool:
+        """With a prefix cache, a stream whose prompt shares full pages with one being prefilled right now (the n
+        choices of one request, chats with one system prompt) waits for it: a step later it maps those pages."""
+        rows = self.pages.page_rows
+        if self.pages.prefix is None:
+            return False
+        for other in self.running():
+            if not other.placement.paged or other.cached >= len(other.request.prompt):
+                continue
+            shared = next((k for k, (a, b) in enumerate(zip(st.tokens, other.tokens)) if a != b),
+                          min(len(st.tokens), len(other.tokens)))
+            if min(shared, len(st.tokens) - 1) // rows > len(other.placement.keys):  # pages it will name soon
+                return True
+        return False
 
     def _propose(self, running: list[Stream]) -> None:
         """Guesses for streams past their prompt, within their token and window budgets."""

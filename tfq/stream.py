@@ -69,6 +69,7 @@ class Result:
     total_s: float = 0.0
     preempted: int = 0  # times sent back to the queue for lack of pages
     recomputed: int = 0  # of those, times it had cached work to compute again
+    reused: int = 0  # rows taken from the prefix cache instead of computed (every admission counted)
     proposed: int = 0  # drafted tokens offered for verification
     accepted: int = 0  # of those, tokens the target drew too
     verifies: int = 0  # forwards that verified guesses
@@ -103,6 +104,7 @@ class Stream:
     first_token_s: float = 0.0
     preempted: int = 0
     recomputed: int = 0
+    reused: int = 0
     drafts: list[int] = field(default_factory=list)  # this step's guesses, verified in the same forward
     proposed: int = 0
     accepted: int = 0
@@ -154,7 +156,8 @@ class Stream:
                       finish=self.finish or "error", error=self.error, prompt_tokens=len(self.request.prompt),
                       first_token_s=self.first_token_s,
                       total_s=time.perf_counter() - self.added_s if total_s is None else total_s,
-                      preempted=self.preempted, recomputed=self.recomputed, proposed=self.proposed,
+                      preempted=self.preempted, recomputed=self.recomputed, reused=self.reused,
+                      proposed=self.proposed,
                       accepted=self.accepted, verifies=self.verifies, logits=self.logits if keep_logits else None,
                       logprobs=self.logprobs if self.request.logprobs is not None else None,
                       prompt_logprobs=None if self.request.prompt_logprobs is None else

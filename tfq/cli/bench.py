@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 from typing import List, Optional
 
 import typer
@@ -205,6 +206,8 @@ def bench_serve_command(
     plan: Optional[str] = typer.Option(None, "--plan", help="Plan YAML each level's engine follows (default plan if left out)."),
     model: Optional[str] = typer.Option(None, "--model", help="default, an HF folder or a .gguf file."),
     sets: List[str] = typer.Option([], "--set", help="Plan override key=value (after TFQ_* variables)."),
+    suite_file: Optional[str] = typer.Option(None, "--suite", help="Suite YAML whose chats are sent (default "
+                                             "examples/chats.yaml)."),
     concurrency: str = typer.Option("1,4,8,16", "--concurrency", help="Requests in flight at once, a level each, "
                                     "comma-separated."),
     requests_per_level: Optional[int] = typer.Option(None, "--requests-per-level", metavar="N",
@@ -240,7 +243,7 @@ def bench_serve_command(
     except ImportError:
         raise TfqError("tfq bench serve drives the server with the official openai client: pip install openai "
                        "(or pip install -e \".[test]\")") from None
-    suite = default_suite()
+    suite = Path(suite_file) if suite_file else default_suite()
     fix_threads(threads)
     the_plan, config, layout = resolve_plan(plan, model, sets, quiet, err)
     load_before = os.getloadavg()

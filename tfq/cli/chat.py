@@ -95,6 +95,7 @@ def _stream_one(engine, request: Request, err: Console) -> str:
         raise TfqError(result.error)
     _speed(err, len(result.ids), result.first_token_s, time.perf_counter() - t0, 1, engine.threads)
     _acceptance(err, [result])
+    _reuse(err, [result])
     return result.text
 
 
@@ -114,6 +115,7 @@ def _together(engine, requests: list[Request], err: Console) -> None:
     _speed(err, sum(len(r.ids) for r in results), min(r.first_token_s for r in results), wall, len(results),
            engine.threads)
     _acceptance(err, results)
+    _reuse(err, results)
     if failed:
         raise typer.Exit(1)
 
@@ -126,6 +128,12 @@ def _speed(err: Console, tokens: int, first: float, wall: float, streams: int, t
                 f"the bits are the same)")
     err.print(f"[dim]{tokens} tokens in {wall:.1f} s; first token after {first:.2f} s; "
               f"{max(tokens - streams, 0) / decode:.1f} tokens/s decoding{busy}[/]")
+
+
+def _reuse(err: Console, results) -> None:
+    reused = sum(r.reused for r in results)
+    if reused:
+        err.print(f"[dim]prefix cache: {reused} rows reused, not computed[/]")
 
 
 def _acceptance(err: Console, results) -> None:

@@ -148,6 +148,7 @@ def _table(check: Check) -> Table:
         if len(parts) > SHOWN_PARTINGS:
             where += f"; +{len(parts) - SHOWN_PARTINGS} more"
         mode = run.arm.mode(check.group) + (f", {run.preemptions} preempted" if run.preemptions else "")
+        mode += f", {run.reused} rows reused" if run.arm.warm else ""  # the prefix cache's hits
         table.add_row(run.arm.name + (" (control)" if run.arm.control else ""), mode, f"{run.equal_ids}/{n}",
                       f"{run.equal_logits}/{n}", where or "-", f"[{color}]{run.verdict}[/]", f"{run.seconds:.0f} s")
     return table

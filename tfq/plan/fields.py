@@ -64,6 +64,17 @@ def choice(name: str, options: Sequence[str], aliases: Mapping[str, str] | None 
     return check
 
 
+def switch(name: str) -> Callable[[Any], str]:
+    """on | off. YAML reads a bare on/off/yes/no as a boolean, so booleans are taken too."""
+    def check(value: Any) -> str:
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE - {""}:
+            return "on" if value.strip().lower() in _TRUE else "off"
+        raise Bad(f"{name} must be on or off, not {value!r}")
+    return check
+
+
 def model(value: Any) -> str:
     if isinstance(value, str) and value.strip():
         return value.strip()

@@ -56,6 +56,8 @@ def plan_lines(plan: Plan, config: ModelConfig, layout: Layout) -> list[str]:
                 f"a page, {lay.pages_per_stream} pages for a full window"
             )
         lines.append(_pool_line(plan, lay))
+    if plan.kv.prefix_cache == "on" or "kv.prefix_cache" in dict(plan.sources):
+        lines.append(_prefix_line(plan, lay))
     if plan.attention == "rows":
         lines.append(
             f"attention: rows{t('attention')}: one pass over a stream's keys in {KEY_TILE}-row tiles, "
@@ -116,6 +118,18 @@ def _pool_line(plan: Plan, lay: Layout) -> str:
         f"{size} ({how}{streams} at the full window need {full}; when it runs out, "
         f"streams are preempted and recomputed later)"
     )
+
+
+def _prefix_line(plan: Plan, lay: Layout) -> str:
+    head = f"prefix cache: {plan.kv.prefix_cache}{tag(plan, 'kv.prefix_cache')}"
+    if plan.kv.prefix_cache == "off":
+        return f"{head}: every stream computes its whole prompt"
+    if lay.page_rows == 0 or lay.paged_lanes == 0:
+        return f"{head}, but no stream takes pages, and it keeps pages: nothing is reused (set kv.pages)"
+    lane = "; stream 0's contiguous lane neither reads nor fills it" if lay.contiguous_lanes else ""
+    return (f"{head}: a full {lay.page_rows}-row page is found again by the tokens up to its end; pages no stream "
+            f"holds keep their rows until the pool needs them, so it may keep all {lay.pool_pages} pages, least "
+            f"recently used evicted first{lane}")
 
 
 def plan_json(plan: Plan, config: ModelConfig, layout: Layout) -> dict:

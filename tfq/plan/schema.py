@@ -10,7 +10,7 @@ from typing import Any, Mapping
 from tfq.model.config import ModelConfig
 from tfq.plan.fields import (
     ATTENTION, DTYPE_ALIASES, DTYPE_BYTES, PAGED, Bad, Check, budget, choice, device, draft, model, pages,
-    pool, positive,
+    pool, positive, switch,
 )
 from tfq.plan.layout import Layout, compute_layout, over_budget
 from tfq.plan.words import fail
@@ -32,6 +32,7 @@ SCHEMA: dict[str, Check] = {
     "kv.pages": pages,
     "kv.paged": choice("kv.paged", PAGED),
     "kv.pool": pool,
+    "kv.prefix_cache": switch("kv.prefix_cache"),
     "attention": choice("attention", ATTENTION),
     "budget": budget,
     "draft": draft,
@@ -42,6 +43,7 @@ SCHEMA: dict[str, Check] = {
 ENV_VALUES = {
     "TFQ_MODEL": "model", "TFQ_WINDOW": "window", "TFQ_LANES": "lanes", "TFQ_PREFILL_CHUNK": "prefill_chunk",
     "TFQ_KV_DTYPE": "kv.dtype", "TFQ_KV_PAGES": "kv.pages", "TFQ_KV_POOL": "kv.pool",
+    "TFQ_KV_PREFIX_CACHE": "kv.prefix_cache",
     "TFQ_BUDGET": "budget", "TFQ_DRAFT": "draft", "TFQ_DEVICE": "device",
 }
 # Environment switches: 1 sets the key to the value, 0 or unset leaves the plan alone.
@@ -65,9 +67,10 @@ class KVPlan:
     pages: int = 0  # page rows; 0: no pages, every lane contiguous
     paged: str = "more"  # more: streams beyond the first take pages; all: every stream does
     pool: int | str = "auto"
+    prefix_cache: str = "off"  # on: full pages are found again by their tokens (tfq/prefix.py)
 
     def __post_init__(self) -> None:
-        for name in ("dtype", "pages", "paged", "pool"):
+        for name in ("dtype", "pages", "paged", "pool", "prefix_cache"):
             object.__setattr__(self, name, checked(f"kv.{name}", getattr(self, name)))
 
 

@@ -47,9 +47,16 @@ class ArmRun:
     note: str = ""
     complete: bool = False
 
+    cold: dict[int, Result] = field(default_factory=dict)  # a warm arm's first pass, by chat index
+
     @property
     def preemptions(self) -> int:
         return sum(r.preempted for r in self.results if r is not None)
+
+    @property
+    def reused(self) -> int:
+        """Rows streams took from the prefix cache, both passes."""
+        return sum(r.reused for r in [*self.results, *self.cold.values()] if r is not None)
 
     @property
     def drafted(self) -> tuple[int, int]:
@@ -139,11 +146,17 @@ class Check:
         from tfq.engine import Engine
 
         self.listener.arm_started(run, self.group)
-        engine = Engine.from_plan(run.plan, run.layout, self.loaded, attention=run.arm.attention)
+        policy = run.arm.fresh_attention() if run.arm.fresh_attention else run.arm.attention
+        engine = Engine.from_plan(run.plan, run.layout, self.loaded, attention=policy)
         t0 = time.perf_counter()
+        order = list(range(len(self.requests)))  # the order the streams are added in
+        if run.arm.warm:
+            order = self._warm_up(run, engine, policy)
         if run.arm.together:
-            on_token = lambda i, token, _: self.listener.token(run, i, token)  # noqa: E731
-            run.results = list(engine.generate(self.requests, on_token))
+            on_token = lambda k, token, _: self.listener.token(run, order[k], token)  # noqa: E731
+            results = engine.generate([self.requests[i] for i in order], on_token)
+            for i, result in zip(order, results):
+                run.results[i] = result
         else:
             for i, request in enumerate(self.requests):
                 self.listener.chat_started(run, i)
@@ -152,11 +165,24 @@ class Check:
         run.seconds = time.perf_counter() - t0
         if run is not self.reference:
             run.comparisons = [compare(a, b) for a, b in zip(self.reference.results, run.results)]
+            cold = [compare(self.reference.results[i], r) for i, r in run.cold.items()]
             run.verdict, run.note = judge(run.arm, run.comparisons, run.preemptions, reach(self.reference.results),
-                                          run.drafted)
+                                          run.drafted, cold, run.reused)
         run.complete = True
         self._write_arm(run)
         self.listener.arm_finished(run)
+
+    def _warm_up(self, run: ArmRun, engine, policy) -> list[int]:
+        """A warm arm's first pass: the longest half of the suite, cold, longest last (so its pages are the last
+        to be evicted). Returns the second pass's order: that half warm, longest first, each followed by a chat
+        of the other half, so warm and cold streams share forwards."""
+        by_length = sorted(range(len(self.requests)), key=lambda i: len(self.requests[i].prompt))
+        first = by_length[len(self.requests) // 2:]
+        run.cold = dict(zip(first, engine.generate([self.requests[i] for i in first])))
+        if hasattr(policy, "warm"):
+            policy.warm()
+        warm, others = first[::-1], [i for i in range(len(self.requests)) if i not in run.cold]
+        return [i for pair in zip(warm, others + [None] * len(warm)) for i in pair if i is not None]
 
     # -- results --------------------------------------------------------------------------------------
     @property
@@ -199,6 +225,7 @@ class Check:
             "arm": run.arm.name, "mode": run.arm.mode(self.group), "about": run.arm.about,
             "control": run.arm.control, "complete": run.complete, "verdict": run.verdict or None,
             "note": run.note, "seconds": round(run.seconds, 2), "preemptions": run.preemptions,
+            "reused_rows": run.reused,
             "plan": plan_json(run.plan, self.config, run.layout), "versions": self.versions,
             "chats": [chat_record(req, res, cmp)
                       for req, res, cmp in zip(self.requests, run.results, run.comparisons or [None] * len(run.results))
@@ -214,6 +241,7 @@ def _arm_summary(run: ArmRun) -> dict:
     return {
         "arm": run.arm.name, "control": run.arm.control, "complete": run.complete, "verdict": run.verdict or None,
         "note": run.note, "equal_ids": run.equal_ids, "equal_logits": run.equal_logits,
-        "chats": len(run.results), "preemptions": run.preemptions, "seconds": round(run.seconds, 2),
+        "chats": len(run.results), "preemptions": run.preemptions, "reused_rows": run.reused,
+        "seconds": round(run.seconds, 2),
         "partings": [c.where() for c in run.comparisons if not c.equal],
     }

@@ -11,7 +11,7 @@ from typing import Any, Callable, Sequence
 
 from tfq.errors import TfqError
 from tfq.kernels.contract import KEY_TILE, SPLIT_ROWS
-from tfq.runner import AttentionPolicy, paged_partial
+from tfq.runner import AttentionPolicy, ColdPartial, paged_partial
 from tfq.plan import Plan, derive, pages_for
 from tfq.stream import Request, Result
 
@@ -42,8 +42,10 @@ class Arm:
     changes: Callable[[Context], dict[str, Any]]  # plan keys this arm sets, beyond lanes and arithmetic
     control: bool = False  # changes the arithmetic on purpose: must come out RED
     attention: AttentionPolicy | None = None  # a policy handed to the engine instead of the plan's arithmetic
+    fresh_attention: Callable[[], AttentionPolicy] | None = None  # a policy with a state: a new one per engine
     must_preempt: bool = False
     must_draft: bool = False
+    warm: bool = False  # the suite in two passes through one engine: a first half cold, then all of it, mixed
 
     def mode(self, group: int) -> str:
         return f"{group} together" if self.together else "alone"
@@ -71,11 +73,19 @@ ARMS: tuple[Arm, ...] = (
         lambda c: {"kv.pages": c.page_rows, "kv.paged": "more", "draft": "ngram:4"}, must_draft=True),
     Arm("drafted-model", True, "K together, the model drafting for itself (4 guesses a verify)",
         lambda c: {"kv.pages": 0, "draft": "self"}, must_draft=True),
+    Arm("prefix", True, "K together on pages with the prefix cache: half the suite cold, then all of it (that "
+        "half warm, mixed with the others) through the same cache",
+        lambda c: {"kv.pages": c.page_rows, "kv.paged": "all", "kv.prefix_cache": "on"}, warm=True),
     Arm("partial", True, "control: partial attention arithmetic instead of rows; must differ",
         lambda c: {"kv.pages": 0, "attention": "partial"}, control=True),
     Arm("paged-partial", True, "control: the field report's split (forwards holding a paged stream run "
         "partial); must differ", lambda c: {"kv.pages": c.page_rows, "kv.paged": "more"}, control=True,
         attention=paged_partial),
+    Arm("prefix-partial", True, "control: the prefix arm with its first pass in partial, so warm rows streams "
+        "map pages computed in partial; must differ (64-row pages: a prompt past 320 rows reuses rows past the "
+        "first split)",
+        lambda c: {"kv.pages": SMALL_PAGE_ROWS, "kv.paged": "all", "kv.prefix_cache": "on"}, control=True,
+        fresh_attention=ColdPartial, warm=True),
 )
 
 
@@ -183,8 +193,8 @@ def reach(results: Sequence[Result]) -> int:
 
 
 def judge(arm: Arm, comparisons: Sequence[ChatComparison], preemptions: int, longest: int,
-          drafted: tuple[int, int] = (0, 0)) -> tuple[str, str]:
-    """(verdict, a short note saying why)."""
+          drafted: tuple[int, int] = (0, 0), cold: Sequence[ChatComparison] = (), reused: int = 0) -> tuple[str, str]:
+    """(verdict, a short note saying why). `cold`: a warm arm's first pass; `reused`: rows from its cache."""
     n = len(comparisons)
     failed = [c for c in comparisons if c.error]
     if failed:
@@ -196,10 +206,20 @@ def judge(arm: Arm, comparisons: Sequence[ChatComparison], preemptions: int, lon
         if longest <= SPLIT_ROWS:
             return FAIL, (f"cannot differ: the longest context is {longest} rows and partial only changes bits past "
                           f"{SPLIT_ROWS} rows; add a longer chat or raise --tokens")
+        if arm.warm:
+            return FAIL, (f"its logits equal the reference: no page it reused holds rows past the first {SPLIT_ROWS} "
+                          f"keys; add a chat whose prompt is longer than {SPLIT_ROWS + SMALL_PAGE_ROWS} rows")
         return FAIL, "its logits equal the reference: the check did not see an arithmetic change"
     differ = [c for c in comparisons if not c.equal]
     if differ:
         return FAIL, f"{len(differ)} of {n} replies differ from their runs alone"
+    cold_differ = [c for c in cold if not c.equal]
+    if cold_differ:
+        return FAIL, f"{len(cold_differ)} of {len(cold)} replies of the cold pass differ: {cold_differ[0].where()}"
+    if arm.warm and reused == 0:
+        return FAIL, "no row was taken from the prefix cache, so reuse went untested"
+    if arm.warm:
+        return EXACT, f"{reused} rows from the prefix cache, cold and warm replies exact"
     if arm.must_preempt and preemptions == 0:
         return FAIL, "no stream was preempted (the pool held them all), so recomputation went untested"
     if arm.must_preempt:

@@ -28,6 +28,9 @@ class Metrics:
         Gauge("tfq_pages", "Pages of the pool", registry=r).set(pool_pages)
         self.preemptions = Counter("tfq_preemptions", "Streams sent back to the queue for lack of pages", registry=r)
         self._preempted = 0
+        self.cached_pages = Gauge("tfq_pages_cached", "Pages no stream holds that the prefix cache keeps", registry=r)
+        self.reused = Counter("tfq_prefix_cache_reused_rows", "Rows streams took from the prefix cache", registry=r)
+        self._reused = 0
         self.ttft = Histogram("tfq_time_to_first_token_seconds", "From a request's arrival to each choice's first "
                               "token", buckets=TTFT_BUCKETS, registry=r)
         self.tbt = Histogram("tfq_time_between_tokens_seconds", "Between a choice's tokens",
@@ -40,7 +43,12 @@ class Metrics:
         (self.ttft if first else self.tbt).observe(seconds)
         self.generation_tokens.inc()
 
-    def engine(self, waiting: int, busy: int, free_pages: int, preemptions: int, streams: int) -> None:
+    def engine(self, waiting: int, busy: int, free_pages: int, preemptions: int, streams: int, cached_pages: int = 0,
+               reused: int = 0) -> None:
+        self.cached_pages.set(cached_pages)
+        if reused > self._reused:
+            self.reused.inc(reused - self._reused)
+            self._reused = reused
         self.waiting.set(waiting)
         self.busy.set(busy)
         self.free_pages.set(free_pages)

@@ -1,0 +1,243 @@
+"""The prefix cache: a warm stream maps the full pages an earlier stream computed for the same tokens, and its
+reply equals its cold run alone, ids and logits bits; reference counts return to zero and every page comes back."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tfq.engine import Engine, EngineSettings
+from tfq.kernels.contract import KEY_TILE
+from tfq.pages import PagePool
+from tfq.prefix import PrefixCache, root_key
+from tfq.stream import Request
+
+WINDOW = 512
+
+
+@pytest.fixture(scope="module", params=["qwen2", "qwen3"])
+def model(request, tiny_models):
+    return tiny_models[request.param].model
+
+
+_cold: dict = {}
+
+
+def cold(model, request: Request) -> tuple[list[int], list[str]]:
+    """The request alone, on a whole plan without pages or a prefix cache."""
+    key = (id(model), request)
+    if key not in _cold:
+        r = Engine(model, EngineSettings(window=WINDOW, lanes=1)).generate([request])[0]
+        _cold[key] = (r.ids, r.digests)
+    return _cold[key]
+
+
+def drive(engine: Engine, requests: list[Request], arrivals: list[int]):
+    """Add request i at step arrivals[i], step until done; results in the requests' order."""
+    order = sorted(range(len(requests)), key=lambda i: arrivals[i])
+    ids: dict[int, int] = {}
+    step = 0
+    while order or engine.has_work():
+        while order and arrivals[order[0]] <= step:
+            i = order.pop(0)
+            ids[i] = engine.add(requests[i])
+        if engine.has_work():
+            engine.step()
+        step += 1
+    return [engine.result(ids[i]) for i in range(len(requests))]
+
+
+def all_back(engine: Engine) -> bool:
+    pages = engine.pages
+    return sum(pages.refs) == 0 and pages.unheld == pages.pool_pages == len(pages.free) + len(pages.prefix.idle)
+
+
+def tokens(n: int, seed: int, vocab: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_a_warm_stream_maps_the_pages_and_equals_its_cold_run(model):
+    vocab = model.config.vocab_size
+    system = tokens(200, 1, vocab)
+    first, second = (Request(tuple(system + tokens(30, s, vocab)), max_tokens=8) for s in (2, 3))
+    engine = Engine(model, EngineSettings(window=WINDOW, lanes=2, page_rows=KEY_TILE, paged_all=True,
+                                          pool_pages=16, prefix_cache=True))
+    a = engine.generate([first])[0]
+    b = engine.generate([second])[0]
+    assert a.reused == 0 and b.reused == 3 * KEY_TILE  # 200 shared tokens: three full 64-row pages
+    assert (a.ids, a.digests) == cold(model, first) and (b.ids, b.digests) == cold(model, second)
+    again = engine.generate([first])[0]  # 237 rows were cached: three full pages, all three found again
+    assert again.reused == 3 * KEY_TILE
+    assert (again.ids, again.digests) == cold(model, first)
+    assert all_back(engine) and engine.pages.prefix.reused_rows == b.reused + again.reused
+
+
+def test_held_pages_are_never_evicted_and_idle_ones_go_least_recently_used_first():
+    pool = PagePool(0, 128, page_rows=64, pool_pages=4, prefix=PrefixCache(root_key("test")))
+    a, b = pool.paged(), pool.paged()
+    assert pool.grow(a, 128) and pool.grow(b, 128)
+    pool.publish(a, list(range(128)), 128)
+    pool.publish(b, list(range(100, 228)), 128)
+    pool.release(a)
+    pool.release(b)  # a's pages went idle first
+    c = pool.paged()
+    assert pool.adopt(c, list(range(128)) + [7]) == 128  # a's two pages, mapped again
+    assert pool.grow(c, 256)  # two more: b's idle pages are evicted, a's held ones are not
+    assert len(set(c.pages)) == 4
+    assert not pool.prefix.idle and pool.available == 0
+    d = pool.paged()
+    assert pool.adopt(d, list(range(100, 228)) + [1]) == 0  # b's rows are gone
+    assert not pool.grow(d, 64)  # nothing left: every page is held
+    pool.release(c)
+    assert sum(pool.refs) == 0 and pool.unheld == 4
+
+
+def prompt_tree(draw, vocab: int) -> list[Request]:
+    """Requests whose prompts share prefixes: a root, a few branches off it, each request its own tail."""
+    root = tokens(draw(st.integers(0, 260)), draw(st.integers(0, 999)), vocab)
+    branches = [tokens(draw(st.integers(0, 90)), draw(st.integers(0, 999)), vocab) for _ in range(3)]
+    out = []
+    for _ in range(draw(st.integers(2, 7))):
+        tail = tokens(draw(st.integers(1, 40)), draw(st.integers(0, 3)), vocab)  # seeds 0..3: some repeat
+        out.append(Request(tuple(root + draw(st.sampled_from(branches)) + tail), max_tokens=draw(st.integers(1, 10)),
+                           temperature=draw(st.sampled_from([0.0, 0.8])), seed=draw(st.integers(0, 2))))
+    return out
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_prompt_trees_warm_equal_cold(model, data):
+    """Random prompt trees, page sizes, pools small enough to evict and preempt, arrival orders, chunk sizes:
+    every reply equals its cold run alone; at the end every reference is back to zero."""
+    requests = prompt_tree(data.draw, model.config.vocab_size)
+    page_rows = data.draw(st.sampled_from([KEY_TILE, 2 * KEY_TILE]))
+    need = max(-(-(len(r.prompt) + r.max_tokens) // page_rows) for r in requests)
+    lanes = data.draw(st.integers(2, 4))
+    cfg = EngineSettings(window=WINDOW, lanes=lanes, prefill_chunk=data.draw(st.integers(8, 200)),
+                         page_rows=page_rows, paged_all=data.draw(st.booleans()),
+                         pool_pages=data.draw(st.one_of(st.integers(need, need + 1),  # tight: evict, preempt
+                                                        st.integers(need, need * lanes + 2))), prefix_cache=True)
+    engine = Engine(model, cfg, page_order_seed=data.draw(st.integers(0, 9)))
+    arrivals = [data.draw(st.integers(0, 30)) for _ in requests]
+    for request, got in zip(requests, drive(engine, requests, arrivals)):
+        assert got.error is None
+        assert (got.ids, got.digests) == cold(model, request)
+    assert all_back(engine)
+
+
+def test_a_preempted_stream_finds_its_own_pages(model):
+    """Preempted for lack of pages, a stream readmitted maps the full pages it computed while they are still
+    cached: its pages go idle last-first, so its prefix is the last to be evicted."""
+    vocab = model.config.vocab_size
+    older = Request(tuple(tokens(100, 41, vocab)), max_tokens=100)  # grows to 4 pages of 64 rows
+    newer = Request(tuple(tokens(200, 42, vocab)), max_tokens=100)  # 5 pages: 9 > the pool's 7
+    engine = Engine(model, EngineSettings(window=WINDOW, lanes=2, page_rows=KEY_TILE, paged_all=True, pool_pages=7,
+                                          prefix_cache=True))
+    a, b = engine.generate([older, newer])
+    assert b.preempted > 0 and b.reused >= 3 * KEY_TILE  # at least its first three pages came back
+    for request, got in ((older, a), (newer, b)):
+        assert (got.ids, got.digests) == cold(model, request)
+    assert all_back(engine)
+
+
+def test_drafted_streams_share_only_verified_rows(model):
+    from tfq.draft import NgramDrafter
+
+    vocab = model.config.vocab_size
+    loop = tokens(40, 5, vocab) * 4  # repeats: the n-gram drafter guesses, some guesses are rejected
+    requests = [Request(tuple(loop + tokens(5, s, vocab)), max_tokens=30) for s in range(3)]
+    engine = Engine(model, EngineSettings(window=WINDOW, lanes=2, page_rows=KEY_TILE, paged_all=True, pool_pages=12,
+                                          prefix_cache=True), drafter=NgramDrafter(4))
+    results = engine.generate(requests[:1]) + engine.generate(requests[1:])
+    assert sum(r.proposed for r in results) > sum(r.accepted for r in results) > 0
+    assert sum(r.reused for r in results) > 0
+    for request, got in zip(requests, results):
+        assert (got.ids, got.digests) == cold(model, request)
+    assert all_back(engine)
+
+
+class Switch:
+    """An attention policy the test flips: `partial` for the cold run, `rows` after."""
+
+    partial = True
+
+    def __call__(self, feeds) -> bool:
+        return self.partial
+
+
+def test_control_pages_computed_under_partial_reused_by_rows_streams_come_out_red(model):
+    """The key names the arithmetic because the bits depend on it: reuse a page across arithmetics (here by
+    flipping the engine's policy under one key) and the warm reply changes."""
+    vocab = model.config.vocab_size
+    system = tokens(420, 8, vocab)  # rows past the first 256 keys, where partial and rows differ, in full pages
+    first, second = (Request(tuple(system + tokens(20, s, vocab)), max_tokens=6) for s in (1, 2))
+    switch = Switch()
+    engine = Engine(model, EngineSettings(window=WINDOW, lanes=1, page_rows=KEY_TILE, paged_all=True, pool_pages=8,
+                                          prefix_cache=True), attention=switch)
+    engine.generate([first])
+    switch.partial = False
+    warm = engine.generate([second])[0]
+    assert warm.reused == 6 * KEY_TILE
+    assert warm.digests != cold(model, second)[1]  # RED
+
+
+def test_the_n_choices_of_one_request_share_their_prompt(model):
+    """Choices added together: the others wait one chunk for the first to name the prompt's pages, then map them."""
+    from tfq.stream import choices
+
+    vocab = model.config.vocab_size
+    requests = choices([tokens(200, 12, vocab)], 3, seed=4, max_tokens=6, temperature=0.9)
+    engine = Engine(model, EngineSettings(window=WINDOW, lanes=3, page_rows=KEY_TILE, paged_all=True, pool_pages=24,
+                                          prefix_cache=True))
+    results = engine.generate(requests)
+    assert [r.reused for r in results] == [0, 3 * KEY_TILE, 3 * KEY_TILE]
+    for request, got in zip(requests, results):
+        assert (got.ids, got.digests) == cold(model, request)
+    assert all_back(engine)
+
+
+def test_the_plan_key():
+    from tfq.errors import TfqError
+    from tfq.plan import load_plan, parse_plan_text
+
+    assert parse_plan_text("kv:\n  prefix_cache: on\n", "p.yaml").kv.prefix_cache == "on"  # YAML's boolean on
+    assert load_plan(None, {"TFQ_KV_PREFIX_CACHE": "1"}, []).kv.prefix_cache == "on"
+    assert load_plan(None, {}, []).kv.prefix_cache == "off"
+    with pytest.raises(TfqError, match="kv.prefix_cache must be on or off"):
+        load_plan(None, {}, ["kv.prefix_cache=maybe"])
+
+
+@pytest.mark.parametrize("sets, words", [
+    (["kv.pages=256", "kv.prefix_cache=on"], "may keep all"),
+    (["kv.prefix_cache=on"], "nothing is reused"),
+    (["kv.pages=256", "kv.prefix_cache=off"], "every stream computes its whole prompt"),
+])
+def test_the_plan_line(sets, words):
+    from tfq.model.config import ModelConfig
+    from tfq.plan import load_plan, plan_lines
+
+    plan = load_plan(None, {}, sets + ["budget=4GiB"])
+    config = ModelConfig.from_dict({
+        "model_type": "qwen2", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64,
+        "max_position_embeddings": 32768, "torch_dtype": "float32", "tie_word_embeddings": True})
+    line = next(ln for ln in plan_lines(plan, config, plan.layout(config)) if ln.startswith("prefix cache:"))
+    assert words in line
+
+
+def test_tfq_chat_reports_the_rows_reused(tiny_dirs, monkeypatch, capsys):
+    from pathlib import Path
+
+    from cli import tfq
+    from tiny import CORPUS
+
+    plan = str(Path(__file__).parent.parent / "plans" / "tiny.yaml")
+    shared = CORPUS[:600]
+    code, out, err = tfq(["chat", "--model", str(tiny_dirs["qwen2"]), "--plan", plan, "--quiet", "--max-tokens", "4",
+                          "--set", "kv.paged=all", "--set", "kv.prefix_cache=on",
+                          "-p", shared + " first?", "-p", shared + " second?"], monkeypatch, capsys)
+    assert code == 0 and out.count("=== ") == 2
+    assert re.search(r"prefix cache: [1-9]\d* rows reused", err)
