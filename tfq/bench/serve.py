@@ -21,6 +21,7 @@ from typing import Callable
 
 import numpy as np
 
+from tfq.bench.settings import parse_counts
 from tfq.errors import TfqError
 from tfq.suite import Chat
 
@@ -81,18 +82,8 @@ class Listener:
 # ------------------------------------------------------------------------------------------ bad input
 
 def parse_concurrency(text: str) -> tuple[int, ...]:
-    """`1,4,8,16` -> (1, 4, 8, 16), in the order given, repeats dropped; anything else one TfqError line."""
-    try:
-        levels = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise TfqError(f"--concurrency {text!r}: give request counts in flight separated by commas, "
-                       f"e.g. 1,4,8,16") from None
-    if not levels:
-        raise TfqError(f"--concurrency {text!r}: give at least one level, e.g. 1,4,8,16")
-    for n in levels:
-        if n < 1:
-            raise TfqError(f"--concurrency {n}: a level must have at least 1 request in flight, e.g. 1,4,8,16")
-    return tuple(dict.fromkeys(levels))
+    return parse_counts(text, "--concurrency", "level", "levels (requests in flight)", "one request in flight",
+                        "1,4,8,16")
 
 
 def check_serve_settings(s: ServeSettings) -> None:

@@ -34,18 +34,23 @@ class BenchSettings:
 
 # ------------------------------------------------------------------------------------------ bad input
 
-def parse_lanes(text: str) -> tuple[int, ...]:
-    """`1,2,4,8` -> (1, 2, 4, 8); anything else one TfqError line."""
+def parse_counts(text: str, option: str, singular: str, plural: str, one: str, example: str) -> tuple[int, ...]:
+    """`1,2,4,8` -> (1, 2, 4, 8), in the order given, repeats dropped; anything else one TfqError line naming
+    `option` (`one`: what a count of 1 means, for the message)."""
     try:
-        lanes = tuple(int(x) for x in text.split(",") if x.strip())
+        counts = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise TfqError(f"--lanes {text!r}: give lane counts separated by commas, e.g. 1,2,4,8") from None
-    if not lanes:
-        raise TfqError(f"--lanes {text!r}: give at least one lane count, e.g. 1,2,4,8")
-    for n in lanes:
+        raise TfqError(f"{option} {text!r}: give {plural} separated by commas, e.g. {example}") from None
+    if not counts:
+        raise TfqError(f"{option} {text!r}: give at least one {singular}, e.g. {example}")
+    for n in counts:
         if n < 1:
-            raise TfqError(f"--lanes {n}: a lane count must be at least 1 (one stream), e.g. --lanes 1,2,4,8")
-    return tuple(dict.fromkeys(lanes))
+            raise TfqError(f"{option} {n}: a {singular} must be at least 1 ({one}), e.g. {option} {example}")
+    return tuple(dict.fromkeys(counts))
+
+
+def parse_lanes(text: str) -> tuple[int, ...]:
+    return parse_counts(text, "--lanes", "lane count", "lane counts", "one stream", "1,2,4,8")
 
 
 def parse_arms(text: str) -> tuple[str, ...]:
