@@ -197,11 +197,15 @@ class _Progress(Listener):
         self.progress.__exit__(*exc)
 
     def arm_started(self, run: ArmRun, group: int) -> None:
-        self.run, self.group, self.counts, self.done = run, group, [0] * self.chats, 0
+        self.run, self.group, self.counts, self.done, self.pass_name = run, group, [0] * self.chats, 0, ""
         self.task = self.progress.add_task(self._describe(), total=self.tokens)
 
     def chat_started(self, run: ArmRun, index: int) -> None:
         self.progress.update(self.task, description=self._describe(index))
+
+    def pass_started(self, run: ArmRun, name: str) -> None:
+        self.counts, self.done, self.pass_name = [0] * self.chats, 0, name
+        self.progress.reset(self.task, description=self._describe())
 
     def token(self, run: ArmRun, index: int, token_id: int) -> None:
         self.counts[index] += 1
@@ -219,7 +223,7 @@ class _Progress(Listener):
 
     def _describe(self, index: int | None = None) -> str:
         run = self.run
-        name = f"{run.arm.name} ({run.arm.mode(self.group)})"
+        name = f"{run.arm.name} ({run.arm.mode(self.group)}{', ' + self.pass_name if self.pass_name else ''})"
         if index is not None:
             return f"{name}: chat {index + 1}/{self.chats} {self.labels[index]}"
         return f"{name}: {self.done}/{self.chats} chats done"
@@ -236,6 +240,10 @@ class _Lines(Listener):
     def arm_started(self, run: ArmRun, group: int) -> None:
         self.console.print(f"{run.arm.name} ({run.arm.mode(group)}): running", highlight=False)
         self.t0, self.counts, self.done = time.perf_counter(), [0] * len(self.labels), 0
+
+    def pass_started(self, run: ArmRun, name: str) -> None:
+        self.console.print(f"  {run.arm.name}: {name} pass", highlight=False)
+        self.counts, self.done = [0] * len(self.labels), 0
 
     def token(self, run: ArmRun, index: int, token_id: int) -> None:
         self.counts[index] += 1

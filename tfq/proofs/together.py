@@ -77,6 +77,7 @@ class Listener:
 
     def arm_started(self, run: ArmRun, group: int) -> None: ...
     def chat_started(self, run: ArmRun, index: int) -> None: ...  # alone arms only
+    def pass_started(self, run: ArmRun, name: str) -> None: ...  # warm arms: "cold", then "warm"
     def token(self, run: ArmRun, index: int, token_id: int) -> None: ...
     def arm_finished(self, run: ArmRun) -> None: ...
 
@@ -178,9 +179,12 @@ class Check:
         of the other half, so warm and cold streams share forwards."""
         by_length = sorted(range(len(self.requests)), key=lambda i: len(self.requests[i].prompt))
         first = by_length[len(self.requests) // 2:]
-        run.cold = dict(zip(first, engine.generate([self.requests[i] for i in first])))
+        self.listener.pass_started(run, "cold")
+        on_token = lambda k, token, _: self.listener.token(run, first[k], token)  # noqa: E731
+        run.cold = dict(zip(first, engine.generate([self.requests[i] for i in first], on_token)))
         if hasattr(policy, "warm"):
             policy.warm()
+        self.listener.pass_started(run, "warm")
         warm, others = first[::-1], [i for i in range(len(self.requests)) if i not in run.cold]
         return [i for pair in zip(warm, others + [None] * len(warm)) for i in pair if i is not None]
 
