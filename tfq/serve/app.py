@@ -23,8 +23,8 @@ from tfq.errors import TfqError
 from tfq.serve.loop import Busy, Done, EngineLoop, Ticket, Token
 from tfq.serve.metrics import Metrics
 from tfq.serve.protocol import ChatBody, CompletionBody, Sampling
-from tfq.serve.replies import (Shape, chat_choice, chat_logprobs, finish_reason, text_choice, text_logprobs,
-                               usage)
+from tfq.serve.replies import (Shape, chat_choice, chat_logprobs, extensions, finish_reason, text_choice,
+                               text_logprobs, usage)
 from tfq.stream import Request, Result
 
 RETRY_AFTER_S = 1
@@ -288,15 +288,6 @@ async def _events(ticket: Ticket) -> AsyncIterator[Token | Done]:
         yield event
 
 
-def _token_fields(shape: Shape, out) -> dict:
-    out_ = {}
-    if shape.return_token_ids:
-        out_["token_ids"] = [out.token]
-    if shape.return_digests:
-        out_["digests"] = [out.digest]
-    return out_
-
-
 def _ended(served: Served, shape: Shape, results: list[Result], usage_of: int | None):
     """After the last choice: the outcome counted, and the usage chunk when asked (`usage_of`: prompt tokens)."""
     finished(served, results)
@@ -322,7 +313,7 @@ async def chat_chunks(served: Served, ticket: Ticket, shape: Shape, usage_of: in
             out = event.output
             lp = None if out.logprob is None else chat_logprobs(tok, [out.logprob])
             yield shape.body([{"index": event.choice, "delta": {"content": out.text}, "logprobs": lp,
-                               "finish_reason": None, **_token_fields(shape, out)}], chunk=True)
+                               "finish_reason": None, **extensions(shape, [out.token], [out.digest])}], chunk=True)
         else:
             results[event.choice] = _check(event.result)
             yield shape.body([{"index": event.choice, "delta": {}, "logprobs": None,
@@ -346,7 +337,7 @@ async def text_chunks(served: Served, ticket: Ticket, shape: Shape, owners: list
             lp = None if out.logprob is None else text_logprobs(tok, [out.token], [out.logprob], offsets[i])
             offsets[i] += len(tok.decode([out.token]))
             yield shape.body([{"index": i, "text": out.text, "logprobs": lp, "finish_reason": None,
-                               **_token_fields(shape, out)}], chunk=True)
+                               **extensions(shape, [out.token], [out.digest])}], chunk=True)
         else:
             results[event.choice] = _check(event.result)
             yield shape.body([{"index": event.choice, "text": "", "logprobs": None,

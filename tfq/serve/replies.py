@@ -74,20 +74,20 @@ def text_logprobs(tokenizer, tokens: list[int], scored: list[TokenLogprob | None
 
 
 # -- whole responses ---------------------------------------------------------------------------------------
-def extensions(shape: Shape, result: Result) -> dict:
-    """tfq's own fields, when asked: the reply's token ids and each token's logits digest."""
+def extensions(shape: Shape, ids: list[int], digests: list[str]) -> dict:
+    """tfq's own fields, when asked: token ids and each token's logits digest (a whole reply's, or a chunk's)."""
     out = {}
     if shape.return_token_ids:
-        out["token_ids"] = result.ids
+        out["token_ids"] = ids
     if shape.return_digests:
-        out["digests"] = result.digests
+        out["digests"] = digests
     return out
 
 
 def chat_choice(shape: Shape, tokenizer, index: int, result: Result) -> dict:
     return {"index": index, "message": {"role": "assistant", "content": result.text},
             "logprobs": None if result.logprobs is None else chat_logprobs(tokenizer, result.logprobs),
-            "finish_reason": finish_reason(result), **extensions(shape, result)}
+            "finish_reason": finish_reason(result), **extensions(shape, result.ids, result.digests)}
 
 
 def text_choice(shape: Shape, tokenizer, index: int, result: Result, prompt: list[int], echo: bool) -> dict:
@@ -99,4 +99,4 @@ def text_choice(shape: Shape, tokenizer, index: int, result: Result, prompt: lis
             tokens, scored = list(prompt) + tokens, list(result.prompt_logprobs or [None] * len(prompt)) + scored
         logprobs = text_logprobs(tokenizer, tokens, scored, 0)
     return {"index": index, "text": prompt_text + text, "logprobs": logprobs, "finish_reason": finish_reason(result),
-            **extensions(shape, result)}
+            **extensions(shape, result.ids, result.digests)}
