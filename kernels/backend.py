@@ -33,6 +33,7 @@ class Backend:
     store: Callable[..., None]  # (cache_k, cache_v, rows, k, v, dtype_name): new keys/values into the cache
     silu: Callable[[torch.Tensor], torch.Tensor]  # the MLP's activation, x * sigmoid(x)
     layer: Callable[..., torch.Tensor] | None = None  # a whole decoder layer in one call (kernels/layer.py)
+    quant_linear: Callable[..., LinearFn] | None = None  # (Quantized, bias) -> layer, on GGUF blocks (kernels/quant.py)
 
     @property
     def interpreted(self) -> bool:
@@ -47,11 +48,12 @@ def torch_backend() -> Backend:
 
     if cpu_build.wanted():  # tfq's C++ kernels (kernels/cpu/): every output one fixed-order computation
         from .layer import decoder_layer_fixed
+        from .quant import QuantLinear
         from .rowwise import FixedOrderLinear, rms_norm_fixed, silu_fixed
 
         return Backend("torch", torch.device("cpu"), "CPU, tfq's fixed-order kernels (linear layers, attention, "
                        "RMS norm, SiLU)", FixedOrderLinear, rms_norm_fixed, attend_fixed, write, silu_fixed,
-                       decoder_layer_fixed)
+                       decoder_layer_fixed, QuantLinear)
     linear = "oneDNN (packed fp32)" if onednn_available() else "torch, one row at a time"
     return Backend("torch", torch.device("cpu"), f"CPU, linear layers by {linear}, attention as bmm items",
                    OneDnnLinear, rms_norm, attend, write, silu)

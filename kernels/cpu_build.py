@@ -16,8 +16,8 @@ import os
 import platform
 from pathlib import Path
 
-SOURCES = ("linear.cpp", "attention.cpp", "rowwise.cpp", "layer.cpp")
-HEADERS = ("lanes.h",)
+SOURCES = ("linear.cpp", "attention.cpp", "rowwise.cpp", "layer.cpp", "quant.cpp")
+HEADERS = ("lanes.h", "panel.h")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
 CHOICES = ("auto", "tfq", "torch")
 
@@ -123,7 +123,7 @@ def load() -> tuple[bool, str]:
         cpp_extension.load(name=name(), sources=[str(folder / s) for s in SOURCES],
                            extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"], is_python_module=False,
                            verbose=False)
-        ok = all(hasattr(torch.ops.tfq_cpu, op) for op in ("pack", "linear", "attend", "rms_norm", "silu", "layer"))
+        ok = all(hasattr(torch.ops.tfq_cpu, op) for op in ("pack", "linear", "attend", "rms_norm", "silu", "layer", "qpack", "qlinear"))
         why = "tfq's fixed-order kernels (built for this CPU)"
     except Exception as e:  # a missing compiler or ninja, a failed build: many kinds, one line
         ok, why = False, f"tfq's CPU kernels did not build ({' '.join(str(e).split())[:200]})"

@@ -12,12 +12,14 @@ import torch
 from . import cpu_build
 from .attention import attention_tables
 from .contract import KEY_TILE, SATURATE, SPLIT_ROWS, AttentionBatch
+from .quant import QuantLinear
 from .rowwise import FixedOrderLinear
 
 
 def fusable(*linears) -> bool:
-    """Whether these layers are tfq's C++ linear kernel, which the one-call layer runs (and nothing else)."""
-    return all(type(f) is FixedOrderLinear for f in linears)
+    """Whether these layers are tfq's C++ linear kernels (fp32 panels or quantized blobs), which the one-call
+    layer runs (and nothing else)."""
+    return all(type(f) in (FixedOrderLinear, QuantLinear) for f in linears)
 
 
 def decoder_layer_fixed(x: torch.Tensor, input_norm: torch.Tensor, qkv: FixedOrderLinear,

@@ -25,11 +25,12 @@ namespace {
 
 using OptTensor = c10::optional<at::Tensor>;
 
+// fp32 panels (linear.cpp) or a quantized blob (quant.cpp, uint8): the same recipe either way
 at::Tensor linear(const at::Tensor& x, const at::Tensor& panels, const OptTensor& bias, int64_t n) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("tfq_cpu::linear", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t)>();
-  return op.call(x.contiguous(), panels, bias, n);
+  using Linear = at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t);
+  static auto fp32 = c10::Dispatcher::singleton().findSchemaOrThrow("tfq_cpu::linear", "").typed<Linear>();
+  static auto quant = c10::Dispatcher::singleton().findSchemaOrThrow("tfq_cpu::qlinear", "").typed<Linear>();
+  return (panels.scalar_type() == at::kByte ? quant : fp32).call(x.contiguous(), panels, bias, n);
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {

@@ -25,6 +25,7 @@
 #endif
 
 #include "lanes.h"
+#include "panel.h"
 
 namespace {
 
@@ -151,21 +152,10 @@ void panel_rows(const float* x, int64_t M, int64_t K, const float* panel, const 
   }
 }
 
-// Panels in 2 MiB pages where the system allows it (Linux's transparent huge pages, asked for with madvise):
-// a decode step streams every weight once, and with 4 KiB pages it walks the page tables every 4 KiB; measured
-// here, huge pages make the stream 7-10% faster. The start is 2 MiB-aligned and only whole 2 MiB pages are
-// asked for, so the tail of a matrix costs no more memory than it uses.
+// fp32 panels in weights memory (2 MiB pages where the system allows it: panel.h)
 at::Tensor panels_memory(int64_t P, int64_t K, const at::TensorOptions& options) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr size_t HUGE = size_t(2) << 20;
-  const size_t bytes = static_cast<size_t>(P * K * PANEL) * sizeof(float);
-  void* mem = nullptr;
-  if (bytes >= HUGE && posix_memalign(&mem, HUGE, bytes) == 0) {
-    madvise(mem, bytes / HUGE * HUGE, MADV_HUGEPAGE);  // advice only: without it the pages are small, same bits
-    return at::from_blob(mem, {P, K, PANEL}, [](void* p) { std::free(p); }, options);
-  }
-#endif
-  return at::empty({P, K, PANEL}, options);
+  TORCH_CHECK(options.dtype() == at::kFloat, "tfq pack: fp32 panels");
+  return tfq::weights_memory(P * K * PANEL * static_cast<int64_t>(sizeof(float))).view(at::kFloat).view({P, K, PANEL});
 }
 
 // w [N, K] -> panels [ceil(N / 64)][K][64], outputs past N zero
@@ -208,6 +198,28 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& panels, const c10::opti
 }
 
 }  // namespace
+
+namespace tfq {
+
+at::Tensor weights_memory(int64_t bytes) {
+  const auto options = at::TensorOptions().dtype(at::kByte);
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr size_t HUGE = size_t(2) << 20;
+  const size_t n = static_cast<size_t>(bytes);
+  void* mem = nullptr;
+  if (n >= HUGE && posix_memalign(&mem, HUGE, n) == 0) {
+    madvise(mem, n / HUGE * HUGE, MADV_HUGEPAGE);  // advice only: without it the pages are small, same bits
+    return at::from_blob(mem, {bytes}, [](void* p) { std::free(p); }, options);
+  }
+#endif
+  return at::empty({bytes}, options);
+}
+
+void panel_rows_fp32(const float* x, int64_t M, int64_t K, const float* panel, const float* bias, float* y, int64_t N,
+                     int64_t outputs) {
+  panel_rows(x, M, K, panel, bias, y, N, outputs);
+}
+}  // namespace tfq
 
 TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) {
   m.def("pack(Tensor w) -> Tensor", pack);

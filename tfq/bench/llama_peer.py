@@ -12,8 +12,6 @@ costs what tfq's does.
 """
 from __future__ import annotations
 
-import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -30,26 +28,20 @@ def peer_gguf(spec: str, quantized: bool, progress: bool = True) -> Path:
     """The GGUF file the peer runs for the model `spec`: the file as shipped (quantized=True), or its F32
     twin, written once into tfq's cache. An HF folder has no GGUF: one line saying so."""
     from tfq.model import default
-    from tfq.model.source import cache_dir, file_sha256
+    from tfq.model.source import cache_dir, file_sha256, gguf_file, write_once
 
     folder = cache_dir() / "peer"
-    if spec == "default":
-        source, sha = folder / f"{default.SHA256}.gguf", default.SHA256
-        if not source.is_file():
-            folder.mkdir(parents=True, exist_ok=True)
-            _atomic(source, lambda tmp: default.join_parts(tmp, progress))
-    else:
-        source = Path(spec).expanduser()
-        if not (source.is_file() and source.suffix == ".gguf"):
-            raise TfqError(f"--peer llama.cpp runs a GGUF file, and the model {spec} is not one; bench a .gguf "
-                           f"model (or the default one), or pass --peer hf")
-        sha = file_sha256(source, progress)
+    source = gguf_file(spec, progress)
+    if source is None:
+        raise TfqError(f"--peer llama.cpp runs a GGUF file, and the model {spec} is not one; bench a .gguf "
+                       f"model (or the default one), or pass --peer hf")
+    sha = default.SHA256 if spec == "default" else file_sha256(source, progress)
     if quantized:
         return source
     target = folder / f"{sha}-f32.gguf"
     if not target.is_file():
         folder.mkdir(parents=True, exist_ok=True)
-        _atomic(target, lambda tmp: write_f32_gguf(source, tmp, progress))
+        write_once(target, lambda tmp: write_f32_gguf(source, tmp, progress))
     return target
 
 
@@ -75,19 +67,6 @@ def write_f32_gguf(source: Path, dest: Path, progress: bool = True) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-
-
-def _atomic(target: Path, produce) -> None:
-    fd, name = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    os.close(fd)
-    tmp = Path(name)
-    try:
-        produce(tmp)
-        os.replace(tmp, target)
-    except OSError as e:
-        raise TfqError(f"cannot write {target} ({e.strerror or e}); is the disk full? set TFQ_CACHE elsewhere") from None
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def require_llama() -> str:

@@ -82,7 +82,7 @@ def together(
     t0 = time.perf_counter()
     try:
         with err.status("loading the model"):
-            loaded = load_model(the_plan.model, progress=not quiet, device=layout.device)
+            loaded = load_model(the_plan.model, progress=not quiet, device=layout.device, weights=the_plan.weights)
     except KeyboardInterrupt:
         err.print("[yellow](stopped before the check began)[/]")
         raise typer.Exit(130)

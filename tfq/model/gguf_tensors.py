@@ -1,5 +1,6 @@
 """A GGUF file's tensors as HF parameters: llama.cpp's tensor names mapped to HF's, each tensor dequantized
-to float32 (by `gguf.quants.dequantize`) in its row-major shape."""
+to float32 (by `gguf.quants.dequantize`) in its row-major shape, or, for `weights: gguf`, the quantized
+matrices kept in their blocks (`kept_tensors`)."""
 from __future__ import annotations
 
 from typing import Iterator
@@ -76,3 +77,23 @@ def iter_tensors(h: GgufHeader) -> Iterator[tuple[str, np.ndarray]]:
     data = np.memmap(h.path, dtype=np.uint8, mode="r")
     for name, t in names:
         yield name, dequantized(h, data, t)
+
+
+def kept_tensors(h: GgufHeader) -> dict[str, object]:
+    """Every tensor by its HF name: a matrix in a format tfq's quantized kernel computes with
+    (tfq.kernels.quant.FORMATS) as `Quantized`, anything else (F32, F16, other quantizations, vectors)
+    dequantized to a float32 torch tensor, as `weights: fp32` has it."""
+    import torch
+    from gguf.constants import GGMLQuantizationType
+
+    from tfq.kernels.quant import FORMATS, from_blocks
+
+    data = np.memmap(h.path, dtype=np.uint8, mode="r")
+    out: dict[str, object] = {}
+    for name, t in tensor_names(h):
+        kind = GGMLQuantizationType(t.ggml_type).name
+        if kind in FORMATS and len(t.shape) == 2:
+            out[name] = from_blocks(kind, data[t.offset:t.offset + t.n_bytes], t.shape)
+        else:
+            out[name] = torch.from_numpy(np.array(dequantized(h, data, t)))
+    return out

@@ -18,21 +18,66 @@ class LoadedModel:
     config: ModelConfig
     model: Qwen
     tokenizer: object  # tfq.model.tokenizer.Tokenizer
+    weights: str = "fp32"  # fp32 | gguf: how the matrices are kept (load_model's `weights`)
 
 
-def load_model(spec: str, progress: bool = True, device: str | torch.device = "cpu") -> LoadedModel:
-    """device: where the model runs (cpu: the torch kernels; cuda: the Triton kernels)."""
+def load_model(spec: str, progress: bool = True, device: str | torch.device = "cpu",
+               weights: str = "fp32") -> LoadedModel:
+    """device: where the model runs (cpu: the torch kernels; cuda: the Triton kernels). weights: fp32 (every
+    tensor as float32), gguf (a GGUF's quantized matrices kept in their blocks: tfq.kernels.quant) or auto
+    (`weights_kind`)."""
     from tfq.model.source import resolve_model
     from tfq.model.tokenizer import Tokenizer
-    from tfq.model.weights import load_state_dict
 
     folder = resolve_model(spec, progress=progress)
     config = ModelConfig.from_folder(folder)
     tokenizer = Tokenizer.from_folder(folder)
     if progress:
         _say_if_building(torch.device(device))
-    model = Qwen(config, load_state_dict(folder), backend_for(torch.device(device)))
-    return LoadedModel(folder, config, model, tokenizer)
+    backend = backend_for(torch.device(device))
+    kind = weights_kind(weights, spec, device)[0]
+    model = Qwen(config, model_weights(spec, folder, kind, backend, progress), backend)
+    return LoadedModel(folder, config, model, tokenizer, kind)
+
+
+def weights_kind(choice: str, spec: str, device: str | torch.device = "cpu") -> tuple[str, str]:
+    """(fp32 | gguf, why) for the plan's `weights` choice: auto is gguf for a GGUF model (the default one, or a
+    .gguf file) on tfq's CPU kernels, else fp32; fp32 and gguf are taken as they are (gguf's own checks come
+    when the model loads)."""
+    if choice != "auto":
+        return choice, "as the plan says"
+    if spec != "default" and not (Path(spec).expanduser().is_file() and spec.endswith(".gguf")):
+        return "fp32", "the model is an HF folder"
+    if torch.device(device).type != "cpu":
+        return "fp32", "tfq's quantized kernel runs on the CPU"
+    from tfq.kernels import cpu_build
+
+    try:
+        if not cpu_build.wanted():
+            return "fp32", "tfq's CPU kernels are not in use here"
+    except (ValueError, RuntimeError):
+        return "fp32", "tfq's CPU kernels are not in use here"
+    return "gguf", "auto: the model is a GGUF file"
+
+
+def model_weights(spec: str, folder: Path, weights: str, backend: Backend, progress: bool = True) -> dict:
+    """The model's tensors by HF name, as `weights` says they are kept."""
+    from tfq.model.weights import load_state_dict
+
+    if weights == "fp32":
+        return load_state_dict(folder)
+    from tfq.model.gguf_file import read_header
+    from tfq.model.gguf_tensors import kept_tensors
+    from tfq.model.source import gguf_file
+
+    if backend.quant_linear is None:
+        raise TfqError(f"weights: gguf computes with tfq's CPU kernels, which this run does not have "
+                       f"({backend.where}); set weights: fp32")
+    path = gguf_file(spec, progress)
+    if path is None:
+        raise TfqError(f"weights: gguf keeps a GGUF file's quantized blocks, and {spec} is an HF folder; "
+                       f"set weights: fp32, or run a .gguf model")
+    return kept_tensors(read_header(path))
 
 
 def _say_if_building(device: torch.device) -> None:

@@ -17,6 +17,7 @@ import torch
 from tfq.kernels.attention import AttentionBatch, attend_fixed, write
 from tfq.kernels.backend import Backend, LinearFn, torch_backend
 from tfq.kernels.layer import fusable
+from tfq.kernels.quant import Quantized, join
 from tfq.kernels.rowwise import rms_norm_fixed
 from tfq.proofs.startup_kernels import check_layers, ensure_exact
 from tfq.errors import TfqError
@@ -55,15 +56,18 @@ class Qwen:
         ensure_exact(backend)
         self.config = config
         c = config
-        Linear = backend.linear
         take = _Taker(weights, c.family, backend.device)
+
+        def Linear(w, b=None):  # fp32 weights, or a GGUF's blocks (kept by load_model for weights: gguf)
+            return backend.quant_linear(w, b) if isinstance(w, Quantized) else backend.linear(w, b)
+
         self.embed = take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
         self.layers: list[Layer] = []
         q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            qkv_w = torch.cat([take(a + "q_proj.weight", (q_out, c.hidden_size)),
+            qkv_w = stack([take(a + "q_proj.weight", (q_out, c.hidden_size)),
                                take(a + "k_proj.weight", (kv_out, c.hidden_size)),
                                take(a + "v_proj.weight", (kv_out, c.hidden_size))])
             qkv_b = None
@@ -71,7 +75,7 @@ class Qwen:
                 qkv_b = torch.cat([take(a + "q_proj.bias", (q_out,)), take(a + "k_proj.bias", (kv_out,)),
                                    take(a + "v_proj.bias", (kv_out,))])
             m = p + "mlp."
-            gate_up = torch.cat([take(m + "gate_proj.weight", (c.intermediate_size, c.hidden_size)),
+            gate_up = stack([take(m + "gate_proj.weight", (c.intermediate_size, c.hidden_size)),
                                  take(m + "up_proj.weight", (c.intermediate_size, c.hidden_size))])
             self.layers.append(Layer(
                 input_norm=take(p + "input_layernorm.weight", (c.hidden_size,)),
@@ -114,10 +118,14 @@ class Qwen:
         dev = self.backend.device
         ids, positions, logit_rows = ids.to(dev), positions.to(dev), logit_rows.to(dev)
         cos, sin = self._rope(positions)
-        x = self.embed[ids]
+        x = self.embedding(ids)
         for i, layer in enumerate(self.layers):
             x = self.decoder_layer(layer, x, cos, sin, cache, i, cache_rows, batch)
         return self.logits(x[logit_rows])
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of the embedding for `ids` (a quantized table gives each row its dequantized values)."""
+        return self.embed.rows(ids) if isinstance(self.embed, Quantized) else self.embed[ids]
 
     def decoder_layer(self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, index: int,
                       cache_rows: torch.Tensor, batch: AttentionBatch, tap: Tap = untapped) -> torch.Tensor:
@@ -173,6 +181,11 @@ class Qwen:
         return tap("head", self.lm_head(h)).cpu()
 
 
+def stack(parts: list) -> torch.Tensor | Quantized:
+    """Matrices one under the other (q, k and v into one layer), fp32 or quantized alike."""
+    return join(parts) if isinstance(parts[0], Quantized) else torch.cat(parts)
+
+
 class _Taker:
     """Pulls named tensors out of a state dict, checking shapes, so a wrong checkpoint fails in one line."""
 
@@ -188,4 +201,6 @@ class _Taker:
                            f"(a {self.family} model): re-export or re-convert the checkpoint")
         if tuple(t.shape) != shape:
             raise TfqError(f"checkpoint tensor {name} has shape {tuple(t.shape)}, config says {shape}")
+        if isinstance(t, Quantized):
+            return t
         return t.float().contiguous().to(self.device)

@@ -40,8 +40,8 @@ def resolve_model(spec: str, progress: bool = True) -> Path:
         target = converted_dir(default.SHA256)
         if (target / "config.json").is_file():
             return target
-        default.part_paths()  # not installed or incomplete: say so before any work
-        return _convert_once(target, lambda out: default.convert(out, progress))
+        joined = gguf_file("default", progress)
+        return _convert_once(target, lambda out: gguf_file.convert(joined, out, progress, label="the default model"))
     path = _existing(spec)
     if path.is_dir():
         ModelConfig.from_folder(path)
@@ -54,6 +54,40 @@ def resolve_model(spec: str, progress: bool = True) -> Path:
     header = gguf_file.read_header(path)
     gguf_file.hf_config(header)  # an unsupported architecture fails here, before any work
     return _convert_once(target, lambda out: gguf_file.convert(path, out, progress, header))
+
+
+def gguf_file(spec: str, progress: bool = True) -> Path | None:
+    """The GGUF file behind `spec`: the file itself, the default model's parts joined once into the cache
+    (`gguf/<sha256>.gguf`), or None for an HF folder."""
+    if spec == "default":
+        target = cache_dir() / "gguf" / f"{default.SHA256}.gguf"
+        if not target.is_file():
+            default.part_paths()  # not installed or incomplete: say so before any work
+            write_once(target, lambda tmp: default.join_parts(tmp, progress))
+        return target
+    path = _existing(spec)
+    if path.is_dir():
+        return None
+    _require_gguf(path)
+    return path
+
+
+def write_once(target: Path, produce: Callable[[Path], None]) -> None:
+    """Run `produce` into a temporary file beside `target`, then rename it into place (atomic)."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+        os.close(fd)
+    except OSError as e:
+        raise TfqError(f"cannot write the cache folder {target.parent} ({e.strerror or e}); set TFQ_CACHE to a writable folder") from None
+    tmp = Path(name)
+    try:
+        produce(tmp)
+        os.replace(tmp, target)
+    except OSError as e:
+        raise TfqError(f"cannot write {target} ({e.strerror or e}); is the disk full? set TFQ_CACHE elsewhere") from None
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def model_config(spec: str) -> ModelConfig:

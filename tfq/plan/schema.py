@@ -9,7 +9,7 @@ from typing import Any, Mapping
 
 from tfq.model.config import ModelConfig
 from tfq.plan.fields import (
-    ATTENTION, DTYPE_ALIASES, DTYPE_BYTES, PAGED, Bad, Check, budget, choice, device, draft, model, pages,
+    ATTENTION, DTYPE_ALIASES, DTYPE_BYTES, PAGED, WEIGHTS, Bad, Check, budget, choice, device, draft, model, pages,
     pool, positive, switch,
 )
 from tfq.plan.layout import Layout, compute_layout, over_budget
@@ -25,6 +25,7 @@ DEFAULT_PREFILL_CHUNK = 512
 # Every key a plan file or --set may name, dotted, with its check (which also normalizes).
 SCHEMA: dict[str, Check] = {
     "model": model,
+    "weights": choice("weights", WEIGHTS),
     "window": positive("window"),
     "lanes": positive("lanes"),
     "prefill_chunk": positive("prefill_chunk"),
@@ -41,7 +42,7 @@ SCHEMA: dict[str, Check] = {
 
 # Environment variables that set one key from their text.
 ENV_VALUES = {
-    "TFQ_MODEL": "model", "TFQ_WINDOW": "window", "TFQ_LANES": "lanes", "TFQ_PREFILL_CHUNK": "prefill_chunk",
+    "TFQ_MODEL": "model", "TFQ_WEIGHTS": "weights", "TFQ_WINDOW": "window", "TFQ_LANES": "lanes", "TFQ_PREFILL_CHUNK": "prefill_chunk",
     "TFQ_KV_DTYPE": "kv.dtype", "TFQ_KV_PAGES": "kv.pages", "TFQ_KV_POOL": "kv.pool",
     "TFQ_KV_PREFIX_CACHE": "kv.prefix_cache",
     "TFQ_BUDGET": "budget", "TFQ_DRAFT": "draft", "TFQ_DEVICE": "device",
@@ -77,6 +78,7 @@ class KVPlan:
 @dataclass(frozen=True)
 class Plan:
     model: str = "default"
+    weights: str = "auto"  # auto: a GGUF's quantized blocks where tfq's CPU kernels run (gguf), else fp32
     window: int = DEFAULT_WINDOW
     lanes: int = DEFAULT_LANES
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
@@ -88,7 +90,7 @@ class Plan:
     sources: tuple[tuple[str, str], ...] = ()  # (dotted key, what set it: "TFQ_X", "--set", "--model")
 
     def __post_init__(self) -> None:
-        for name in ("model", "window", "lanes", "prefill_chunk", "attention", "budget", "draft", "device"):
+        for name in ("model", "weights", "window", "lanes", "prefill_chunk", "attention", "budget", "draft", "device"):
             object.__setattr__(self, name, checked(name, getattr(self, name)))
         if not isinstance(self.kv, KVPlan):
             raise fail(f"kv must be a KVPlan, not {self.kv!r}")

@@ -269,7 +269,7 @@ class _Bench:
         layer = model.layers[0]
         with torch.inference_mode():
             cos, sin = model._rope(s.positions.to(dev))
-            x0 = model.embed[s.ids.to(dev)]
+            x0 = model.embedding(s.ids.to(dev))
             x = model.decoder_layer(layer, x0, cos, sin, self.cache, 0, s.cache_rows, s.batch, _Tap(keep, record))
             model.logits(x[s.logit_rows.to(dev)], _Tap(keep_logits, record))
             if model.runs_in_one_call(layer):  # what the engine runs: the same layer in one call, same cache

@@ -1,0 +1,321 @@
+// tfq's linear layer on quantized weights (GGUF's Q4_0, Q5_0, Q8_0, Q4_K, Q6_K): y = x W^T + b where W is kept
+// in its blocks, small integers and per-block scales, and each weight is unpacked to fp32 only in registers or
+// in a panel-sized buffer.
+//
+// The arithmetic, and why it is exact: every GGUF weight of these formats is w = s * (q - zero) or
+// w = s * q - m, where q is a small integer, s and m fp32 numbers built from the block's fp16 scales (products
+// of an fp16 and a 6- or 8-bit integer: exact in fp32). tfq unpacks it as fma(float(q - zero), s, o) with o = m
+// negated (Q4_K) or -0: one rounding of the exact value, which is what the gguf package's dequantization gives
+// (its products are exact but for one rounding, so any order of them rounds to the same float). Then each
+// output is summed by linear.cpp's recipe, acc = fma(x[k], w[k], acc) for k = 0 .. K - 1, then acc + bias. So
+// a quantized layer gives, bit for bit, what the fp32 layer gives on the dequantized weights: row-invariant by
+// the same construction, the same on AVX-512, AVX2 and plain C++, and at any thread count (threads split
+// panels of outputs, never a sum). Activations stay fp32; nothing is quantized at run time.
+//
+// Layout (`qpack`): a blob of a 64-byte header, then panels of 64 outputs, as linear.cpp's fp32 panels are.
+// A panel is K / G groups of G inputs (G = 32, or 16 for Q6_K, whose scales are per 16); a group is
+//   s [64] fp32, then o [64] fp32 (Q4_K only), then G rows, one per input k, of the 64 outputs' integers:
+//   8 bits: 64 bytes, signed;
+//   4, 5, 6 bits: 32 bytes of nibbles (byte i: output i low, output i + 32 high), then for 5 and 6 bits a
+//   plane of bit 4 (8 bytes, bit n = output n), then for 6 bits a plane of bit 5.
+// So a 5-bit weight costs 5 bits plus its group's scale, as in the file.
+//
+// Speed: a decode step (a few rows) unpacks each weight vector once in registers and uses it for every row
+// (`fused`); a prompt's forward unpacks a panel once into an fp32 buffer and runs linear.cpp's tiles over all
+// its rows (`through_buffer`): the unpacking is then a small cost beside the products. Both are the recipe
+// above, so which one runs never changes a bit.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "lanes.h"
+#include "panel.h"
+
+namespace {
+
+using tfq::V;
+using tfq::vbroadcast;
+using tfq::vfma;
+using tfq::vstore;
+using tfq::vzero;
+
+constexpr int64_t PANEL = tfq::PANEL_OUTPUTS;
+constexpr int64_t HEADER = 64;
+constexpr int32_t MAGIC = 0x31514654;  // "TFQ1"
+constexpr int64_t FUSED_ROWS = 4;      // rows a register tile unpacks each weight vector for
+constexpr int64_t FUSED_MAX = 8;       // up to this many rows, tiles unpack in registers; beyond, into a buffer
+alignas(64) constexpr float NEG_ZERO[PANEL] = {
+    -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f,
+    -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f,
+    -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f,
+    -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f};
+
+struct Header {
+  int32_t magic, bits, group, has_offset, zero, row_bytes;
+  int64_t n, k, panels, group_bytes, panel_bytes;
+};
+static_assert(sizeof(Header) == HEADER, "the blob's header is 64 bytes");
+
+int32_t row_bytes(int64_t bits) { return bits == 8 ? 64 : bits == 4 ? 32 : bits == 5 ? 40 : 48; }
+
+Header header_of(const at::Tensor& blob) {
+  TORCH_CHECK(blob.scalar_type() == at::kByte && blob.dim() == 1 && blob.is_contiguous() && blob.numel() >= HEADER,
+              "tfq qlinear: a blob from qpack");
+  Header h;
+  std::memcpy(&h, blob.data_ptr<uint8_t>(), sizeof h);
+  TORCH_CHECK(h.magic == MAGIC && blob.numel() == HEADER + h.panels * h.panel_bytes, "tfq qlinear: a blob from qpack");
+  return h;
+}
+
+// Vector j (outputs 16j .. 16j + 15) of one row of a group: its integers q as fp32 (exact: |q| < 2^8)
+template <int BITS>
+inline V qfloat(const uint8_t* row, int j) {
+#if defined(__AVX512F__)
+  __m512i q;
+  if (BITS == 8) {
+    q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * j)));
+  } else {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * (j & 1))));
+    q = j < 2 ? _mm512_and_si512(b, _mm512_set1_epi32(15)) : _mm512_srli_epi32(b, 4);
+    if (BITS >= 5) {
+      uint16_t m;
+      std::memcpy(&m, row + 32 + 2 * j, 2);
+      q = _mm512_mask_add_epi32(q, m, q, _mm512_set1_epi32(16));
+    }
+    if (BITS == 6) {
+      uint16_t m;
+      std::memcpy(&m, row + 40 + 2 * j, 2);
+      q = _mm512_mask_add_epi32(q, m, q, _mm512_set1_epi32(32));
+    }
+  }
+  return {_mm512_cvtepi32_ps(q)};
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 half[2];
+  const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  for (int h = 0; h < 2; h++) {
+    __m256i q;
+    if (BITS == 8) {
+      q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 16 * j + 8 * h)));
+    } else {
+      const __m256i b =
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 16 * (j & 1) + 8 * h)));
+      q = j < 2 ? _mm256_and_si256(b, _mm256_set1_epi32(15)) : _mm256_srli_epi32(b, 4);
+      if (BITS >= 5) {
+        const __m256i bit = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(row[32 + 2 * j + h]), sel), sel);
+        q = _mm256_add_epi32(q, _mm256_and_si256(bit, _mm256_set1_epi32(16)));
+      }
+      if (BITS == 6) {
+        const __m256i bit = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(row[40 + 2 * j + h]), sel), sel);
+        q = _mm256_add_epi32(q, _mm256_and_si256(bit, _mm256_set1_epi32(32)));
+      }
+    }
+    half[h] = _mm256_cvtepi32_ps(q);
+  }
+  return {half[0], half[1]};
+#else
+  alignas(64) float f[16];
+  for (int l = 0; l < 16; l++) {
+    const int n = 16 * j + l;
+    int32_t q;
+    if (BITS == 8) {
+      q = static_cast<int8_t>(row[n]);
+    } else {
+      q = n < 32 ? row[n] & 15 : row[n - 32] >> 4;
+      if (BITS >= 5) q += ((row[32 + n / 8] >> (n % 8)) & 1) * 16;
+      if (BITS == 6) q += ((row[40 + n / 8] >> (n % 8)) & 1) * 32;
+    }
+    f[l] = static_cast<float>(q);
+  }
+  return tfq::vload(f);
+#endif
+}
+
+struct Group {
+  const float* s;
+  const float* o;
+  const uint8_t* rows;
+};
+
+inline Group group_at(const Header& h, const uint8_t* panel, int64_t g) {
+  const uint8_t* base = panel + g * h.group_bytes;
+  const float* s = reinterpret_cast<const float*>(base);
+  return {s, h.has_offset ? s + PANEL : NEG_ZERO, base + 4 * PANEL * (1 + h.has_offset)};
+}
+
+// A group's scales as vectors, with zero folded into the offset: o' = fma(-zero, s, o) is exact (zero is 0 or
+// a power of two, and o is -0 when zero is not 0), so fma(float(q), s, o') is one rounding of
+// (q - zero) s + o, the same value as fma(float(q - zero), s, o) (only a zero's sign may differ, which no sum
+// that starts from +0 can see: fma(x, +-0, acc) is acc unless acc is -0, and acc never is)
+struct Scales {
+  V s[4], o[4];
+};
+
+inline Scales scales_of(const Group& grp, int32_t zero) {
+  Scales r;
+  for (int j = 0; j < 4; j++) {
+    r.s[j] = tfq::vload(grp.s + 16 * j);
+    r.o[j] = vfma(vbroadcast(-static_cast<float>(zero)), r.s[j], tfq::vload(grp.o + 16 * j));
+  }
+  return r;
+}
+
+// The panel's fp32 weights [K][64], as linear.cpp's pack lays them out
+template <int BITS>
+void unpack_panel(const Header& h, const uint8_t* panel, float* out) {
+  for (int64_t g = 0; g < h.k / h.group; g++) {
+    const Group grp = group_at(h, panel, g);
+    const Scales sc = scales_of(grp, h.zero);
+    for (int64_t r = 0; r < h.group; r++) {
+      const uint8_t* row = grp.rows + r * h.row_bytes;
+      float* dst = out + (g * h.group + r) * PANEL;
+      for (int j = 0; j < 4; j++) vstore(dst + 16 * j, vfma(qfloat<BITS>(row, j), sc.s[j], sc.o[j]));
+    }
+  }
+}
+
+// rows [mr] x the panel's 64 outputs, unpacking each weight vector once for all of them
+template <int BITS, int mr>
+void fused(const Header& h, const uint8_t* panel, const float* x, const float* bias, float* y, int64_t outputs) {
+  const int64_t K = h.k;
+  V acc[mr][4];
+  for (int i = 0; i < mr; i++)
+    for (int j = 0; j < 4; j++) acc[i][j] = vzero();
+  for (int64_t g = 0; g < K / h.group; g++) {
+    const Group grp = group_at(h, panel, g);
+    const Scales sc = scales_of(grp, h.zero);
+    for (int64_t r = 0; r < h.group; r++) {
+      const uint8_t* row = grp.rows + r * h.row_bytes;
+      const int64_t k = g * h.group + r;
+      TFQ_PREFETCH(row + h.group_bytes * 2);
+      for (int j = 0; j < 4; j++) {
+        const V w = vfma(qfloat<BITS>(row, j), sc.s[j], sc.o[j]);
+        for (int i = 0; i < mr; i++) acc[i][j] = vfma(vbroadcast(x[i * K + k]), w, acc[i][j]);
+      }
+    }
+  }
+  alignas(64) float out[PANEL];
+  for (int i = 0; i < mr; i++) {
+    for (int j = 0; j < 4; j++) vstore(out + 16 * j, acc[i][j]);
+    for (int64_t n = 0; n < outputs; n++) y[i * h.n + n] = out[n] + (bias ? bias[n] : 0.f);
+  }
+}
+
+template <int BITS>
+void fused_rows(const Header& h, const uint8_t* panel, const float* x, int64_t M, const float* bias, float* y,
+                int64_t outputs) {
+  switch (M) {
+    case 4: fused<BITS, 4>(h, panel, x, bias, y, outputs); break;
+    case 3: fused<BITS, 3>(h, panel, x, bias, y, outputs); break;
+    case 2: fused<BITS, 2>(h, panel, x, bias, y, outputs); break;
+    case 1: fused<BITS, 1>(h, panel, x, bias, y, outputs); break;
+    default: break;
+  }
+}
+
+template <int BITS>
+void qlinear_bits(const Header& h, const uint8_t* data, const float* x, int64_t M, const float* bias, float* y) {
+  at::parallel_for(0, h.panels, 1, [&](int64_t p0, int64_t p1) {
+    thread_local std::vector<float> buffer;
+    for (int64_t p = p0; p < p1; p++) {
+      const uint8_t* panel = data + p * h.panel_bytes;
+      const int64_t outputs = std::min(PANEL, h.n - p * PANEL);
+      const float* b = bias ? bias + p * PANEL : nullptr;
+      if (M <= FUSED_MAX) {
+        for (int64_t m = 0; m < M; m += FUSED_ROWS)
+          fused_rows<BITS>(h, panel, x + m * h.k, std::min(FUSED_ROWS, M - m), b, y + m * h.n + p * PANEL, outputs);
+        continue;
+      }
+      buffer.resize(static_cast<size_t>(h.k * PANEL));
+      unpack_panel<BITS>(h, panel, buffer.data());
+      tfq::panel_rows_fp32(x, M, h.k, buffer.data(), b, y + p * PANEL, h.n, outputs);
+    }
+  });
+}
+
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& blob, const c10::optional<at::Tensor>& b, int64_t N) {
+  const Header h = header_of(blob);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == h.k && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "tfq qlinear: x [M, K] fp32, contiguous");
+  TORCH_CHECK(N == h.n, "tfq qlinear: N does not match the blob");
+  TORCH_CHECK(!b.has_value() || (b->scalar_type() == at::kFloat && b->is_contiguous() && b->numel() == N),
+              "tfq qlinear: bias [N] fp32");
+  const int64_t M = x.size(0);
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const uint8_t* data = blob.data_ptr<uint8_t>() + HEADER;
+  const float* xp = x.data_ptr<float>();
+  const float* bp = b.has_value() ? b->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  switch (h.bits) {
+    case 4: qlinear_bits<4>(h, data, xp, M, bp, yp); break;
+    case 5: qlinear_bits<5>(h, data, xp, M, bp, yp); break;
+    case 6: qlinear_bits<6>(h, data, xp, M, bp, yp); break;
+    default: qlinear_bits<8>(h, data, xp, M, bp, yp); break;
+  }
+  return y;
+}
+
+// q [N, K] uint8 (the integers; for 8 bits, int8 bit patterns), s [N, K / G] fp32, o [N, K / G] fp32 or none
+at::Tensor qpack(const at::Tensor& q, const at::Tensor& s, const c10::optional<at::Tensor>& o, int64_t bits,
+                 int64_t group, int64_t zero) {
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "tfq qpack: 4, 5, 6 or 8 bits");
+  TORCH_CHECK(group == 16 || group == 32, "tfq qpack: groups of 16 or 32 inputs");
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && q.is_contiguous() && q.size(1) % group == 0,
+              "tfq qpack: q [N, K] uint8 with K a multiple of the group");
+  const int64_t N = q.size(0), K = q.size(1), groups = K / group;
+  TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.dim() == 2 && s.size(0) == N &&
+              s.size(1) == groups, "tfq qpack: s [N, K / group] fp32");
+  TORCH_CHECK(!o.has_value() || (o->scalar_type() == at::kFloat && o->is_contiguous() && o->sizes() == s.sizes()),
+              "tfq qpack: o like s");
+  Header h{MAGIC, static_cast<int32_t>(bits), static_cast<int32_t>(group), o.has_value() ? 1 : 0,
+           static_cast<int32_t>(zero), row_bytes(bits), N, K, (N + PANEL - 1) / PANEL, 0, 0};
+  h.group_bytes = 4 * PANEL * (1 + h.has_offset) + group * h.row_bytes;
+  h.panel_bytes = groups * h.group_bytes;
+  auto blob = tfq::weights_memory(HEADER + h.panels * h.panel_bytes);
+  uint8_t* out = blob.data_ptr<uint8_t>();
+  std::memcpy(out, &h, sizeof h);
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const float* sp = s.data_ptr<float>();
+  const float* op = o.has_value() ? o->data_ptr<float>() : nullptr;
+  at::parallel_for(0, h.panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; p++) {
+      uint8_t* panel = out + HEADER + p * h.panel_bytes;
+      std::memset(panel, 0, static_cast<size_t>(h.panel_bytes));
+      for (int64_t g = 0; g < groups; g++) {
+        uint8_t* base = panel + g * h.group_bytes;
+        float* gs = reinterpret_cast<float*>(base);
+        uint8_t* rows = base + 4 * PANEL * (1 + h.has_offset);
+        for (int64_t j = 0; j < PANEL; j++) {
+          const int64_t n = p * PANEL + j;
+          if (n >= N) continue;  // outputs past N: zero bytes, never stored by qlinear
+          gs[j] = sp[n * groups + g];
+          if (op) gs[PANEL + j] = op[n * groups + g];
+          for (int64_t r = 0; r < group; r++) {
+            const uint8_t v = qp[n * K + g * group + r];
+            uint8_t* row = rows + r * h.row_bytes;
+            if (bits == 8) {
+              row[j] = v;
+              continue;
+            }
+            row[j % 32] |= static_cast<uint8_t>((v & 15) << (j < 32 ? 0 : 4));
+            if (bits >= 5) row[32 + j / 8] |= static_cast<uint8_t>(((v >> 4) & 1) << (j % 8));
+            if (bits == 6) row[40 + j / 8] |= static_cast<uint8_t>(((v >> 5) & 1) << (j % 8));
+          }
+        }
+      }
+    }
+  });
+  return blob;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) {
+  m.def("qpack(Tensor q, Tensor s, Tensor? o, int bits, int group, int zero) -> Tensor", qpack);
+  m.def("qlinear(Tensor x, Tensor blob, Tensor? b, int n) -> Tensor", qlinear);
+}

@@ -1,0 +1,149 @@
+"""GGUF-quantized weights kept in their blocks, and the linear layer that computes with them (kernels/cpu/quant.cpp).
+
+Every weight of the formats tfq reads (Q4_0, Q5_0, Q8_0, Q4_K, Q6_K) is w = fma(float(q - zero), s, o): q a
+small integer, s one fp32 scale per group of 16 or 32 inputs, o -0 or, for Q4_K, the group's min negated. Those
+three arrays (`Quantized`) are what a GGUF block holds, spread out; the C++ kernel packs them into panels of 64
+outputs at the file's bit width and unpacks them to fp32 only in registers. The unpacked value is the gguf
+package's dequantized weight to the bit, and the sum is tfq's fp32 recipe, so `QuantLinear` gives the bits
+`FixedOrderLinear` gives on the dequantized weights (docs/contract.md, section 9).
+
+This module reads block bytes with numpy and imports nothing from the engine.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import cpu_build
+
+# GGUF type name -> (bytes a block, weights a block)
+BLOCKS = {"Q4_0": (18, 32), "Q5_0": (22, 32), "Q8_0": (34, 32), "Q4_K": (144, 256), "Q6_K": (210, 256)}
+FORMATS = tuple(BLOCKS)
+
+
+@dataclass
+class Quantized:
+    """A weight matrix [n, k] as integers q (uint8 [n, k]; int8 bit patterns when bits is 8), scales s and
+    offsets o (fp32 [n, k / group]; o None means -0): w = fma(float(q - zero), s, o)."""
+
+    q: torch.Tensor
+    s: torch.Tensor
+    o: torch.Tensor | None
+    bits: int  # 4, 5, 6 or 8 (8: q is signed)
+    group: int  # inputs sharing a scale: 32, or 16 (Q6_K)
+    zero: int  # subtracted from q: 8 (Q4_0), 16 (Q5_0), 32 (Q6_K), 0 (Q8_0, Q4_K)
+    kind: str  # the GGUF type it came from ("mixed" after joining types)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def nbytes(self) -> int:
+        """Bytes a forward reads: the integers at their width, the scales and offsets."""
+        n, k = self.shape
+        return n * k * self.bits // 8 + 4 * self.s.numel() * (1 if self.o is None else 2)
+
+    def ints(self) -> torch.Tensor:
+        """q - zero as int32 [n, k]."""
+        q = self.q.view(torch.int8) if self.bits == 8 else self.q
+        return q.to(torch.int32) - self.zero
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The fp32 weights of rows `ids` (an embedding lookup): the kernel's value, q - zero times s (exact but
+        for Q6_K, where it rounds once as fma does), plus o (-0 changes nothing; Q4_K rounds once here)."""
+        q = self.q[ids]
+        q = (q.view(torch.int8) if self.bits == 8 else q).to(torch.int32) - self.zero
+        s = self.s[ids].repeat_interleave(self.group, -1)
+        w = q.to(torch.float32) * s
+        return w if self.o is None else w + self.o[ids].repeat_interleave(self.group, -1)
+
+    def dequantized(self) -> torch.Tensor:
+        return self.rows(torch.arange(self.shape[0]))
+
+
+def from_blocks(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> Quantized:
+    """A GGUF tensor's block bytes (uint8, rows of whole blocks) as `Quantized` [n, k]."""
+    size, per = BLOCKS[kind]
+    n, k = shape
+    if k % per:
+        raise ValueError(f"a {kind} row of {k} inputs is not whole blocks of {per}")
+    b = np.ascontiguousarray(raw).reshape(n * k // per, size)
+    f16 = lambda col: b[:, col:col + 2].copy().view(np.float16).astype(np.float32)  # noqa: E731
+    o = None
+    if kind == "Q8_0":
+        q, s, bits, group, zero = b[:, 2:].copy(), f16(0), 8, 32, 0
+    elif kind in ("Q4_0", "Q5_0"):
+        qs = b[:, -16:]
+        q = np.concatenate([qs & 15, qs >> 4], axis=1)
+        bits, zero = (4, 8) if kind == "Q4_0" else (5, 16)
+        if kind == "Q5_0":
+            qh = b[:, 2:6].copy().view(np.uint32)
+            q |= (((qh >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
+        s, group = f16(0), 32
+    elif kind == "Q4_K":
+        d, dmin = f16(0), f16(2)
+        sc, m = _k_scale_min(b[:, 4:16])
+        qs = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        q = (qs & 15).reshape(-1, 256)
+        s = (d * sc.astype(np.float32)).reshape(-1, 8)
+        o = -(dmin * m.astype(np.float32)).reshape(-1, 8)
+        bits, group, zero = 4, 32, 0
+    else:  # Q6_K
+        ql = b[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        qh = b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+        q = ((ql & 15).reshape(-1, 256) | ((qh & 3).reshape(-1, 256) << 4)).astype(np.uint8)
+        s = f16(208) * b[:, 192:208].copy().view(np.int8).astype(np.float32)
+        bits, group, zero = 6, 16, 32
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).reshape(n, -1)  # noqa: E731
+    return Quantized(t(q.astype(np.uint8)), t(s.astype(np.float32)), None if o is None else t(o.astype(np.float32)),
+                     bits, group, zero, kind)
+
+
+def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's 12 bytes a block -> 8 six-bit scales and 8 six-bit mins (llama.cpp's packing)."""
+    s = scales.reshape(-1, 3, 4)
+    d, m, md = s[:, 0], s[:, 1], s[:, 2]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc, mn
+
+
+def join(parts: list[Quantized]) -> Quantized:
+    """Matrices stacked by rows (q, k, v into one layer). Parts of different formats are first widened to one
+    that holds them all without changing a weight: 8-bit q - zero, the smallest group, offsets if any has one."""
+    if len({(p.bits, p.group, p.zero, p.o is None) for p in parts}) == 1:
+        first = parts[0]
+        o = None if first.o is None else torch.cat([p.o for p in parts])
+        kind = first.kind if len({p.kind for p in parts}) == 1 else "mixed"
+        return Quantized(torch.cat([p.q for p in parts]), torch.cat([p.s for p in parts]), o, first.bits,
+                         first.group, first.zero, kind)
+    group = min(p.group for p in parts)
+    offsets = any(p.o is not None for p in parts)
+    return join([_widened(p, group, offsets) for p in parts])
+
+
+def _widened(p: Quantized, group: int, offsets: bool) -> Quantized:
+    q = p.ints().to(torch.int8).view(torch.uint8)  # every format's q - zero fits int8 (-32 .. 127)
+    s = p.s.repeat_interleave(p.group // group, -1)
+    o = None
+    if offsets:
+        o = torch.full_like(s, -0.0) if p.o is None else p.o.repeat_interleave(p.group // group, -1)
+    return Quantized(q, s, o, 8, group, 0, "mixed")
+
+
+class QuantLinear:
+    """y = x W^T + b on quantized weights, by kernels/cpu/quant.cpp: the bits FixedOrderLinear gives on the
+    dequantized weights. `panels` is the packed blob (uint8), which the one-call layer takes like fp32 panels."""
+
+    def __init__(self, weight: Quantized, bias: torch.Tensor | None = None):
+        self.out_features, self.in_features = weight.shape
+        self.kind, self.bits, self.nbytes = weight.kind, weight.bits, weight.nbytes()
+        self.panels = cpu_build.op("qpack")(weight.q.contiguous(), weight.s.contiguous(),
+                                            None if weight.o is None else weight.o.contiguous(),
+                                            weight.bits, weight.group, weight.zero)
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_build.op("qlinear")(x.contiguous(), self.panels, self.bias, self.out_features)
