@@ -1,7 +1,8 @@
 """GGUF-quantized weights kept in their blocks, and the linear layer that computes with them (kernels/cpu/quant.cpp).
 
-Every weight of the formats tfq reads (Q4_0, Q5_0, Q8_0, Q4_K, Q6_K) is w = fma(float(q - zero), s, o): q a
-small integer, s one fp32 scale per group of 16 or 32 inputs, o -0 or, for Q4_K, the group's min negated. Those
+Every weight of the formats tfq computes with (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) is
+w = fma(float(q - zero), s, o): q a small integer, s one fp32 scale per group of 16 or 32 inputs, o -0, the
+block's min (Q4_1, Q5_1) or the group's min negated (Q4_K, Q5_K). Those
 three arrays (`Quantized`) are what a GGUF block holds, spread out; the C++ kernel packs them into panels of 64
 outputs at the file's bit width and unpacks them to fp32 only in registers. The unpacked value is the gguf
 package's dequantized weight to the bit, and the sum is tfq's fp32 recipe, so `QuantLinear` gives the bits
@@ -19,7 +20,8 @@ import torch
 from . import cpu_build
 
 # GGUF type name -> (bytes a block, weights a block)
-BLOCKS = {"Q4_0": (18, 32), "Q5_0": (22, 32), "Q8_0": (34, 32), "Q4_K": (144, 256), "Q6_K": (210, 256)}
+BLOCKS = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q5_0": (22, 32), "Q5_1": (24, 32), "Q8_0": (34, 32),
+          "Q4_K": (144, 256), "Q5_K": (176, 256), "Q6_K": (210, 256)}
 FORMATS = tuple(BLOCKS)
 
 
@@ -74,22 +76,31 @@ def from_blocks(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> Quantized
     o = None
     if kind == "Q8_0":
         q, s, bits, group, zero = b[:, 2:].copy(), f16(0), 8, 32, 0
-    elif kind in ("Q4_0", "Q5_0"):
+    elif kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
         qs = b[:, -16:]
         q = np.concatenate([qs & 15, qs >> 4], axis=1)
-        bits, zero = (4, 8) if kind == "Q4_0" else (5, 16)
-        if kind == "Q5_0":
-            qh = b[:, 2:6].copy().view(np.uint32)
+        five = kind.startswith("Q5")
+        if five:
+            start = 4 if kind == "Q5_1" else 2
+            qh = b[:, start:start + 4].copy().view(np.uint32)
             q |= (((qh >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
-        s, group = f16(0), 32
-    elif kind == "Q4_K":
+        s, group, bits = f16(0), 32, 5 if five else 4
+        zero = 0 if kind.endswith("_1") else 16 if five else 8
+        if kind.endswith("_1"):  # w = d q + m
+            o = f16(2)
+    elif kind in ("Q4_K", "Q5_K"):  # w = (d sc) q - (dmin m) per 32
         d, dmin = f16(0), f16(2)
         sc, m = _k_scale_min(b[:, 4:16])
-        qs = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        qs = b[:, -128:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
         q = (qs & 15).reshape(-1, 256)
+        bits = 4
+        if kind == "Q5_K":
+            qh = b[:, 16:48].reshape(-1, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+            q = q | ((qh & 1).reshape(-1, 256) << 4)
+            bits = 5
         s = (d * sc.astype(np.float32)).reshape(-1, 8)
         o = -(dmin * m.astype(np.float32)).reshape(-1, 8)
-        bits, group, zero = 4, 32, 0
+        group, zero = 32, 0
     else:  # Q6_K
         ql = b[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
         qh = b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)

@@ -25,10 +25,11 @@ def tiny_models(tiny_dirs):
 
 @pytest.fixture(scope="session")
 def default_model():
-    """The real default model, loaded once for every slow test (its start-up proofs are kept on it too)."""
+    """The real default model as a plan loads it (weights: auto, so its GGUF blocks on tfq's CPU kernels), loaded
+    once for every slow test (its start-up proofs are kept on it too)."""
     from tfq.model.load import load_model
 
-    return load_model("default", progress=False)
+    return load_model("default", progress=False, weights="auto")
 
 
 @pytest.fixture
@@ -38,10 +39,10 @@ def shared_default(monkeypatch, default_model):
 
     real = load.load_model
 
-    def load_model(spec: str, progress: bool = True, device="cpu"):
-        if spec == "default" and str(device) == "cpu":
+    def load_model(spec: str, progress: bool = True, device="cpu", weights: str = "fp32"):
+        if spec == "default" and str(device) == "cpu" and load.weights_kind(weights, spec)[0] == default_model.weights:
             return default_model
-        return real(spec, progress=progress, device=device)
+        return real(spec, progress=progress, device=device, weights=weights)
 
     monkeypatch.setattr(load, "load_model", load_model)
     return default_model

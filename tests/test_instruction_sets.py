@@ -23,7 +23,7 @@ if march == "tfq":
     from tfq.kernels import cpu_build
     ops = cpu_build.ops()
 else:
-    cpp_extension.load(name=name, sources=[f"{src}/{s}" for s in ("linear.cpp", "attention.cpp", "rowwise.cpp")],
+    cpp_extension.load(name=name, sources=[f"{src}/{s}" for s in ("linear.cpp", "attention.cpp", "rowwise.cpp", "quant.cpp")],
                        extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     ops = torch.ops.tfq_cpu
 g = torch.Generator().manual_seed(5)
@@ -44,6 +44,16 @@ res["linear"] = ops.linear(xs, ops.pack(w), torch.randn(300, generator=g), 300)
 res["linear, no bias"] = ops.linear(xs, ops.pack(w), None, 300)
 res["linear, inputs reversed"] = ops.linear(xs.flip(1).contiguous(), ops.pack(w.flip(1).contiguous()), None, 300)
 res["rms norm"] = ops.rms_norm(xs, torch.randn(896, generator=g), 1e-6)
+for bits, group, zero, offsets in ((4, 32, 8, False), (5, 32, 16, False), (6, 16, 32, False), (8, 32, 0, False),
+                                   (4, 32, 0, True), (5, 32, 0, True)):
+    top = 256 if bits == 8 else 2 ** bits
+    qi = torch.randint(0, top, (200, 896), generator=g).to(torch.uint8)
+    s = torch.randn(200, 896 // group, generator=g) * 0.01
+    o = torch.randn(200, 896 // group, generator=g) * 0.01 if offsets else None
+    blob = ops.qpack(qi, s, o, bits, group, zero)
+    for m in (1, 3, 9):  # registers, and the buffer
+        res[f"quantized linear, {bits} bits, {'offsets, ' if offsets else ''}{m} rows"] = ops.qlinear(
+            xs[:m].contiguous(), blob, None, 200)
 torch.save(res, out)
 """
 

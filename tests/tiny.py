@@ -232,11 +232,42 @@ def _qtype(gguf: str, quantized: bool):
     return Q.Q8_0
 
 
+def _default_like_qtype(gguf: str):
+    """The default model's file's types (Q5_0 matrices, v in Q8_0 in even layers, ffn_down in Q6_K and Q4_K
+    by turns, the head in Q8_0), for the quantized kernel's tests."""
+    from gguf import GGMLQuantizationType as Q
+
+    part = gguf.split(".")[-2]
+    if gguf.endswith(".bias") or "norm" in gguf:
+        return Q.F32
+    if part == "output":
+        return Q.Q8_0
+    if part in ("attn_v", "ffn_down"):
+        even = int(gguf.split(".")[1]) % 2 == 0
+        return (Q.Q8_0 if even else Q.Q5_0) if part == "attn_v" else (Q.Q6_K if even else Q.Q4_K)
+    return Q.Q5_0
+
+
+def kquant_blocks(kind: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Random Q4_K or Q6_K blocks for an [n, k] matrix (the gguf package cannot quantize to them): random
+    integers and sub-scales, fp16 super-scales chosen so the weights are about the size of the model's."""
+    size = {"Q4_K": 144, "Q6_K": 210}[kind]
+    raw = rng.integers(0, 256, (n * k // 256, size), dtype=np.uint8)
+    scale = lambda s: rng.uniform(0.5, 1.0, (len(raw), 1)).astype(np.float16) * np.float16(s)  # noqa: E731
+    if kind == "Q4_K":
+        raw[:, 0:2] = scale(4e-5).view(np.uint8)
+        raw[:, 2:4] = scale(2e-5).view(np.uint8)
+    else:
+        raw[:, 208:210] = scale(1e-5).view(np.uint8)
+    return raw.reshape(n, -1)
+
+
 def write_tiny_gguf(path: Path, family: str = "qwen2", tie: bool = False, seed: int = 0, quantized: bool = True,
-                    **shape) -> Path:
+                    like_default: bool = False, **shape) -> Path:
     """Write a tiny random GGUF file laid out as llama.cpp writes qwen2/qwen3 models.
 
     Shapes default to hidden 128, 2 heads of 64 (HF's GGUF loader assumes head_dim = hidden / heads).
+    like_default: the tensor types of the default model's file (with random K-quant blocks for ffn_down).
     """
     import gguf
     from safetensors.torch import load_file
@@ -283,8 +314,11 @@ def write_tiny_gguf(path: Path, family: str = "qwen2", tie: bool = False, seed: 
     for hf in sorted(state, key=gguf_name):
         name = gguf_name(hf)
         arr = state[hf].numpy().astype(np.float32)
-        q = _qtype(name, quantized)
-        data = gguf.quants.quantize(arr, q)
+        q = _default_like_qtype(name) if like_default else _qtype(name, quantized)
+        if q.name.endswith("_K"):
+            data = kquant_blocks(q.name, *arr.shape, np.random.default_rng(seed + len(name)))
+        else:
+            data = gguf.quants.quantize(arr, q)
         w.add_tensor(name, data, raw_dtype=None if q in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) else q)
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -28,10 +28,10 @@ def peer_gguf(spec: str, quantized: bool, progress: bool = True) -> Path:
     """The GGUF file the peer runs for the model `spec`: the file as shipped (quantized=True), or its F32
     twin, written once into tfq's cache. An HF folder has no GGUF: one line saying so."""
     from tfq.model import default
-    from tfq.model.source import cache_dir, file_sha256, gguf_file, write_once
+    from tfq.model.source import cache_dir, file_sha256, gguf_path, write_once
 
     folder = cache_dir() / "peer"
-    source = gguf_file(spec, progress)
+    source = gguf_path(spec, progress)
     if source is None:
         raise TfqError(f"--peer llama.cpp runs a GGUF file, and the model {spec} is not one; bench a .gguf "
                        f"model (or the default one), or pass --peer hf")

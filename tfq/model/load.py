@@ -68,12 +68,12 @@ def model_weights(spec: str, folder: Path, weights: str, backend: Backend, progr
         return load_state_dict(folder)
     from tfq.model.gguf_file import read_header
     from tfq.model.gguf_tensors import kept_tensors
-    from tfq.model.source import gguf_file
+    from tfq.model.source import gguf_path
 
     if backend.quant_linear is None:
         raise TfqError(f"weights: gguf computes with tfq's CPU kernels, which this run does not have "
                        f"({backend.where}); set weights: fp32")
-    path = gguf_file(spec, progress)
+    path = gguf_path(spec, progress)
     if path is None:
         raise TfqError(f"weights: gguf keeps a GGUF file's quantized blocks, and {spec} is an HF folder; "
                        f"set weights: fp32, or run a .gguf model")

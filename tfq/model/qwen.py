@@ -182,8 +182,11 @@ class Qwen:
 
 
 def stack(parts: list) -> torch.Tensor | Quantized:
-    """Matrices one under the other (q, k and v into one layer), fp32 or quantized alike."""
-    return join(parts) if isinstance(parts[0], Quantized) else torch.cat(parts)
+    """Matrices one under the other (q, k and v into one layer): quantized if all are, else fp32 (a quantized
+    part dequantized: the same values)."""
+    if all(isinstance(p, Quantized) for p in parts):
+        return join(parts)
+    return torch.cat([p.dequantized() if isinstance(p, Quantized) else p for p in parts])
 
 
 class _Taker:

@@ -40,7 +40,7 @@ def resolve_model(spec: str, progress: bool = True) -> Path:
         target = converted_dir(default.SHA256)
         if (target / "config.json").is_file():
             return target
-        joined = gguf_file("default", progress)
+        joined = gguf_path("default", progress)
         return _convert_once(target, lambda out: gguf_file.convert(joined, out, progress, label="the default model"))
     path = _existing(spec)
     if path.is_dir():
@@ -56,7 +56,7 @@ def resolve_model(spec: str, progress: bool = True) -> Path:
     return _convert_once(target, lambda out: gguf_file.convert(path, out, progress, header))
 
 
-def gguf_file(spec: str, progress: bool = True) -> Path | None:
+def gguf_path(spec: str, progress: bool = True) -> Path | None:
     """The GGUF file behind `spec`: the file itself, the default model's parts joined once into the cache
     (`gguf/<sha256>.gguf`), or None for an HF folder."""
     if spec == "default":

@@ -1,0 +1,220 @@
+"""weights: gguf. A GGUF's quantized matrices kept in their blocks (tfq/kernels/quant.py, kernels/cpu/quant.cpp)
+give every row the bits the fp32 layer gives on the dequantized weights: for every format, at every row count
+and order, at 1, 2, 3, 4 and 8 threads, in the one-call layer and through the engine; the controls show the
+comparisons can fail."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from gguf.constants import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from tfq.errors import TfqError
+from tfq.kernels import cpu_build
+from tfq.kernels.quant import BLOCKS, FORMATS, QuantLinear, Quantized, from_blocks, join
+from tfq.kernels.rowwise import FixedOrderLinear
+from tfq.proofs.kernel_check_rowwise import linear_bound, U32
+from tiny import kquant_blocks, write_tiny_gguf
+
+pytestmark = pytest.mark.skipif(not cpu_build.load()[0], reason="tfq's CPU kernels do not build here")
+
+ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 70)
+THREADS = (1, 2, 3, 4, 8)
+
+
+def random_blocks(kind: str, n: int, k: int, seed: int) -> np.ndarray:
+    """Random block bytes of `kind` with fp16 scales of either sign, about the size of a model's weights."""
+    rng = np.random.default_rng(seed)
+    if kind in ("Q4_K", "Q6_K"):
+        return kquant_blocks(kind, n, k, rng)
+    size, per = BLOCKS[kind]
+    raw = rng.integers(0, 256, (n * k // per, size), dtype=np.uint8)
+    if kind != "Q6_K":
+        raw[:, 0:2] = rng.normal(0, 2e-3, (len(raw), 1)).astype(np.float16).view(np.uint8)
+    if kind in ("Q4_1", "Q5_1", "Q5_K"):
+        raw[:, 2:4] = rng.normal(0, 2e-3, (len(raw), 1)).astype(np.float16).view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+def gguf_values(kind: str, raw: np.ndarray, n: int, k: int) -> torch.Tensor:
+    return torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind]).reshape(n, k).astype(np.float32))
+
+
+@pytest.fixture(scope="module", params=FORMATS)
+def layer(request):
+    """(kind, Quantized, the gguf package's dequantized weights) for a 200 x 512 matrix."""
+    kind, n, k = request.param, 200, 512
+    raw = random_blocks(kind, n, k, seed=FORMATS.index(kind))
+    return kind, from_blocks(kind, raw, (n, k)), gguf_values(kind, raw, n, k)
+
+
+def test_every_format_unpacks_to_the_gguf_packages_values(layer):
+    kind, q, ref = layer
+    assert torch.equal(q.dequantized().view(torch.int32), ref.view(torch.int32)), kind
+    # and the kernel's own unpacking: the identity through the layer gives W^T (a zero's sign aside: +0)
+    assert torch.equal(QuantLinear(q)(torch.eye(q.shape[1])).T, ref + 0.0), kind
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_quantized_layer_gives_the_fp32_layers_bits_at_every_row_count(layer, bias):
+    kind, q, ref = layer
+    b = torch.randn(q.shape[0]) if bias else None
+    quant, fp32 = QuantLinear(q, b), FixedOrderLinear(ref, b)
+    x = torch.randn(max(ROWS), q.shape[1])
+    full = quant(x)
+    assert torch.equal(full, fp32(x)), kind
+    for m in ROWS:  # fewer rows (registers up to 8, a buffer beyond), and the rows reversed
+        assert torch.equal(quant(x[:m]), full[:m]), (kind, m)
+    assert torch.equal(quant(x.flip(0)), full.flip(0)), kind
+
+
+def test_float64_bound_against_the_dequantized_weights(layer):
+    kind, q, ref = layer
+    x = torch.randn(9, q.shape[1])
+    err = (QuantLinear(q)(x).double() - x.double() @ ref.double().T).abs()
+    assert (err <= linear_bound(x, ref)).all(), kind
+
+
+def test_row_bits_do_not_move_with_the_thread_count(restored_threads):
+    """Every format, rows alone and among others, at 1, 2, 3, 4 and 8 threads: the bits of 1 thread."""
+    for kind in FORMATS:
+        n, k = 300, 768
+        q = from_blocks(kind, random_blocks(kind, n, k, seed=7), (n, k))
+        f = QuantLinear(q, torch.randn(n))
+        x = torch.randn(12, k)
+        torch.set_num_threads(1)
+        want = f(x)
+        for t in THREADS:
+            torch.set_num_threads(t)
+            assert torch.equal(f(x), want), (kind, t)
+            assert torch.equal(f(x[5:6]), want[5:6]), (kind, t)
+            assert torch.equal(f(x[:3]), want[:3]), (kind, t)
+
+
+@pytest.fixture
+def restored_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def test_joining_formats_widens_without_changing_a_weight():
+    """q (Q5_0), k (Q4_K), v (Q6_K), as the qkv layer joins them: one 8-bit blob of 16-input groups with offsets,
+    whose layer equals the fp32 layer on the three matrices stacked."""
+    parts, values = [], []
+    for i, kind in enumerate(("Q5_0", "Q4_K", "Q6_K")):
+        raw = random_blocks(kind, 64 + 32 * i, 512, seed=20 + i)
+        parts.append(from_blocks(kind, raw, (64 + 32 * i, 512)))
+        values.append(gguf_values(kind, raw, 64 + 32 * i, 512))
+    joined = join(parts)
+    assert (joined.bits, joined.group, joined.o is not None, joined.kind) == (8, 16, True, "mixed")
+    stacked = torch.cat(values)
+    assert torch.equal(joined.dequantized(), stacked)
+    x = torch.randn(10, 512)
+    assert torch.equal(QuantLinear(joined)(x), FixedOrderLinear(stacked)(x))
+    same = join([parts[0], parts[0]])
+    assert (same.bits, same.kind) == (5, "Q5_0")  # one format: kept at its width
+
+
+def test_control_the_bit_comparison_sees_one_weight_one_ulp_off():
+    """The equality with the fp32 layer is sharp: the same weights with one of them moved by one ulp give
+    other bits. By construction: row 0 is the one-hot input of that weight, so its output is the weight itself."""
+    raw = random_blocks("Q6_K", 64, 256, seed=3)
+    q, ref = from_blocks("Q6_K", raw, (64, 256)), gguf_values("Q6_K", raw, 64, 256)
+    nudged = ref.clone()
+    nudged[5, 17] = torch.nextafter(nudged[5, 17], torch.tensor(1.0))
+    x = torch.randn(4, 256)
+    x[0] = 0.0
+    x[0, 17] = 1.0
+    assert torch.equal(QuantLinear(q)(x), FixedOrderLinear(ref)(x))
+    assert not torch.equal(QuantLinear(q)(x), FixedOrderLinear(nudged)(x))
+
+
+def test_the_blob_is_the_files_size():
+    """A 5-bit weight costs 5 bits plus its group's fp32 scale (6 bits; the file: 5.5 with fp16 scales)."""
+    raw = random_blocks("Q5_0", 128, 1024, seed=4)
+    f = QuantLinear(from_blocks("Q5_0", raw, (128, 1024)))
+    assert f.panels.numel() == 64 + 128 * 1024 * 6 // 8
+
+
+# -- through the model and the engine, on a tiny GGUF with the default model's types ------------------------
+
+@pytest.fixture(scope="module")
+def tiny_file(tmp_path_factory):
+    return write_tiny_gguf(tmp_path_factory.mktemp("quant") / "tiny-like-default.gguf", "qwen2", like_default=True,
+                           layers=2, intermediate=512, seed=4)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_file):
+    from tfq.model.load import load_model
+
+    return {w: load_model(str(tiny_file), progress=False, weights=w) for w in ("fp32", "gguf")}
+
+
+def test_the_model_keeps_each_matrix_in_its_format(loaded):
+    model = loaded["gguf"].model
+    layer0, layer1 = model.layers[:2]
+    assert isinstance(model.embed, Quantized) and model.embed.kind == "Q5_0"
+    assert (layer0.qkv.kind, layer1.qkv.kind) == ("mixed", "Q5_0")  # v in Q8_0 in even layers
+    assert (layer0.down.kind, layer1.down.kind) == ("Q6_K", "Q4_K")
+    assert model.lm_head.kind == "Q8_0" and layer0.gate_up.kind == "Q5_0"
+    assert loaded["gguf"].weights == "gguf" and loaded["fp32"].weights == "fp32"
+
+
+def test_engine_streams_on_gguf_weights_equal_fp32_and_their_runs_alone(loaded):
+    """Greedy and sampled streams, chunked prompts, paged and contiguous: on gguf weights each stream's ids and
+    logits digests equal its run alone and equal the fp32 weights' run (the same file, dequantized)."""
+    from tfq.engine import Engine, EngineSettings
+    from tfq.stream import Request
+
+    g = torch.Generator().manual_seed(0)
+    vocab = loaded["gguf"].config.vocab_size
+    requests = [Request(prompt=tuple(torch.randint(0, vocab, (n,), generator=g).tolist()), max_tokens=t,
+                        temperature=temp, seed=i) for i, (n, t, temp) in
+                enumerate([(5, 9, 0.0), (70, 6, 0.8), (131, 7, 0.0), (20, 12, 0.0), (300, 4, 0.0)])]
+
+    def run(model, reqs, **kw):
+        engine = Engine(model, EngineSettings(window=512, lanes=4, **kw), eos_ids=())
+        return [(r.ids, r.digests) for r in engine.generate(reqs)]
+
+    gguf, fp32 = loaded["gguf"].model, loaded["fp32"].model
+    together = run(gguf, requests, prefill_chunk=64, page_rows=64, pool_pages=16)
+    assert together == run(fp32, requests, prefill_chunk=64, page_rows=64, pool_pages=16)
+    for r, got in zip(requests, together):
+        assert got == run(gguf, [r])[0]
+
+
+def test_the_one_call_layer_runs_quantized_layers(loaded):
+    from tfq.kernels.layer import fusable
+
+    layer = loaded["gguf"].model.layers[0]
+    assert fusable(layer.qkv, layer.o, layer.gate_up, layer.down)
+    assert loaded["gguf"].model.runs_in_one_call(layer)
+
+
+def test_weights_auto_is_gguf_for_a_gguf_file_and_fp32_for_a_folder(tiny_file, tiny_dirs):
+    from tfq.model.load import weights_kind
+
+    assert weights_kind("auto", str(tiny_file))[0] == "gguf"
+    assert weights_kind("auto", str(tiny_dirs["qwen2"]))[0] == "fp32"
+    assert weights_kind("auto", str(tiny_file), "cuda")[0] == "fp32"
+    assert weights_kind("fp32", str(tiny_file))[0] == "fp32"
+
+
+def test_gguf_weights_on_an_hf_folder_is_one_line(tiny_dirs):
+    from tfq.model.load import load_model
+
+    with pytest.raises(TfqError, match="weights: gguf keeps a GGUF file's quantized blocks.*HF folder"):
+        load_model(str(tiny_dirs["qwen2"]), progress=False, weights="gguf")
+
+
+def test_cli_bad_weights_value_exits_2(tiny_file):
+    done = subprocess.run([sys.executable, "-m", "tfq", "plan", "--model", str(tiny_file), "--set", "weights=int3"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "weights must be one of auto | fp32 | gguf" in done.stderr and "Traceback" not in done.stderr
