@@ -10,15 +10,13 @@ import sys
 import numpy as np
 import pytest
 import torch
-from gguf.constants import GGMLQuantizationType
-from gguf.quants import dequantize
-
 from tfq.errors import TfqError
 from tfq.kernels import cpu_build
-from tfq.kernels.quant import BLOCKS, FORMATS, QuantLinear, Quantized, from_blocks, join
+from tfq.kernels.quant import FORMATS, QuantLinear, Quantized, from_blocks, join
 from tfq.kernels.rowwise import FixedOrderLinear
-from tfq.proofs.kernel_check_rowwise import linear_bound, U32
-from tiny import kquant_blocks, write_tiny_gguf
+from tfq.proofs.kernel_check_rowwise import dequantized, linear_bound
+from tfq.proofs.kernel_check_rowwise import random_blocks as check_blocks
+from tiny import write_tiny_gguf
 
 pytestmark = pytest.mark.skipif(not cpu_build.load()[0], reason="tfq's CPU kernels do not build here")
 
@@ -27,21 +25,7 @@ THREADS = (1, 2, 3, 4, 8)
 
 
 def random_blocks(kind: str, n: int, k: int, seed: int) -> np.ndarray:
-    """Random block bytes of `kind` with fp16 scales of either sign, about the size of a model's weights."""
-    rng = np.random.default_rng(seed)
-    if kind in ("Q4_K", "Q6_K"):
-        return kquant_blocks(kind, n, k, rng)
-    size, per = BLOCKS[kind]
-    raw = rng.integers(0, 256, (n * k // per, size), dtype=np.uint8)
-    if kind != "Q6_K":
-        raw[:, 0:2] = rng.normal(0, 2e-3, (len(raw), 1)).astype(np.float16).view(np.uint8)
-    if kind in ("Q4_1", "Q5_1", "Q5_K"):
-        raw[:, 2:4] = rng.normal(0, 2e-3, (len(raw), 1)).astype(np.float16).view(np.uint8)
-    return raw.reshape(n, -1)
-
-
-def gguf_values(kind: str, raw: np.ndarray, n: int, k: int) -> torch.Tensor:
-    return torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind]).reshape(n, k).astype(np.float32))
+    return check_blocks(kind, n, k, np.random.default_rng(seed))
 
 
 @pytest.fixture(scope="module", params=FORMATS)
@@ -49,7 +33,7 @@ def layer(request):
     """(kind, Quantized, the gguf package's dequantized weights) for a 200 x 512 matrix."""
     kind, n, k = request.param, 200, 512
     raw = random_blocks(kind, n, k, seed=FORMATS.index(kind))
-    return kind, from_blocks(kind, raw, (n, k)), gguf_values(kind, raw, n, k)
+    return kind, from_blocks(kind, raw, (n, k)), dequantized(kind, raw, n, k)
 
 
 def test_every_format_unpacks_to_the_gguf_packages_values(layer):
@@ -109,7 +93,7 @@ def test_joining_formats_widens_without_changing_a_weight():
     for i, kind in enumerate(("Q5_0", "Q4_K", "Q6_K")):
         raw = random_blocks(kind, 64 + 32 * i, 512, seed=20 + i)
         parts.append(from_blocks(kind, raw, (64 + 32 * i, 512)))
-        values.append(gguf_values(kind, raw, 64 + 32 * i, 512))
+        values.append(dequantized(kind, raw, 64 + 32 * i, 512))
     joined = join(parts)
     assert (joined.bits, joined.group, joined.o is not None, joined.kind) == (8, 16, True, "mixed")
     stacked = torch.cat(values)
@@ -124,7 +108,7 @@ def test_control_the_bit_comparison_sees_one_weight_one_ulp_off():
     """The equality with the fp32 layer is sharp: the same weights with one of them moved by one ulp give
     other bits. By construction: row 0 is the one-hot input of that weight, so its output is the weight itself."""
     raw = random_blocks("Q6_K", 64, 256, seed=3)
-    q, ref = from_blocks("Q6_K", raw, (64, 256)), gguf_values("Q6_K", raw, 64, 256)
+    q, ref = from_blocks("Q6_K", raw, (64, 256)), dequantized("Q6_K", raw, 64, 256)
     nudged = ref.clone()
     nudged[5, 17] = torch.nextafter(nudged[5, 17], torch.tensor(1.0))
     x = torch.randn(4, 256)

@@ -248,26 +248,12 @@ def _default_like_qtype(gguf: str):
     return Q.Q5_0
 
 
-def kquant_blocks(kind: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """Random Q4_K or Q6_K blocks for an [n, k] matrix (the gguf package cannot quantize to them): random
-    integers and sub-scales, fp16 super-scales chosen so the weights are about the size of the model's."""
-    size = {"Q4_K": 144, "Q6_K": 210}[kind]
-    raw = rng.integers(0, 256, (n * k // 256, size), dtype=np.uint8)
-    scale = lambda s: rng.uniform(0.5, 1.0, (len(raw), 1)).astype(np.float16) * np.float16(s)  # noqa: E731
-    if kind == "Q4_K":
-        raw[:, 0:2] = scale(4e-5).view(np.uint8)
-        raw[:, 2:4] = scale(2e-5).view(np.uint8)
-    else:
-        raw[:, 208:210] = scale(1e-5).view(np.uint8)
-    return raw.reshape(n, -1)
-
-
 def write_tiny_gguf(path: Path, family: str = "qwen2", tie: bool = False, seed: int = 0, quantized: bool = True,
                     like_default: bool = False, **shape) -> Path:
     """Write a tiny random GGUF file laid out as llama.cpp writes qwen2/qwen3 models.
 
     Shapes default to hidden 128, 2 heads of 64 (HF's GGUF loader assumes head_dim = hidden / heads).
-    like_default: the tensor types of the default model's file (with random K-quant blocks for ffn_down).
+    like_default: the tensor types of the default model's file (ffn_down in random K-quant blocks).
     """
     import gguf
     from safetensors.torch import load_file
@@ -316,7 +302,9 @@ def write_tiny_gguf(path: Path, family: str = "qwen2", tie: bool = False, seed: 
         arr = state[hf].numpy().astype(np.float32)
         q = _default_like_qtype(name) if like_default else _qtype(name, quantized)
         if q.name.endswith("_K"):
-            data = kquant_blocks(q.name, *arr.shape, np.random.default_rng(seed + len(name)))
+            from tfq.proofs.kernel_check_rowwise import random_blocks  # the gguf package cannot quantize to them
+
+            data = random_blocks(q.name, *arr.shape, np.random.default_rng(seed + len(name)))
         else:
             data = gguf.quants.quantize(arr, q)
         w.add_tensor(name, data, raw_dtype=None if q in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) else q)

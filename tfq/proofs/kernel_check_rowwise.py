@@ -2,6 +2,10 @@
 rows share the call (fewer rows, the same rows in another order), the same bits on every repeat, and stay
 within a float64 bound. A control proves the batch check can fail: it must come out RED.
 
+Where the backend has a quantized linear layer (weights: gguf), each GGUF format it computes with gets the same
+cases on random blocks, plus one more: its bits equal the fp32 layer's on the dequantized weights (the gguf
+package's values). Its control nudges one dequantized weight by one ulp where a one-hot input row shows it.
+
 Shapes follow the check's heads and head size: hidden = heads x head_dim, a square layer and a 4x wider
 down projection (the long rows that made oneDNN's lone row take another kernel on this CPU).
 """
@@ -9,6 +13,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
 import torch
 
 from tfq.kernels.backend import Backend
@@ -42,6 +47,67 @@ def _batch_ok(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, full: 
         if not torch.equal(f(x[:m]), full[:m]):
             return False
     return torch.equal(f(x.flip(0)), full.flip(0))
+
+
+def random_blocks(kind: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Random GGUF blocks of `kind` for an [n, k] matrix: random integers, sub-scales and mins, fp16 scales of
+    either sign sized so the weights are about a model's (a few hundredths)."""
+    from tfq.kernels.quant import BLOCKS
+
+    size, per = BLOCKS[kind]
+    raw = rng.integers(0, 256, (n * k // per, size), dtype=np.uint8)
+    scale = lambda s: (rng.uniform(0.5, 1.0, (len(raw), 1)) * rng.choice([-1, 1], (len(raw), 1)) * s)  # noqa: E731
+    f16 = lambda a: a.astype(np.float16).view(np.uint8)  # noqa: E731
+    if kind == "Q6_K":
+        raw[:, 208:210] = f16(scale(1e-5))
+    elif kind.endswith("_K"):
+        raw[:, 0:2], raw[:, 2:4] = f16(scale(4e-5)), f16(scale(2e-5))
+    else:
+        raw[:, 0:2] = f16(scale(2e-3 if kind != "Q8_0" else 3e-4))
+        if kind.endswith("_1"):
+            raw[:, 2:4] = f16(scale(1e-2))
+    return raw.reshape(n, -1)
+
+
+def dequantized(kind: str, raw: np.ndarray, n: int, k: int) -> torch.Tensor:
+    """The gguf package's fp32 values of a GGUF tensor's blocks (what weights: fp32 computes with)."""
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    return torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind]).reshape(n, k).astype(np.float32))
+
+
+def check_quantized(backend: Backend, hidden: int, repeats: int, seed: int) -> list[Case]:
+    """Each format: repeats, batch, bound (against the dequantized weights), equal to the fp32 layer on them."""
+    from tfq.kernels.quant import FORMATS, from_blocks
+
+    rng = np.random.default_rng(seed)
+    g = torch.Generator().manual_seed(seed)
+    n_in, n_out = -(-hidden // 256) * 256, hidden  # whole K-quant blocks
+    cases = []
+    for kind in FORMATS:
+        raw = random_blocks(kind, n_out, n_in, rng)
+        w = dequantized(kind, raw, n_out, n_in)
+        b = torch.randn(n_out, generator=g)
+        f = backend.quant_linear(from_blocks(kind, raw, (n_out, n_in)), b)
+        x = torch.randn(ROWS, n_in, generator=g)
+        outs = [f(x) for _ in range(repeats)]
+        full = outs[0]
+        err = (full.double() - (x.double() @ w.double().T + b.double())).abs()
+        bound = linear_bound(x, w) + U32 * b.double().abs()
+        flags = {"repeats": all(torch.equal(o, full) for o in outs), "batch": _batch_ok(f, x, full),
+                 "bound": bool((err <= bound).all()), "fp32": torch.equal(full, backend.linear(w, b)(x))}
+        cases.append(Case("rows", f"linear {kind}", backend.name, "fp32", all(flags.values()), err.max().item(),
+                          bound.max().item(), _notes(flags)))
+    nudged = w.clone()
+    nudged[3, 5] = torch.nextafter(nudged[3, 5], torch.tensor(float("inf")))
+    one_hot = torch.zeros(2, n_in)
+    one_hot[0, 5] = 1.0  # without a bias, row 0's output 3 is w[3, 5] itself: one ulp off shows, by construction
+    plain = backend.quant_linear(from_blocks(kind, raw, (n_out, n_in)))
+    cases.append(Case("control: fp32 weights one ulp off", f"linear {kind}", backend.name, "fp32",
+                      not torch.equal(plain(one_hot), backend.linear(nudged)(one_hot)), control=True,
+                      note="must fail: fp32"))
+    return cases
 
 
 def check_rowwise(backend: Backend, heads: int, head_dim: int, repeats: int, seed: int) -> list[Case]:
@@ -86,9 +152,12 @@ def check_rowwise(backend: Backend, heads: int, head_dim: int, repeats: int, see
              "bound": bool((err <= bound).all())}
     cases.append(Case("rows", "rms norm", backend.name, "fp32", all(flags.values()), err.max().item(),
                       bound.max().item(), _notes(flags)))
+    if backend.quant_linear is not None:
+        cases += check_quantized(backend, hidden, repeats, seed)
     return cases
 
 
 def _notes(flags: dict[str, bool]) -> str:
-    words = {"repeats": "repeats differ", "batch": "a row's bits change with the batch", "bound": "over the bound"}
+    words = {"repeats": "repeats differ", "batch": "a row's bits change with the batch", "bound": "over the bound",
+             "fp32": "bits differ from the fp32 layer on the dequantized weights"}
     return "; ".join(words[k] for k, ok in flags.items() if not ok)
