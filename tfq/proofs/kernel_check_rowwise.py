@@ -103,9 +103,9 @@ def check_quantized(backend: Backend, hidden: int, repeats: int, seed: int) -> l
     nudged[3, 5] = torch.nextafter(nudged[3, 5], torch.tensor(float("inf")))
     one_hot = torch.zeros(2, n_in)
     one_hot[0, 5] = 1.0  # without a bias, row 0's output 3 is w[3, 5] itself: one ulp off shows, by construction
-    plain = backend.quant_linear(from_blocks(kind, raw, (n_out, n_in)))
+    plain = backend.quant_linear(from_blocks(kind, raw, (n_out, n_in)), None)
     cases.append(Case("control: fp32 weights one ulp off", f"linear {kind}", backend.name, "fp32",
-                      not torch.equal(plain(one_hot), backend.linear(nudged)(one_hot)), control=True,
+                      not torch.equal(plain(one_hot), backend.linear(nudged, None)(one_hot)), control=True,
                       note="must fail: fp32"))
     return cases
 
