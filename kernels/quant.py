@@ -23,6 +23,14 @@ from . import cpu_build
 BLOCKS = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q5_0": (22, 32), "Q5_1": (24, 32), "Q8_0": (34, 32),
           "Q4_K": (144, 256), "Q5_K": (176, 256), "Q6_K": (210, 256)}
 FORMATS = tuple(BLOCKS)
+# GGUF type name -> (bits of q, inputs a scale, whether groups carry an offset), as `from_blocks` keeps them
+KEPT = {"Q4_0": (4, 32, False), "Q4_1": (4, 32, True), "Q5_0": (5, 32, False), "Q5_1": (5, 32, True),
+        "Q8_0": (8, 32, False), "Q4_K": (4, 32, True), "Q5_K": (5, 32, True), "Q6_K": (6, 16, False)}
+
+
+def kept_bytes(bits: int, group: int, offsets: bool, n: int, k: int) -> int:
+    """Bytes an [n, k] matrix takes kept at `bits` with an fp32 scale (and offset) per `group` inputs."""
+    return n * k * bits // 8 + 4 * (n * k // group) * (2 if offsets else 1)
 
 
 @dataclass
@@ -44,8 +52,7 @@ class Quantized:
 
     def nbytes(self) -> int:
         """Bytes a forward reads: the integers at their width, the scales and offsets."""
-        n, k = self.shape
-        return n * k * self.bits // 8 + 4 * self.s.numel() * (1 if self.o is None else 2)
+        return kept_bytes(self.bits, self.group, self.o is not None, *self.shape)
 
     def ints(self) -> torch.Tensor:
         """q - zero as int32 [n, k]."""

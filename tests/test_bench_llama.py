@@ -7,6 +7,9 @@ import sys
 import types
 
 import pytest
+
+from tfq.bench import weights_read_bytes
+from tfq.model.config import ModelConfig
 import torch
 from safetensors.torch import load_file
 
@@ -64,14 +67,16 @@ def test_llama_cpp_needs_a_gguf_model(tiny_dirs, monkeypatch, capsys):
     assert code == 2 and len(err.strip().splitlines()) == 1 and "runs a GGUF file" in err, err
 
 
-@pytest.mark.parametrize("peer", ["llama.cpp", "llama.cpp-gguf"])
-def test_bench_beside_llama_cpp(tmp_path_factory, tmp_path, monkeypatch, capsys, peer):
+@pytest.mark.parametrize("peer,weights", [("llama.cpp", "fp32"), ("llama.cpp", "gguf"), ("llama.cpp-gguf", "gguf")])
+def test_bench_beside_llama_cpp(tmp_path_factory, tmp_path, monkeypatch, capsys, peer, weights):
+    """--peer llama.cpp runs the weights tfq computes with: the F32 twin beside weights: fp32, the file as shipped
+    beside weights: gguf (tfq's quantized kernel)."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is an optional extra (peer-llama)")
     monkeypatch.setenv("TFQ_CACHE", str(tmp_path / "cache"))
     model = tiny_gguf(tmp_path_factory)
     path = tmp_path / "bench.json"
     code, out, err = tfq(["bench", "--model", str(model), *SMALL, "--lanes", "1,2", "--arms", "whole", "--peer", peer,
-                          "--quiet", "--json", str(path)], monkeypatch, capsys)
+                          "--set", f"weights={weights}", "--quiet", "--json", str(path)], monkeypatch, capsys)
     assert code == 0, err
     assert f"{peer} (peer)" in out
     report = json.loads(path.read_text())
@@ -83,6 +88,14 @@ def test_bench_beside_llama_cpp(tmp_path_factory, tmp_path, monkeypatch, capsys,
         assert p["engine"] == "llama.cpp" and p["decode_steps"] == 3 and p["decode_tokens_per_s"] > 0
         assert rows[lanes, "whole"]["vs_peer"]["decode"] > 0
         assert 0 <= rows[lanes, "whole"]["same_reply_as_peer"]["whole_replies"] <= 1
-    if peer == "llama.cpp":
-        assert any("vs llama.cpp F32" in t["target"] for t in report["targets"])
-        assert (tmp_path / "cache" / "peer").is_dir()  # the F32 twin is written once, into tfq's cache
+    assert report["model"]["weights"] == weights
+    twin = tmp_path / "cache" / "peer"
+    if peer == "llama.cpp" and weights == "fp32":
+        assert any("vs llama.cpp on F32" in t["target"] for t in report["targets"])
+        assert twin.is_dir() and list(twin.glob("*-f32.gguf"))  # the F32 twin is written once, into tfq's cache
+    elif peer == "llama.cpp":
+        assert any("vs llama.cpp on its GGUF file" in t["target"] for t in report["targets"])
+        assert not twin.exists()  # the file as shipped: no twin
+    if weights == "gguf":  # a quantized step reads fewer bytes than the fp32 one
+        fp32 = weights_read_bytes(ModelConfig.from_folder(report["settings"]["folder"]))
+        assert report["model"]["weights_read_per_step_bytes"] < fp32

@@ -17,11 +17,17 @@ BANDWIDTH_TRIES = 7
 
 # ---------------------------------------------------------------------------------------- the roofline
 
-def weights_read_bytes(config: ModelConfig) -> int:
-    """fp32 bytes a decode step reads of the weights: every linear layer, the norms and the output head.
+def weights_read_bytes(config: ModelConfig, model=None) -> int:
+    """Bytes a decode step reads of the weights: every linear layer, the norms and the output head, in fp32, or,
+    given the loaded model, each quantized layer at its own width with its scales (weights: gguf).
     The embedding is a lookup of a few rows; when it is tied to the head, the head reads it whole."""
     untied_embedding = 0 if config.tie_embeddings else config.vocab_size * config.hidden_size
-    return (config.param_count() - untied_embedding) * 4
+    fp32 = (config.param_count() - untied_embedding) * 4
+    if model is None:
+        return fp32
+    linears = [f for layer in model.layers for f in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    kept = [f for f in linears + [model.lm_head] if hasattr(f, "nbytes")]
+    return fp32 - sum(4 * f.out_features * f.in_features - f.nbytes for f in kept)
 
 
 def mean_context(prompt_tokens: int, tokens: int) -> float:

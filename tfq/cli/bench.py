@@ -33,7 +33,8 @@ def bench_command(
     tokens: int = typer.Option(32, "--tokens", help="Reply tokens a stream (EOS ignored: every reply is this long)."),
     repeats: int = typer.Option(3, "--repeats", help="Timed rounds after the warm-up; figures are their medians."),
     peer: str = typer.Option("hf", "--peer", help="hf: HF transformers generate on the same weights (pip install -e \".[peer]\"); llama.cpp: llama.cpp on "
-                                                         "the same weights as an F32 GGUF, llama.cpp-gguf: on the GGUF as shipped "
+                                                         "the weights tfq computes with (the GGUF as shipped for weights: gguf, an F32 "
+                                                         "GGUF of its values for fp32), llama.cpp-gguf: on the GGUF as shipped "
                                                          "(pip install -e \".[peer-llama]\"); none."),
     arms: str = typer.Option("whole,paged,partial,drafted", "--arms",
                              help="tfq arms: whole, paged (256-row pages beyond stream 0), partial, drafted (ngram)."),
@@ -94,7 +95,7 @@ def bench_command(
 
         from tfq.bench.llama_peer import LlamaPeer, peer_gguf
 
-        quantized = settings.peer == "llama.cpp-gguf"
+        quantized = settings.peer == "llama.cpp-gguf" or loaded.weights == "gguf"  # the weights tfq computes with
         path = peer_gguf(the_plan.model, quantized, progress=not quiet)
         with err.status(f"loading the peer (llama.cpp on {path.name})"):
             peer_engine = LlamaPeer(path, torch.get_num_threads(), settings.peer)

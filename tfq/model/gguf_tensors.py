@@ -97,3 +97,27 @@ def kept_tensors(h: GgufHeader) -> dict[str, object]:
         else:
             out[name] = torch.from_numpy(np.array(dequantized(h, data, t)))
     return out
+
+
+def kept_summary(h: GgufHeader) -> tuple[dict[str, int], int, int]:
+    """What `weights: gguf` keeps of this file, from its header alone: (matrices by type, those tfq does not
+    compute with counted as "fp32"), the bytes a decode step reads of the weights kept so, and in fp32.
+    The embedding is a lookup unless the head shares it."""
+    from gguf.constants import GGMLQuantizationType
+
+    from tfq.kernels.quant import KEPT, kept_bytes
+
+    counts: dict[str, int] = {}
+    step = fp32 = 0
+    tied = not any(t.name == "output.weight" for t in h.tensors)
+    for t in h.tensors:
+        size = int(np.prod(t.shape, dtype=np.int64))
+        kind = GGMLQuantizationType(t.ggml_type).name
+        kept = kind in KEPT and len(t.shape) == 2
+        if len(t.shape) == 2:
+            counts[kind if kept else "fp32"] = counts.get(kind if kept else "fp32", 0) + 1
+        if t.name == "token_embd.weight" and not tied:
+            continue
+        fp32 += 4 * size
+        step += kept_bytes(*KEPT[kind], *t.shape) if kept else 4 * size
+    return counts, step, fp32

@@ -36,6 +36,8 @@ def load_model(spec: str, progress: bool = True, device: str | torch.device = "c
         _say_if_building(torch.device(device))
     backend = backend_for(torch.device(device))
     kind = weights_kind(weights, spec, device)[0]
+    if weights == "auto" and backend.quant_linear is None:  # tfq's CPU kernels did not build here
+        kind = "fp32"
     model = Qwen(config, model_weights(spec, folder, kind, backend, progress), backend)
     return LoadedModel(folder, config, model, tokenizer, kind)
 
@@ -53,11 +55,11 @@ def weights_kind(choice: str, spec: str, device: str | torch.device = "cpu") -> 
     from tfq.kernels import cpu_build
 
     try:
-        if not cpu_build.wanted():
-            return "fp32", "tfq's CPU kernels are not in use here"
+        if cpu_build.choice() == "torch" or (cpu_build.built() and not cpu_build.wanted()):
+            return "fp32", "tfq's CPU kernels are not in use here (TFQ_CPU_KERNELS)"
     except (ValueError, RuntimeError):
         return "fp32", "tfq's CPU kernels are not in use here"
-    return "gguf", "auto: the model is a GGUF file"
+    return "gguf", "the model is a GGUF file"
 
 
 def model_weights(spec: str, folder: Path, weights: str, backend: Backend, progress: bool = True) -> dict:

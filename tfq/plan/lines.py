@@ -22,8 +22,7 @@ def plan_lines(plan: Plan, config: ModelConfig, layout: Layout) -> list[str]:
     lines = [
         f"model: {plan.model}{t('model')}: {config.family}, {config.num_layers} layers, {config.num_heads} query "
         f"heads and {config.num_kv_heads} key-value heads, head dim {config.head_dim}",
-        f"weights: stored as {config.weights_dtype}, computed in fp32: {config.param_count() / 1e6:.1f}M "
-        f"parameters, {human_bytes(lay.weights_bytes)}",
+        *_weights_lines(plan, config, lay),
         f"window: {plan.window} rows a stream may hold, prompt and reply together{t('window')}",
         f"lanes: {plan.lanes} stream{'s' * (plan.lanes > 1)} in one forward at most{t('lanes')}",
         f"prefill: prompts go in chunks of {plan.prefill_chunk} rows{t('prefill_chunk')}",
@@ -132,10 +131,44 @@ def _prefix_line(plan: Plan, lay: Layout) -> str:
             f"recently used evicted first{lane}")
 
 
+def _weights_lines(plan: Plan, config: ModelConfig, lay: Layout) -> list[str]:
+    """How the weights are kept and computed, and the bytes a decode step reads of them."""
+    from tfq.model.load import weights_kind
+
+    kind, why = weights_kind(plan.weights, plan.model, lay.device)
+    if kind == "fp32":
+        said = f" ({why})" if plan.weights == "auto" else ""
+        return [f"weights: fp32{tag(plan, 'weights')}{said}: stored as {config.weights_dtype}, computed in fp32: "
+                f"{config.param_count() / 1e6:.1f}M parameters, {human_bytes(lay.weights_bytes)}"]
+    first = (f"weights: gguf{tag(plan, 'weights')} ({why}): the file's quantized blocks are kept and computed with; "
+             f"activations stay fp32 and each weight is unpacked exactly, so the bits are weights: fp32's")
+    summary = _kept_summary(plan.model)
+    if summary is None:
+        return [first, "weights read a decode step: counted from the file's header once the default model is "
+                       "joined (its first run)"]
+    counts, step, fp32 = summary
+    kinds = " + ".join(f"{n} {k}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    return [first, f"weights read a decode step: {human_bytes(step)} ({kinds} matrices; in fp32: "
+                   f"{human_bytes(fp32)}); the plan's total counts them as fp32"]
+
+
+def _kept_summary(spec: str):
+    """kept_summary of the model's GGUF header, or None while the default model's file is not joined yet."""
+    from pathlib import Path
+
+    from tfq.model import default
+    from tfq.model.gguf_header import read_header
+    from tfq.model.gguf_tensors import kept_summary
+    from tfq.model.source import cache_dir
+
+    path = cache_dir() / "gguf" / f"{default.SHA256}.gguf" if spec == "default" else Path(spec).expanduser()
+    return kept_summary(read_header(path)) if path.is_file() else None
+
+
 def plan_json(plan: Plan, config: ModelConfig, layout: Layout) -> dict:
     """The same facts as plan_lines, as JSON-ready data."""
     values = {
-        "model": plan.model, "window": plan.window, "lanes": plan.lanes, "prefill_chunk": plan.prefill_chunk,
+        "model": plan.model, "weights": plan.weights, "window": plan.window, "lanes": plan.lanes, "prefill_chunk": plan.prefill_chunk,
         "kv": dataclasses.asdict(plan.kv), "attention": plan.attention, "budget": plan.budget,
         "draft": plan.draft, "device": plan.device,
     }
