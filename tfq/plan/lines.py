@@ -136,11 +136,11 @@ def _weights_lines(plan: Plan, config: ModelConfig, lay: Layout) -> list[str]:
     from tfq.model.load import weights_kind
 
     kind, why = weights_kind(plan.weights, plan.model, lay.device)
+    said = f" ({why})" if plan.weights == "auto" else ""
     if kind == "fp32":
-        said = f" ({why})" if plan.weights == "auto" else ""
         return [f"weights: fp32{tag(plan, 'weights')}{said}: stored as {config.weights_dtype}, computed in fp32: "
                 f"{config.param_count() / 1e6:.1f}M parameters, {human_bytes(lay.weights_bytes)}"]
-    first = (f"weights: gguf{tag(plan, 'weights')} ({why}): the file's quantized blocks are kept and computed with; "
+    first = (f"weights: gguf{tag(plan, 'weights')}{said}: the file's quantized blocks are kept and computed with; "
              f"activations stay fp32 and each weight is unpacked exactly, so the bits are weights: fp32's")
     summary = _kept_summary(plan.model)
     if summary is None:
