@@ -39,7 +39,7 @@ def shared_default(monkeypatch, default_model):
 
     real = load.load_model
 
-    def load_model(spec: str, progress: bool = True, device="cpu", weights: str = "fp32"):
+    def load_model(spec: str, progress: bool = True, device="cpu", weights: str = "auto"):
         if spec == "default" and str(device) == "cpu" and load.weights_kind(weights, spec)[0] == default_model.weights:
             return default_model
         return real(spec, progress=progress, device=device, weights=weights)

@@ -47,8 +47,11 @@ using tfq::vzero;
 constexpr int64_t PANEL = tfq::PANEL_OUTPUTS;
 constexpr int64_t HEADER = 64;
 constexpr int32_t MAGIC = 0x31514654;  // "TFQ1"
-constexpr int64_t FUSED_ROWS = 4;      // rows a register tile unpacks each weight vector for
-constexpr int64_t FUSED_MAX = 8;       // up to this many rows, tiles unpack in registers; beyond, into a buffer
+constexpr int64_t FUSED_ROWS = 8;  // up to this many rows, weights are unpacked in registers; beyond, into a buffer
+// How far ahead a register tile prefetches its stream, into L1 and L2 (bytes; one line each a row of the group).
+// Without them a decode step's quantized layers took 40 ms here instead of 23 (interleaved runs of the default
+// model's layers at one row): unpacking keeps the cores busy, so memory must be asked for early.
+constexpr int64_t AHEAD_L1 = 4096, AHEAD_L2 = 16384;
 alignas(64) constexpr float NEG_ZERO[PANEL] = {
     -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f,
     -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f,
@@ -178,42 +181,61 @@ void unpack_panel(const Header& h, const uint8_t* panel, float* out) {
   }
 }
 
-// rows [mr] x the panel's 64 outputs, unpacking each weight vector once for all of them
-template <int BITS, int mr>
-void fused(const Header& h, const uint8_t* panel, const float* x, const float* bias, float* y, int64_t outputs) {
+// rows [mr] x NV vectors of the panel's outputs, unpacking each weight vector once for all of them: NV = 4 is the
+// whole panel (up to 4 rows: 16 accumulators); NV = 2 is half of it, vectors `half` and `half + 2`, which share
+// their nibble bytes (5 to 8 rows: up to 16 accumulators, so the panel is read twice, from cache the second time,
+// and each weight is still unpacked once)
+template <int BITS, int mr, int NV>
+void fused(const Header& h, const uint8_t* panel, const float* x, const float* bias, float* y, int64_t outputs,
+           int half) {
   const int64_t K = h.k;
-  V acc[mr][4];
+  V acc[mr][NV];
   for (int i = 0; i < mr; i++)
-    for (int j = 0; j < 4; j++) acc[i][j] = vzero();
+    for (int v = 0; v < NV; v++) acc[i][v] = vzero();
   for (int64_t g = 0; g < K / h.group; g++) {
     const Group grp = group_at(h, panel, g);
     const Scales sc = scales_of(grp, h.zero);
     for (int64_t r = 0; r < h.group; r++) {
       const uint8_t* row = grp.rows + r * h.row_bytes;
       const int64_t k = g * h.group + r;
-      TFQ_PREFETCH(row + h.group_bytes * 2);
-      for (int j = 0; j < 4; j++) {
+      TFQ_PREFETCH(row + AHEAD_L1);
+      TFQ_PREFETCH_L2(row + AHEAD_L2);
+      for (int v = 0; v < NV; v++) {
+        const int j = NV == 4 ? v : half + 2 * v;
         const V w = vfma(qfloat<BITS>(row, j), sc.s[j], sc.o[j]);
-        for (int i = 0; i < mr; i++) acc[i][j] = vfma(vbroadcast(x[i * K + k]), w, acc[i][j]);
+        for (int i = 0; i < mr; i++) acc[i][v] = vfma(vbroadcast(x[i * K + k]), w, acc[i][v]);
       }
     }
   }
-  alignas(64) float out[PANEL];
-  for (int i = 0; i < mr; i++) {
-    for (int j = 0; j < 4; j++) vstore(out + 16 * j, acc[i][j]);
-    for (int64_t n = 0; n < outputs; n++) y[i * h.n + n] = out[n] + (bias ? bias[n] : 0.f);
-  }
+  alignas(64) float out[16];
+  for (int i = 0; i < mr; i++)
+    for (int v = 0; v < NV; v++) {
+      const int64_t first = 16 * (NV == 4 ? v : half + 2 * v);
+      vstore(out, acc[i][v]);
+      for (int64_t n = first; n < std::min(outputs, first + 16); n++)
+        y[i * h.n + n] = out[n - first] + (bias ? bias[n] : 0.f);
+    }
 }
 
 template <int BITS>
 void fused_rows(const Header& h, const uint8_t* panel, const float* x, int64_t M, const float* bias, float* y,
                 int64_t outputs) {
+  if (M > 4) {
+    for (int half = 0; half < 2; half++) {
+      switch (M) {
+        case 8: fused<BITS, 8, 2>(h, panel, x, bias, y, outputs, half); break;
+        case 7: fused<BITS, 7, 2>(h, panel, x, bias, y, outputs, half); break;
+        case 6: fused<BITS, 6, 2>(h, panel, x, bias, y, outputs, half); break;
+        default: fused<BITS, 5, 2>(h, panel, x, bias, y, outputs, half); break;
+      }
+    }
+    return;
+  }
   switch (M) {
-    case 4: fused<BITS, 4>(h, panel, x, bias, y, outputs); break;
-    case 3: fused<BITS, 3>(h, panel, x, bias, y, outputs); break;
-    case 2: fused<BITS, 2>(h, panel, x, bias, y, outputs); break;
-    case 1: fused<BITS, 1>(h, panel, x, bias, y, outputs); break;
-    default: break;
+    case 4: fused<BITS, 4, 4>(h, panel, x, bias, y, outputs, 0); break;
+    case 3: fused<BITS, 3, 4>(h, panel, x, bias, y, outputs, 0); break;
+    case 2: fused<BITS, 2, 4>(h, panel, x, bias, y, outputs, 0); break;
+    default: fused<BITS, 1, 4>(h, panel, x, bias, y, outputs, 0); break;
   }
 }
 
@@ -225,9 +247,8 @@ void qlinear_bits(const Header& h, const uint8_t* data, const float* x, int64_t 
       const uint8_t* panel = data + p * h.panel_bytes;
       const int64_t outputs = std::min(PANEL, h.n - p * PANEL);
       const float* b = bias ? bias + p * PANEL : nullptr;
-      if (M <= FUSED_MAX) {
-        for (int64_t m = 0; m < M; m += FUSED_ROWS)
-          fused_rows<BITS>(h, panel, x + m * h.k, std::min(FUSED_ROWS, M - m), b, y + m * h.n + p * PANEL, outputs);
+      if (M <= FUSED_ROWS) {
+        fused_rows<BITS>(h, panel, x, M, b, y + p * PANEL, outputs);
         continue;
       }
       buffer.resize(static_cast<size_t>(h.k * PANEL));

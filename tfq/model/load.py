@@ -22,7 +22,7 @@ class LoadedModel:
 
 
 def load_model(spec: str, progress: bool = True, device: str | torch.device = "cpu",
-               weights: str = "fp32") -> LoadedModel:
+               weights: str = "auto") -> LoadedModel:
     """device: where the model runs (cpu: the torch kernels; cuda: the Triton kernels). weights: fp32 (every
     tensor as float32), gguf (a GGUF's quantized matrices kept in their blocks: tfq.kernels.quant) or auto
     (`weights_kind`)."""
