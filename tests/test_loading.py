@@ -317,7 +317,8 @@ def test_default_converts_once(fake_default, cache, monkeypatch):
     assert folder == source.converted_dir(default.SHA256)
     assert model_config("default") == ModelConfig.from_folder(folder)  # now the converted folder
     assert model_config("default").vocab_size == 512
-    assert sorted(p.name for p in folder.parent.iterdir()) == [folder.name]  # no joined file left behind
+    assert sorted(p.name for p in folder.parent.iterdir()) == [folder.name]  # nothing else beside the folder
+    assert [p.name for p in (cache / "gguf").iterdir()] == [f"{default.SHA256}.gguf"]  # joined once, kept (gguf)
     monkeypatch.setattr(default, "part_path", lambda i: (_ for _ in ()).throw(AssertionError("parts read again")))
     assert resolve_model("default") == folder
 
@@ -354,7 +355,8 @@ def test_default_sha_mismatch(fake_default, cache):
     fake_default[2].write_bytes(bytes(data))
     with pytest.raises(TfqError, match="fails its sha256 check"):
         resolve_model("default", progress=False)
-    assert [p for p in (cache / "converted").iterdir()] == []  # no joined file, no folder
+    for sub in ("converted", "gguf"):  # no joined file, no folder
+        assert not (cache / sub).exists() or list((cache / sub).iterdir()) == []
 
 
 def test_default_part_wrong_size(fake_default, cache):

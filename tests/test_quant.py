@@ -160,15 +160,20 @@ def test_engine_streams_on_gguf_weights_equal_fp32_and_their_runs_alone(loaded):
     vocab = loaded["gguf"].config.vocab_size
     requests = [Request(prompt=tuple(torch.randint(0, vocab, (n,), generator=g).tolist()), max_tokens=t,
                         temperature=temp, seed=i) for i, (n, t, temp) in
-                enumerate([(5, 9, 0.0), (70, 6, 0.8), (131, 7, 0.0), (20, 12, 0.0), (300, 4, 0.0)])]
+                enumerate([(120, 20, 0.0), (121, 20, 0.8), (125, 16, 0.0), (5, 9, 0.0), (300, 4, 0.0)])]
+
+    preempted = []
 
     def run(model, reqs, **kw):
         engine = Engine(model, EngineSettings(window=512, lanes=4, **kw), eos_ids=())
-        return [(r.ids, r.digests) for r in engine.generate(reqs)]
+        out = [(r.ids, r.digests) for r in engine.generate(reqs)]
+        preempted.append(engine.scheduler.preemptions)
+        return out
 
     gguf, fp32 = loaded["gguf"].model, loaded["fp32"].model
-    together = run(gguf, requests, prefill_chunk=64, page_rows=64, pool_pages=16)
-    assert together == run(fp32, requests, prefill_chunk=64, page_rows=64, pool_pages=16)
+    together = run(gguf, requests, prefill_chunk=64, page_rows=64, pool_pages=6)
+    assert preempted[-1] > 0  # the 6-page pool cannot hold them all: streams were preempted and recomputed
+    assert together == run(fp32, requests, prefill_chunk=64, page_rows=64, pool_pages=6)
     for r, got in zip(requests, together):
         assert got == run(gguf, [r])[0]
 

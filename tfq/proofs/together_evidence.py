@@ -55,7 +55,8 @@ def versions(loaded) -> dict:
     return {"tfq": tfq.__version__, "torch": torch.__version__, "python": platform.python_version(),
             "platform": platform.platform(), "threads": torch.get_num_threads(), "argv": sys.argv[1:],
             "kernels": loaded.model.backend.name, "device": loaded.model.backend.where,
-            "build": build_facts(), "model": model_identity(Path(loaded.folder))}
+            "build": build_facts(), "model": model_identity(Path(loaded.folder)),
+            "weights": loaded.weights}
 
 
 def model_identity(folder: Path) -> dict:
