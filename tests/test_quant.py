@@ -207,3 +207,26 @@ def test_cli_bad_weights_value_exits_2(tiny_file):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "weights must be one of auto | fp32 | gguf" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+def test_default_model_gguf_equals_fp32(default_model):
+    """The default model on its own blocks (the shared fixture, weights: auto) against the same file dequantized
+    to fp32: every prompt row's logits equal, bit for bit, for three chats prefilled together."""
+    from tfq.engine import Engine, EngineSettings
+    from tfq.model.load import load_model
+    from tfq.stream import Request
+
+    assert default_model.weights == "gguf"
+    fp32 = load_model("default", progress=False, weights="fp32")
+    tok = default_model.tokenizer
+    prompts = [tok.chat_ids([{"role": "user", "content": c}]) for c in
+               ("Write a Python function that checks whether a number is prime.", "What is 17 * 23?",
+                "Explain what a mutex is in two sentences.")]
+
+    def run(loaded):
+        engine = Engine(loaded.model, EngineSettings(window=256, lanes=3), eos_ids=())
+        return [(r.ids, r.digests, [p.logprob for p in r.prompt_logprobs[1:]]) for r in
+                engine.generate([Request(prompt=tuple(p), max_tokens=12, prompt_logprobs=0) for p in prompts])]
+
+    assert run(default_model) == run(fp32)
