@@ -6,7 +6,7 @@ block's min (Q4_1, Q5_1) or the group's min negated (Q4_K, Q5_K). Those
 three arrays (`Quantized`) are what a GGUF block holds, spread out; the C++ kernel packs them into panels of 64
 outputs at the file's bit width and unpacks them to fp32 only in registers. The unpacked value is the gguf
 package's dequantized weight to the bit, and the sum is tfq's fp32 recipe, so `QuantLinear` gives the bits
-`FixedOrderLinear` gives on the dequantized weights (docs/contract.md, section 9).
+`FixedOrderLinear` gives on the dequantized weights (docs/contract.md, section 3; docs/quantized.md).
 
 This module reads block bytes with numpy and imports nothing from the engine.
 """
@@ -54,16 +54,15 @@ class Quantized:
         """Bytes a forward reads: the integers at their width, the scales and offsets."""
         return kept_bytes(self.bits, self.group, self.o is not None, *self.shape)
 
-    def ints(self) -> torch.Tensor:
-        """q - zero as int32 [n, k]."""
-        q = self.q.view(torch.int8) if self.bits == 8 else self.q
-        return q.to(torch.int32) - self.zero
+    def ints(self, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """q - zero as int32, of rows `ids` or all of them."""
+        q = self.q if ids is None else self.q[ids]
+        return (q.view(torch.int8) if self.bits == 8 else q).to(torch.int32) - self.zero
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The fp32 weights of rows `ids` (an embedding lookup): the kernel's value, q - zero times s (exact but
         for Q6_K, where it rounds once as fma does), plus o (-0 changes nothing; Q4_K rounds once here)."""
-        q = self.q[ids]
-        q = (q.view(torch.int8) if self.bits == 8 else q).to(torch.int32) - self.zero
+        q = self.ints(ids)
         s = self.s[ids].repeat_interleave(self.group, -1)
         w = q.to(torch.float32) * s
         return w if self.o is None else w + self.o[ids].repeat_interleave(self.group, -1)
@@ -80,9 +79,10 @@ def from_blocks(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> Quantized
         raise ValueError(f"a {kind} row of {k} inputs is not whole blocks of {per}")
     b = np.ascontiguousarray(raw).reshape(n * k // per, size)
     f16 = lambda col: b[:, col:col + 2].copy().view(np.float16).astype(np.float32)  # noqa: E731
+    bits, group, _ = KEPT[kind]
     o = None
     if kind == "Q8_0":
-        q, s, bits, group, zero = b[:, 2:].copy(), f16(0), 8, 32, 0
+        q, s, zero = b[:, 2:].copy(), f16(0), 0
     elif kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
         qs = b[:, -16:]
         q = np.concatenate([qs & 15, qs >> 4], axis=1)
@@ -91,7 +91,7 @@ def from_blocks(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> Quantized
             start = 4 if kind == "Q5_1" else 2
             qh = b[:, start:start + 4].copy().view(np.uint32)
             q |= (((qh >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
-        s, group, bits = f16(0), 32, 5 if five else 4
+        s = f16(0)
         zero = 0 if kind.endswith("_1") else 16 if five else 8
         if kind.endswith("_1"):  # w = d q + m
             o = f16(2)
@@ -100,20 +100,18 @@ def from_blocks(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> Quantized
         sc, m = _k_scale_min(b[:, 4:16])
         qs = b[:, -128:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
         q = (qs & 15).reshape(-1, 256)
-        bits = 4
         if kind == "Q5_K":
             qh = b[:, 16:48].reshape(-1, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
             q = q | ((qh & 1).reshape(-1, 256) << 4)
-            bits = 5
         s = (d * sc.astype(np.float32)).reshape(-1, 8)
         o = -(dmin * m.astype(np.float32)).reshape(-1, 8)
-        group, zero = 32, 0
+        zero = 0
     else:  # Q6_K
         ql = b[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
         qh = b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
         q = ((ql & 15).reshape(-1, 256) | ((qh & 3).reshape(-1, 256) << 4)).astype(np.uint8)
         s = f16(208) * b[:, 192:208].copy().view(np.int8).astype(np.float32)
-        bits, group, zero = 6, 16, 32
+        zero = 32
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).reshape(n, -1)  # noqa: E731
     return Quantized(t(q.astype(np.uint8)), t(s.astype(np.float32)), None if o is None else t(o.astype(np.float32)),
                      bits, group, zero, kind)

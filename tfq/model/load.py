@@ -55,11 +55,11 @@ def weights_kind(choice: str, spec: str, device: str | torch.device = "cpu") -> 
     from tfq.kernels import cpu_build
 
     try:
-        if cpu_build.choice() == "torch" or (cpu_build.built() and not cpu_build.wanted()):
-            return "fp32", "tfq's CPU kernels are not in use here (TFQ_CPU_KERNELS)"
-    except (ValueError, RuntimeError):
-        return "fp32", "tfq's CPU kernels are not in use here"
-    return "gguf", "the model is a GGUF file"
+        if cpu_build.choice() == "torch":
+            return "fp32", "TFQ_CPU_KERNELS=torch: tfq's CPU kernels are not in use"
+    except ValueError:  # a bad TFQ_CPU_KERNELS: backend_for says so in its own words
+        return "fp32", "TFQ_CPU_KERNELS is not a choice tfq knows"
+    return "gguf", "the model is a GGUF file"  # if the kernels fail to build, load_model falls back to fp32
 
 
 def model_weights(spec: str, folder: Path, weights: str, backend: Backend, progress: bool = True) -> dict:
