@@ -56,11 +56,16 @@ def resolve_model(spec: str, progress: bool = True) -> Path:
     return _convert_once(target, lambda out: gguf_file.convert(path, out, progress, header))
 
 
+def default_gguf() -> Path:
+    """Where the default model's parts are joined into one GGUF file, once (it may not be there yet)."""
+    return cache_dir() / "gguf" / f"{default.SHA256}.gguf"
+
+
 def gguf_path(spec: str, progress: bool = True) -> Path | None:
     """The GGUF file behind `spec`: the file itself, the default model's parts joined once into the cache
-    (`gguf/<sha256>.gguf`), or None for an HF folder."""
+    (`default_gguf`), or None for an HF folder."""
     if spec == "default":
-        target = cache_dir() / "gguf" / f"{default.SHA256}.gguf"
+        target = default_gguf()
         if not target.is_file():
             default.part_paths()  # not installed or incomplete: say so before any work
             write_once(target, lambda tmp: default.join_parts(tmp, progress))

@@ -156,19 +156,19 @@ def _kept_summary(spec: str):
     """kept_summary of the model's GGUF header, or None while the default model's file is not joined yet."""
     from pathlib import Path
 
-    from tfq.model import default
     from tfq.model.gguf_header import read_header
     from tfq.model.gguf_tensors import kept_summary
-    from tfq.model.source import cache_dir
+    from tfq.model.source import default_gguf
 
-    path = cache_dir() / "gguf" / f"{default.SHA256}.gguf" if spec == "default" else Path(spec).expanduser()
+    path = default_gguf() if spec == "default" else Path(spec).expanduser()
     return kept_summary(read_header(path)) if path.is_file() else None
 
 
 def plan_json(plan: Plan, config: ModelConfig, layout: Layout) -> dict:
     """The same facts as plan_lines, as JSON-ready data."""
     values = {
-        "model": plan.model, "weights": plan.weights, "window": plan.window, "lanes": plan.lanes, "prefill_chunk": plan.prefill_chunk,
+        "model": plan.model, "weights": plan.weights, "window": plan.window, "lanes": plan.lanes,
+        "prefill_chunk": plan.prefill_chunk,
         "kv": dataclasses.asdict(plan.kv), "attention": plan.attention, "budget": plan.budget,
         "draft": plan.draft, "device": plan.device,
     }
