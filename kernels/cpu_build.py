@@ -16,10 +16,12 @@ import os
 import platform
 from pathlib import Path
 
-SOURCES = ("linear.cpp", "attention.cpp", "rowwise.cpp", "layer.cpp", "quant.cpp")
+SOURCES = ("linear.cpp", "attention.cpp", "rowwise.cpp", "layer.cpp", "quant.cpp", "delta.cpp")
 HEADERS = ("lanes.h", "panel.h")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
 CHOICES = ("auto", "tfq", "torch")
+OPS = ("pack", "linear", "attend", "rms_norm", "silu", "layer", "qpack", "qlinear", "deltanet", "gated_rms_norm",
+       "sigmoid_gate")
 
 _state: dict[str, object] = {}  # once a process: "ok" -> bool, "why" -> str
 
@@ -123,7 +125,7 @@ def load() -> tuple[bool, str]:
         cpp_extension.load(name=name(), sources=[str(folder / s) for s in SOURCES],
                            extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"], is_python_module=False,
                            verbose=False)
-        ok = all(hasattr(torch.ops.tfq_cpu, op) for op in ("pack", "linear", "attend", "rms_norm", "silu", "layer", "qpack", "qlinear"))
+        ok = all(hasattr(torch.ops.tfq_cpu, op) for op in OPS)
         why = "tfq's fixed-order kernels (built for this CPU)"
     except Exception as e:  # a missing compiler or ninja, a failed build: many kinds, one line
         ok, why = False, f"tfq's CPU kernels did not build ({' '.join(str(e).split())[:200]})"

@@ -107,7 +107,9 @@ def _init_weights(model: torch.nn.Module, seed: int) -> None:
         for name, p in model.named_parameters():
             if p.ndim == 1 and "norm" in name:
                 val = 1.0 + 0.2 * torch.randn(p.shape, generator=g)
-            elif p.ndim == 1:  # biases
+            elif p.ndim == 1:  # biases (and a DeltaNet's A_log and dt_bias)
+                val = 0.5 * torch.randn(p.shape, generator=g)
+            elif "conv1d" in name:  # a DeltaNet's causal convolution [channels, 1, taps]
                 val = 0.5 * torch.randn(p.shape, generator=g)
             elif "embed_tokens" in name or "lm_head" in name:
                 val = 0.3 * torch.randn(p.shape, generator=g)
@@ -131,8 +133,17 @@ def write_tiny_checkpoint(
     shards: int = 1,
     max_positions: int = 4096,
     rope_theta: float = 10000.0,
+    layer_types: tuple[str, ...] | None = None,
+    linear_heads: tuple[int, int] = (2, 4),
+    linear_dims: tuple[int, int] = (32, 32),
+    vision: bool = False,
 ) -> Path:
-    """Write a random `family` checkpoint (HF folder, fp32 safetensors, optionally in `shards` files)."""
+    """Write a random `family` checkpoint (HF folder, fp32 safetensors, optionally in `shards` files).
+
+    qwen3_5 is the hybrid (transformers' Qwen3_5ForCausalLM): `layer_types` (default: every fourth layer full
+    attention, as transformers does), DeltaNet key and value heads `linear_heads` of dims `linear_dims`. With
+    `vision`, the config is an image-and-text qwen3_5 one, its text model's tensors under model.language_model
+    (the vision tower's own tensors are left out: tfq skips them)."""
     from safetensors.torch import save_file
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -142,14 +153,26 @@ def write_tiny_checkpoint(
     folder.mkdir(parents=True, exist_ok=True)
     tok = tiny_tokenizer(vocab)
     ids = {s: tok.token_to_id(s) for s in SPECIALS}
-    config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[family]
-    config = config_cls(
+    common = dict(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-        max_position_embeddings=max_positions, rope_theta=rope_theta, rms_norm_eps=1e-6,
+        max_position_embeddings=max_positions, rms_norm_eps=1e-6,
         tie_word_embeddings=tie, bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
-        pad_token_id=ids["<|endoftext|>"], use_sliding_window=False,
-    )
+        pad_token_id=ids["<|endoftext|>"])
+    if family == "qwen3_5":
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+        model_cls = Qwen3_5ForCausalLM
+        config = Qwen3_5TextConfig(
+            **common, layer_types=list(layer_types) if layer_types else None,
+            rope_parameters={"rope_type": "default", "rope_theta": rope_theta, "partial_rotary_factor": 0.25,
+                             "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+            linear_num_key_heads=linear_heads[0], linear_num_value_heads=linear_heads[1],
+            linear_key_head_dim=linear_dims[0], linear_value_head_dim=linear_dims[1], linear_conv_kernel_dim=4)
+    else:
+        config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                                 "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[family]
+        config = config_cls(**common, rope_theta=rope_theta, use_sliding_window=False)
     torch.manual_seed(seed)  # HF's own init runs first; every parameter is then overwritten from `seed`
     model = model_cls(config).to(torch.float32).eval()
     _init_weights(model, seed)
@@ -158,6 +181,14 @@ def write_tiny_checkpoint(
         state.pop("lm_head.weight")
     config.architectures = [model_cls.__name__]
     config.save_pretrained(folder)
+    if vision:  # the image-and-text layout: the text config inside, the text model's tensors renamed
+        text = json.loads((folder / "config.json").read_text())
+        outer = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+                 "text_config": text, "vision_config": {"model_type": "qwen3_5_vision", "depth": 2},
+                 "tie_word_embeddings": tie}
+        (folder / "config.json").write_text(json.dumps(outer, indent=2))
+        state = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+                 for k, v in state.items()}
 
     names = sorted(state)
     if shards <= 1:

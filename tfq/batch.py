@@ -18,6 +18,7 @@ class Feed:
     start: int
     tokens: list[int]
     logits: int = 1  # how many of its last rows need logits (0: none)
+    guesses: int = 0  # of its tokens, the last ones a drafter guessed (a verify: a hybrid keeps each row's state)
 
 
 @dataclass
@@ -30,14 +31,16 @@ class StepRows:
     batch: AttentionBatch
     logit_rows: torch.Tensor  # rows whose logits are drawn from, feed by feed
     counts: list[int]  # logits rows of each feed
+    segments: torch.Tensor  # [feeds, 5] int64: first row, rows, state slot, fresh (start 0), keep each row's state
 
 
 def step_rows(cache: KVCache, feeds: list[Feed], partial: bool) -> StepRows:
     ids, positions, write_rows, logit_rows = [], [], [], []
-    decode, chunks = [], []
+    decode, chunks, segments = [], [], []
     row = 0
     for f in feeds:
         n = len(f.tokens)
+        segments.append((row, n, f.placement.slot, int(f.start == 0), int(f.guesses > 0)))
         ids.extend(f.tokens)
         positions.extend(range(f.start, f.start + n))
         write_rows.append(cache.rows(f.placement, f.start, n))
@@ -49,13 +52,15 @@ def step_rows(cache: KVCache, feeds: list[Feed], partial: bool) -> StepRows:
         row += n
     return StepRows(torch.tensor(ids), torch.tensor(positions), torch.cat(write_rows),
                     AttentionBatch(_decode_group(cache, decode), chunks, partial),
-                    torch.tensor(logit_rows, dtype=torch.long), [f.logits for f in feeds])
+                    torch.tensor(logit_rows, dtype=torch.long), [f.logits for f in feeds],
+                    torch.tensor(segments, dtype=torch.long).reshape(-1, 5))
 
 
-def forward(model, cache: KVCache, feeds: list[Feed], partial: bool) -> list[torch.Tensor]:
-    """Run every feed in one forward (cache first); returns each feed's logits rows [logits, vocab]."""
+def forward(model, cache: KVCache, feeds: list[Feed], partial: bool, chunked: bool = False) -> list[torch.Tensor]:
+    """Run every feed in one forward (cache first); returns each feed's logits rows [logits, vocab]. chunked: a
+    hybrid's prompt chunks in the chunked DeltaNet arithmetic (the control of `tfq together`, never otherwise)."""
     s = step_rows(cache, feeds, partial)
-    logits = model.forward(s.ids, s.positions, cache, s.cache_rows, s.batch, s.logit_rows)
+    logits = model.forward(s.ids, s.positions, cache, s.cache_rows, s.batch, s.logit_rows, s.segments, chunked)
     return list(logits.split(s.counts))
 
 

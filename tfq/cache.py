@@ -1,7 +1,13 @@
-"""The KV cache: one row store per layer, K and V `[rows, kv_heads, head_dim]` in the cache dtype.
+"""The KV cache: one row store per attention layer, K and V `[rows, kv_heads, head_dim]` in the cache dtype;
+and a hybrid's recurrent state: per DeltaNet layer, one slot per lane.
 
 Rows are handed out by the page pool (tfq/pages.py): first the contiguous lanes, then the pages. Attention
 only ever sees row indices (`rows`, `key_rows`), so a lane and a page list are read by the same code.
+
+A DeltaNet layer keeps no rows: each stream's whole past is a fixed-size state (the recurrence's
+[value_heads, key_dim, value_dim] and the convolution's last kernel - 1 inputs), in the slot of the lane the
+stream holds. A stream's first row starts its slot from zeros, so a preempted stream recomputes its state from
+scratch; a draft verify keeps the state after each of its rows (`snap_*`), so rejected guesses roll back.
 """
 from __future__ import annotations
 
@@ -15,7 +21,8 @@ from tfq.pages import PagePool, Placement
 
 class KVCache:
     def __init__(self, config: ModelConfig, *, lanes: int, window: int, page_rows: int = 0, pool_pages: int = 0,
-                 dtype: str = "fp32", page_order_seed: int | None = None, backend=None, prefix=None):
+                 dtype: str = "fp32", page_order_seed: int | None = None, backend=None, prefix=None,
+                 slots: int = 0, snaps: int = 0):
         if backend is None:
             from tfq.kernels.backend import torch_backend
             backend = torch_backend()
@@ -26,12 +33,15 @@ class KVCache:
         self.rows_total = self.pages.rows
         shape = (self.rows_total, config.num_kv_heads, config.head_dim)
         dev = backend.device
-        self.k = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(config.num_layers)]
-        self.v = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(config.num_layers)]
+        layers = len(config.attention_layers)
+        self.k = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(layers)]
+        # a hybrid's state: a slot per lane (slots: every lane, contiguous or paged)
+        self.state = StateCache(config, slots or lanes, snaps) if config.hybrid else None
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() * t.element_size() for t in self.k + self.v) + (self.state.nbytes if self.state else 0)
 
     def rows(self, p: Placement, start: int, count: int) -> torch.Tensor:
         """Store rows of positions [start, start + count)."""
@@ -54,3 +64,50 @@ class KVCache:
         """What `write` left at `rows`, keys then values, as fp32 [N, 2 * kv_heads, head_dim] (for the guard)."""
         rows = rows.to(self.backend.device)
         return torch.cat([self.k[layer][rows].float(), self.v[layer][rows].float()], 1)
+
+
+class StateCache:
+    """A hybrid's per-stream state, fp32: for each DeltaNet layer a recurrent state [slots, value_heads, key_dim,
+    value_dim] and a convolution window [slots, kernel - 1, channels]; with `snaps`, room for the state after
+    each of a verify's rows (at most `snaps` rows)."""
+
+    def __init__(self, config: ModelConfig, slots: int, snaps: int = 0):
+        n, layers = config.deltanet, len(config.deltanet_layers)
+        self.conv = [torch.zeros(slots, n.conv_kernel - 1, n.channels) for _ in range(layers)]
+        self.rec = [torch.zeros(slots, n.value_heads, n.key_dim, n.value_dim) for _ in range(layers)]
+        none = torch.empty(0)
+        self.snap_conv = [torch.zeros(slots, snaps, *t.shape[1:]) if snaps else none for t in self.conv]
+        self.snap_rec = [torch.zeros(slots, snaps, *t.shape[1:]) if snaps else none for t in self.rec]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.conv + self.rec + self.snap_conv + self.snap_rec)
+
+    def roll_back(self, slot: int, row: int) -> None:
+        """The slot's state as it was after row `row` of the verify that last ran in it."""
+        for state, snaps in zip(self.conv + self.rec, self.snap_conv + self.snap_rec):
+            state[slot].copy_(snaps[slot, row])
+
+    def copy(self, source: int, target: int) -> None:
+        """Slot `source`'s state into slot `target` (a drafter's checkpoint)."""
+        for state in self.conv + self.rec:
+            state[target].copy_(state[source])
+
+    def fingerprint(self, index: int, segments: torch.Tensor, rows: int) -> torch.Tensor:
+        """[rows, 8] fp32: for each row, an exact fingerprint of its stream's state in layer `index` after the
+        forward (the start-up guard compares it; a float sum would round, so the bits are summed as integers,
+        weighted by position, and the 64-bit sums split into 16-bit pieces that fp32 holds exactly)."""
+        out = torch.zeros(rows, 8)
+        for row0, count, slot, _, _ in segments.tolist():
+            sums = [_bit_sum(t[slot]) for t in (self.conv[index], self.rec[index])]
+            out[row0:row0 + count] = torch.tensor([(s >> (16 * i)) & 0xFFFF for s in sums for i in range(4)],
+                                                  dtype=torch.float32)
+        return out
+
+
+def _bit_sum(t: torch.Tensor) -> int:
+    """sum of (bits of element i) * (i + 1), modulo 2^64: equal states give equal sums, any one bit changed
+    changes it."""
+    bits = t.reshape(-1).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    weights = torch.arange(1, bits.numel() + 1, dtype=torch.int64)
+    return int((bits * weights).sum()) & 0xFFFFFFFFFFFFFFFF

@@ -56,13 +56,19 @@ def lookup(tokens: list[int], k: int, longest: int = NGRAM_LONGEST) -> list[int]
 
 
 class ModelDrafter:
-    """A small model guessing greedily, with its own contiguous cache per lane of the engine."""
+    """A small model guessing greedily, with its own contiguous cache per lane of the engine.
+
+    A hybrid drafter's state cannot be cut back to a position as its keys can: after catching up with a
+    stream's true tokens it copies its state to a checkpoint slot (lanes + lane), and a rejected guess brings
+    that checkpoint back."""
 
     def __init__(self, model, lanes: int, window: int, k: int = 4):
         self.model = model
         self.k = k
-        self.cache = KVCache(model.config, lanes=lanes, window=window, backend=model.backend)
+        self.lanes = lanes
+        self.cache = KVCache(model.config, lanes=lanes, window=window, backend=model.backend, slots=2 * lanes)
         self.cached: dict[int, int] = {}  # stream index -> positions in the drafter's cache
+        self.checkpoint: dict[int, int] = {}  # hybrid: stream index -> positions its checkpoint holds
 
     def propose(self, streams: list[Stream], budgets: list[int]) -> list[list[int]]:
         guesses: list[list[int]] = [[] for _ in streams]
@@ -76,15 +82,23 @@ class ModelDrafter:
             for i, logits in zip(active, forward(self.model, self.cache, batch, partial=False)):
                 st = streams[i]
                 self.cached[st.index] = self.cached.get(st.index, 0) + len(feeds[i])
+                if self.cache.state is not None and not guesses[i]:  # caught up with the true tokens
+                    self.cache.state.copy(st.lane, self.lanes + st.lane)
+                    self.checkpoint[st.index] = self.cached[st.index]
                 guesses[i].append(int(logits[-1].argmax()))
                 feeds[i] = guesses[i][-1:]
         return guesses
 
     def settle(self, stream: Stream) -> None:
-        self.cached[stream.index] = min(self.cached.get(stream.index, 0), stream.cached)
+        held = self.cached.get(stream.index, 0)
+        if self.cache.state is not None and held > stream.cached:  # it ran past a rejected guess
+            self.cache.state.copy(self.lanes + stream.lane, stream.lane)
+            held = self.checkpoint.get(stream.index, 0)
+        self.cached[stream.index] = min(held, stream.cached)
 
     def forget(self, stream: Stream) -> None:
         self.cached.pop(stream.index, None)
+        self.checkpoint.pop(stream.index, None)
 
 
 def make_drafter(spec: str, target, lanes: int, window: int) -> Drafter | None:

@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 import torch
 
 from tfq.cache import KVCache
+from tfq.errors import TfqError
 from tfq.model.qwen import Qwen
 from tfq.prefix import PrefixCache, root_key
 from tfq.plan.layout import lane_split
@@ -69,7 +70,7 @@ class EngineSettings:
 class Engine:
     def __init__(self, model: Qwen, settings: EngineSettings, tokenizer=None, eos_ids: Sequence[int] = (),
                  page_order_seed: int | None = None, keep_logits: bool = False, drafter=None, threads=None,
-                 attention: AttentionPolicy | None = None):
+                 attention: AttentionPolicy | None = None, chunked_deltanet: bool = False):
         self.model = model
         self.settings = s = settings
         self.tokenizer = tokenizer
@@ -78,14 +79,19 @@ class Engine:
         self.drafter = drafter  # tfq.draft.Drafter or None
         self.threads = threads  # tfq.threads.Threads (the CPU thread count follows the load) or None
         prefix = None
+        if s.prefix_cache and model.config.hybrid:
+            raise TfqError("kv.prefix_cache: on does not work for a hybrid model: its DeltaNet layers keep a "
+                           "stream's past as one state, not in pages a later stream could map; set "
+                           "kv.prefix_cache: off")
         if s.prefix_cache and s.page_rows:  # what besides the tokens decides a cached row's bits
             prefix = PrefixCache(root_key(model.config, model.backend.name, s.kv_dtype, s.partial))
         self.cache = KVCache(model.config, lanes=s.contiguous_lanes, window=s.window, page_rows=s.page_rows,
                              pool_pages=s.pool_pages, dtype=s.kv_dtype, page_order_seed=page_order_seed,
-                             backend=model.backend, prefix=prefix)
+                             backend=model.backend, prefix=prefix, slots=s.lanes,
+                             snaps=1 + drafter.k if drafter is not None else 0)
         self.pages = self.cache.pages
         self.scheduler = Scheduler(s.lanes, s.contiguous_lanes, s.prefill_chunk, s.window, self.pages, drafter)
-        self.runner = Runner(model, self.cache, attention or plan_arithmetic(s.partial))
+        self.runner = Runner(model, self.cache, attention or plan_arithmetic(s.partial), chunked_deltanet)
         self.streams: dict[int, Stream] = {}
         self._next_id = 0
         self.proof = None  # tfq.proofs.startup.LayerProof: the model's layer proved row-invariant here
@@ -210,6 +216,9 @@ class Engine:
         if st.drafts:
             st.verifies += 1
             self.pages.shrink(st.placement, st.cached)  # rejected rows give their pages back
+            kept = st.cached - feed.start  # rows of this verify whose tokens stand
+            if self.cache.state is not None and kept < len(feed.tokens):
+                self.cache.state.roll_back(st.placement.slot, kept - 1)  # the state after the last of them
             self.drafter.settle(st)
         return outputs
 

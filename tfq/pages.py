@@ -30,6 +30,7 @@ class Placement:
     paged: bool = False
     pages: list[int] = field(default_factory=list)  # page ids (paged only)
     keys: list[bytes] = field(default_factory=list)  # with a prefix cache: the keys of its first full pages
+    slot: int = 0  # the lane it belongs to: where a hybrid keeps the stream's recurrent state
 
     @property
     def capacity(self) -> int:
@@ -63,10 +64,10 @@ class PagePool:
         return self.refs.count(0)
 
     def lane(self, i: int) -> Placement:
-        return Placement(self.window, [i * self.window])
+        return Placement(self.window, [i * self.window], slot=i)
 
-    def paged(self) -> Placement:
-        return Placement(self.page_rows, paged=True)
+    def paged(self, slot: int = 0) -> Placement:
+        return Placement(self.page_rows, paged=True, slot=slot)
 
     def grow(self, p: Placement, rows: int) -> bool:
         """Make room for positions [0, rows). False (taking nothing more) when the pool is dry."""

@@ -42,11 +42,12 @@ class ColdPartial:
 
 
 class Runner:
-    def __init__(self, model, cache: KVCache, policy: AttentionPolicy):
+    def __init__(self, model, cache: KVCache, policy: AttentionPolicy, chunked_deltanet: bool = False):
         self.model, self.cache, self.policy = model, cache, policy
+        self.chunked = chunked_deltanet  # a hybrid's control: prompt chunks in the chunked DeltaNet arithmetic
         self.forwards = 0
 
     def run(self, feeds: list[Feed]) -> list[torch.Tensor]:
         """Each feed's logits rows [logits, vocab] (fp32, on the CPU)."""
         self.forwards += 1
-        return forward(self.model, self.cache, feeds, self.policy(feeds))
+        return forward(self.model, self.cache, feeds, self.policy(feeds), self.chunked)

@@ -62,7 +62,8 @@ class Scheduler:
             if st.request.prompt_logprobs is not None and st.cached < len(st.request.prompt):
                 logits = n + len(st.drafts)  # every row of a prompt chunk: each scores the prompt's next token
             step.streams.append(st)
-            step.feeds.append(Feed(st.placement, st.cached, st.tokens[st.cached:st.cached + n] + st.drafts, logits))
+            step.feeds.append(Feed(st.placement, st.cached, st.tokens[st.cached:st.cached + n] + st.drafts, logits,
+                                   guesses=len(st.drafts)))
         return step
 
     def _admit(self) -> None:
@@ -73,7 +74,7 @@ class Scheduler:
                     continue
                 st.lane, st.order, st.status = i, self.admitted, Status.RUNNING
                 self.admitted += 1
-                st.placement = self.pages.lane(i) if i < self.contiguous_lanes else self.pages.paged()
+                st.placement = self.pages.lane(i) if i < self.contiguous_lanes else self.pages.paged(i)
                 st.cached = self.pages.adopt(st.placement, st.tokens)  # cached pages of its prefix, if any
                 st.reused += st.cached
                 self.lanes[i] = st

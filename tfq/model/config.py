@@ -12,7 +12,32 @@ FAMILIES = {
     # model_type -> (q/k/v bias, q_norm and k_norm)
     "qwen2": (True, False),
     "qwen3": (False, True),
+    "qwen3_5": (False, True),  # hybrid: Gated DeltaNet layers between gated full attention layers
 }
+HYBRID_TYPES = ("qwen3_5", "qwen3_5_text")  # config.json model_type of a Qwen3.5 checkpoint (text inside)
+LAYER_TYPES = ("full_attention", "linear_attention")  # what a hybrid's layer_types may name
+
+
+@dataclass(frozen=True)
+class DeltaNetShape:
+    """A Gated DeltaNet layer's sizes: per stream it keeps a recurrent state [value_heads, key_dim, value_dim]
+    and the last conv_kernel - 1 inputs of its causal convolution over the q, k, v channels."""
+
+    conv_kernel: int
+    key_heads: int
+    key_dim: int
+    value_heads: int
+    value_dim: int
+
+    @property
+    def channels(self) -> int:
+        """The convolution's channels: queries, keys, values."""
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+    @property
+    def state_floats(self) -> int:
+        """fp32 numbers a stream keeps for one layer: the recurrent state and the convolution window."""
+        return self.value_heads * self.key_dim * self.value_dim + (self.conv_kernel - 1) * self.channels
 
 
 ROPE_TYPES = ("default", "linear", "yarn")  # what tfq computes, exactly as HF transformers does
@@ -49,6 +74,36 @@ class ModelConfig:
     weights_dtype: str  # as stored in the checkpoint ("bfloat16", "float32", ...)
     eos_token_ids: tuple[int, ...] = ()
     rope_scaling: RopeScaling | None = None  # None: plain rotary embedding
+    layer_types: tuple[str, ...] = ()  # a hybrid's kind of each layer (LAYER_TYPES); () for all full attention
+    partial_rotary: float = 1.0  # the share of each head's dimensions the rotary embedding turns
+    deltanet: DeltaNetShape | None = None  # a hybrid's linear attention layers
+    skipped: str = ""  # what of the checkpoint tfq does not run (a vision tower), for the plan's lines
+
+    @property
+    def hybrid(self) -> bool:
+        """Qwen3.5: DeltaNet layers with a recurrent state, gated attention, norms stored as 1 + weight."""
+        return self.deltanet is not None
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return self.layer_types or ("full_attention",) * self.num_layers
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return [i for i, k in enumerate(self.kinds) if k == "full_attention"]
+
+    @property
+    def deltanet_layers(self) -> list[int]:
+        return [i for i, k in enumerate(self.kinds) if k == "linear_attention"]
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary)
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes one stream's recurrent state and convolution windows take, in every DeltaNet layer (fp32)."""
+        return 0 if self.deltanet is None else 4 * self.deltanet.state_floats * len(self.deltanet_layers)
 
     @property
     def qkv_bias(self) -> bool:
@@ -66,17 +121,27 @@ class ModelConfig:
     def param_count(self) -> int:
         h, d, i = self.hidden_size, self.head_dim, self.intermediate_size
         q, kv = self.num_heads * d, self.num_kv_heads * d
-        layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h
+        attention = h * q * (2 if self.hybrid else 1) + 2 * h * kv + q * h  # a hybrid's q_proj holds the gate
         if self.qkv_bias:
-            layer += q + 2 * kv
+            attention += q + 2 * kv
         if self.qk_norm:
-            layer += 2 * d
+            attention += 2 * d
+        total = len(self.attention_layers) * attention + self.num_layers * (3 * h * i + 2 * h)
+        if self.deltanet is not None:
+            n = self.deltanet
+            v = n.value_heads * n.value_dim
+            linear = h * (n.channels + v + 2 * n.value_heads) + n.channels * n.conv_kernel + 2 * n.value_heads
+            total += len(self.deltanet_layers) * (linear + n.value_dim + v * h)
         head = 0 if self.tie_embeddings else self.vocab_size * h
-        return self.vocab_size * h + self.num_layers * layer + h + head
+        return self.vocab_size * h + total + h + head
 
     @classmethod
     def from_dict(cls, raw: dict, where: str = "config.json") -> "ModelConfig":
         family = raw.get("model_type")
+        skipped = ""
+        if family in HYBRID_TYPES:
+            raw, skipped = _text_config(raw, where)
+            family = "qwen3_5"
         if family not in FAMILIES:
             raise TfqError(
                 f"{where}: model_type {family!r} is not supported; tfq runs {', '.join(sorted(FAMILIES))} checkpoints"
@@ -112,6 +177,7 @@ class ModelConfig:
                 weights_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
                 eos_token_ids=tuple(int(e) for e in eos_ids),
                 rope_scaling=_rope_scaling(raw, where),
+                **(_hybrid_fields(raw, int(raw["num_hidden_layers"]), where, skipped) if family == "qwen3_5" else {}),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise TfqError(f"{where}: missing or malformed field {e}; is this a Qwen config.json?") from None
@@ -126,6 +192,50 @@ class ModelConfig:
         except (OSError, ValueError) as e:
             raise TfqError(f"{path}: not readable JSON ({e})") from None
         return cls.from_dict(raw, str(path))
+
+
+def _text_config(raw: dict, where: str) -> tuple[dict, str]:
+    """A Qwen3.5 config's text model: the config itself (qwen3_5_text), or the text_config inside a qwen3_5
+    (image and text) config, whose vision tower tfq skips; (text config, what is skipped)."""
+    if raw.get("model_type") == "qwen3_5_text":
+        return raw, "-"
+    text = raw.get("text_config")
+    if not isinstance(text, dict) or "num_hidden_layers" not in text:
+        raise TfqError(f"{where}: a qwen3_5 config without a text_config: a vision-only checkpoint; tfq runs "
+                       f"the text model, so point --model at a checkpoint that has one")
+    merged = {k: v for k, v in raw.items() if k not in ("text_config", "vision_config")}
+    merged.update(text)
+    merged["model_type"] = "qwen3_5_text"
+    vision = raw.get("vision_config")
+    depth = vision.get("depth") if isinstance(vision, dict) else None
+    return merged, (f"the vision tower ({depth} blocks)" if depth else "the vision tower")
+
+
+def _hybrid_fields(raw: dict, layers: int, where: str, skipped: str) -> dict:
+    """A Qwen3.5 text config's layer kinds, partial rotary and DeltaNet sizes (HF transformers' defaults)."""
+    kinds = raw.get("layer_types")
+    if kinds is None:
+        every = int(raw.get("full_attention_interval", 4))
+        kinds = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(layers)]
+    if not isinstance(kinds, list) or len(kinds) != layers:
+        raise TfqError(f"{where}: layer_types must list one kind per layer ({layers}), got {kinds!r}")
+    unknown = sorted({str(k) for k in kinds} - set(LAYER_TYPES))
+    if unknown:
+        raise TfqError(f"{where}: layer type {unknown[0]!r} is not one tfq runs; a qwen3_5 layer is one of "
+                       f"{', '.join(LAYER_TYPES)}: fix layer_types")
+    rope = raw.get("rope_parameters") or {}
+    partial = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25)))
+    shape = DeltaNetShape(int(raw.get("linear_conv_kernel_dim", 4)), int(raw.get("linear_num_key_heads", 16)),
+                          int(raw.get("linear_key_head_dim", 128)), int(raw.get("linear_num_value_heads", 32)),
+                          int(raw.get("linear_value_head_dim", 128)))
+    if shape.value_heads % shape.key_heads or shape.conv_kernel < 1:
+        raise TfqError(f"{where}: linear_num_value_heads ({shape.value_heads}) must be a multiple of "
+                       f"linear_num_key_heads ({shape.key_heads}), and linear_conv_kernel_dim at least 1")
+    head_dim = int(raw.get("head_dim") or int(raw["hidden_size"]) // int(raw["num_attention_heads"]))
+    if not 0 < partial <= 1 or int(head_dim * partial) % 2:
+        raise TfqError(f"{where}: partial_rotary_factor {partial} must leave an even number of rotary dimensions")
+    return {"layer_types": tuple(kinds), "partial_rotary": partial, "deltanet": shape,
+            "skipped": "" if skipped == "-" else skipped}
 
 
 def _refuse_sliding_window(raw: dict, where: str) -> None:

@@ -1,9 +1,14 @@
-"""The Qwen2 / Qwen3 decoder forward in fp32, built from row-invariant pieces only.
+"""The Qwen2 / Qwen3 / Qwen3.5 decoder forward in fp32, built from row-invariant pieces only.
 
 Rows of every stream in a forward are concatenated: linear layers, norms and activations treat each row on
 its own, attention reads each stream's keys from the cache, so no row's bits depend on which other rows
 share the forward. The kernels come from a backend (kernels.backend: torch on the CPU, Triton on a GPU);
 everything else here is elementwise or indexing, which is row-invariant on either device.
+
+A Qwen3.5 hybrid interleaves Gated DeltaNet layers (a recurrence with a fixed-size state per stream, kept in
+the cache's state slots: tfq/cache.py) with gated full attention layers (partial rotary, the output times
+sigmoid of a gate that q_proj computes beside the queries). Its DeltaNet arithmetic is the recurrence for every
+row (kernels/delta.py), so a row's bits do not depend on how its prompt was chunked.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import torch
 
 from tfq.kernels.attention import AttentionBatch, attend_fixed, write
 from tfq.kernels.backend import Backend, LinearFn, torch_backend
+from tfq.kernels.delta import DeltaSizes, DeltaWeights, deltanet_chunks, deltanet_rows, gated_rms_norm, sigmoid_gate
 from tfq.kernels.layer import fusable
 from tfq.kernels.quant import Quantized, join
 from tfq.kernels.rowwise import rms_norm_fixed
@@ -48,6 +54,21 @@ class Layer:
     post_norm: torch.Tensor
     gate_up: LinearFn
     down: LinearFn
+    gated: bool = False  # a hybrid's attention: qkv's last rows are a gate; the output is times sigmoid(gate)
+
+
+@dataclass
+class DeltaLayer:
+    """A hybrid's Gated DeltaNet layer: the projections in one linear layer (qkv | z | b | a), the recurrence's
+    own tensors, the output projection, then the MLP as in every layer."""
+
+    input_norm: torch.Tensor
+    in_proj: LinearFn
+    mixer: DeltaWeights
+    out_proj: LinearFn
+    post_norm: torch.Tensor
+    gate_up: LinearFn
+    down: LinearFn
 
 
 class Qwen:
@@ -56,38 +77,46 @@ class Qwen:
         ensure_exact(backend)
         self.config = config
         c = config
-        take = _Taker(weights, c.family, backend.device)
+        take = _Taker(weights, c.family, backend.device, offset=c.hybrid)
 
         def Linear(w, b=None):  # fp32 weights, or a GGUF's blocks (kept by load_model for weights: gguf)
             return backend.quant_linear(w, b) if isinstance(w, Quantized) else backend.linear(w, b)
 
+        norm = take.norm  # Qwen3.5 stores its norms as 1 + weight (zero-centred); loaded as the weight they act as
         self.embed = take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
-        self.layers: list[Layer] = []
+        self.layers: list[Layer | DeltaLayer] = []
         q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        for i in range(c.num_layers):
+        for i, kind in enumerate(c.kinds):
             p = f"model.layers.{i}."
+            m = p + "mlp."
+            gate_up = stack([take(m + "gate_proj.weight", (c.intermediate_size, c.hidden_size)),
+                                 take(m + "up_proj.weight", (c.intermediate_size, c.hidden_size))])
+            mlp = dict(input_norm=norm(p + "input_layernorm.weight", c.hidden_size), post_norm=norm(
+                p + "post_attention_layernorm.weight", c.hidden_size), gate_up=Linear(gate_up),
+                down=Linear(take(m + "down_proj.weight", (c.hidden_size, c.intermediate_size))))
+            if kind == "linear_attention":
+                self.layers.append(self._deltanet(take, p + "linear_attn.", Linear, mlp))
+                continue
             a = p + "self_attn."
-            qkv_w = stack([take(a + "q_proj.weight", (q_out, c.hidden_size)),
-                               take(a + "k_proj.weight", (kv_out, c.hidden_size)),
-                               take(a + "v_proj.weight", (kv_out, c.hidden_size))])
+            q = take(a + "q_proj.weight", (q_out * (2 if c.hybrid else 1), c.hidden_size))
+            gate = None
+            if c.hybrid:  # each head's rows: its queries, then its gate; the gate goes after v (same sums)
+                q, gate = q.reshape(c.num_heads, 2, c.head_dim, c.hidden_size).unbind(1)
+                q, gate = q.reshape(q_out, c.hidden_size), gate.reshape(q_out, c.hidden_size)
+            qkv_w = stack([q, take(a + "k_proj.weight", (kv_out, c.hidden_size)),
+                           take(a + "v_proj.weight", (kv_out, c.hidden_size))] + ([gate] if c.hybrid else []))
             qkv_b = None
             if c.qkv_bias:
                 qkv_b = torch.cat([take(a + "q_proj.bias", (q_out,)), take(a + "k_proj.bias", (kv_out,)),
                                    take(a + "v_proj.bias", (kv_out,))])
-            m = p + "mlp."
-            gate_up = stack([take(m + "gate_proj.weight", (c.intermediate_size, c.hidden_size)),
-                                 take(m + "up_proj.weight", (c.intermediate_size, c.hidden_size))])
             self.layers.append(Layer(
-                input_norm=take(p + "input_layernorm.weight", (c.hidden_size,)),
                 qkv=Linear(qkv_w, qkv_b),
-                q_norm=take(a + "q_norm.weight", (c.head_dim,)) if c.qk_norm else None,
-                k_norm=take(a + "k_norm.weight", (c.head_dim,)) if c.qk_norm else None,
+                q_norm=norm(a + "q_norm.weight", c.head_dim) if c.qk_norm else None,
+                k_norm=norm(a + "k_norm.weight", c.head_dim) if c.qk_norm else None,
                 o=Linear(take(a + "o_proj.weight", (c.hidden_size, q_out))),
-                post_norm=take(p + "post_attention_layernorm.weight", (c.hidden_size,)),
-                gate_up=Linear(gate_up),
-                down=Linear(take(m + "down_proj.weight", (c.hidden_size, c.intermediate_size))),
+                gated=c.hybrid, **mlp,
             ))
-        self.norm = take("model.norm.weight", (c.hidden_size,))
+        self.norm = norm("model.norm.weight", c.hidden_size)
         head = self.embed if c.tie_embeddings else take("lm_head.weight", (c.vocab_size, c.hidden_size))
         self.lm_head = Linear(head)
         self._rope_rows = 0
@@ -95,9 +124,29 @@ class Qwen:
         self.act = backend.silu  # the MLP's activation; the guard's tests swap in flawed ones and must see them
         self.layer_clock: torch.Tensor | None = None  # float64 [2]: tfq bench's breakdown reads the one-call layer
         self.proved: dict = {}  # what the start-up guard proved on this model (tfq.proofs.startup), by its settings
-        first = self.layers[0]
-        check_layers({"qkv": first.qkv, "o": first.o, "gate_up": first.gate_up, "down": first.down,
-                      "lm_head": self.lm_head}, backend)
+        self.cache_index = _cache_index(c)  # layer -> its index among the cache's attention or state layers
+        first = self.layers[c.attention_layers[0]] if c.attention_layers else self.layers[0]
+        layers = {"gate_up": first.gate_up, "down": first.down, "lm_head": self.lm_head}
+        if isinstance(first, Layer):
+            layers.update(qkv=first.qkv, o=first.o)
+        if c.deltanet_layers:
+            delta = self.layers[c.deltanet_layers[0]]
+            layers.update(in_proj=delta.in_proj, out_proj=delta.out_proj)
+        check_layers(layers, backend)
+
+    def _deltanet(self, take, a: str, Linear, mlp: dict) -> DeltaLayer:
+        """One Gated DeltaNet layer's tensors, checked against the config's sizes."""
+        c, n = self.config, self.config.deltanet
+        v = n.value_heads * n.value_dim
+        h = c.hidden_size
+        in_proj = stack([take(a + "in_proj_qkv.weight", (n.channels, h)), take(a + "in_proj_z.weight", (v, h)),
+                         take(a + "in_proj_b.weight", (n.value_heads, h)),
+                         take(a + "in_proj_a.weight", (n.value_heads, h))])
+        conv = take(a + "conv1d.weight", (n.channels, 1, n.conv_kernel))
+        mixer = DeltaWeights(conv=conv[:, 0].T.contiguous(), a_log=take(a + "A_log", (n.value_heads,)),
+                             dt_bias=take(a + "dt_bias", (n.value_heads,)), norm=take(a + "norm.weight", (n.value_dim,)))
+        return DeltaLayer(in_proj=Linear(in_proj), mixer=mixer, out_proj=Linear(take(a + "out_proj.weight", (h, v))),
+                          **mlp)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         need = int(positions.max()) + 1
@@ -112,26 +161,34 @@ class Qwen:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache, cache_rows: torch.Tensor,
-                batch: AttentionBatch, logit_rows: torch.Tensor) -> torch.Tensor:
-        """ids, positions, cache_rows: [N] (cache_rows: where each row's key and value are stored).
-        Returns fp32 logits [len(logit_rows), vocab] on the CPU (where sampling and digests run)."""
+                batch: AttentionBatch, logit_rows: torch.Tensor, segments: torch.Tensor | None = None,
+                chunked: bool = False) -> torch.Tensor:
+        """ids, positions, cache_rows: [N] (cache_rows: where each row's key and value are stored); segments
+        [S, 5]: each stream's rows for the DeltaNet layers (tfq.batch.step_rows); chunked: the DeltaNet control's
+        arithmetic (never otherwise). Returns fp32 logits [len(logit_rows), vocab] on the CPU (where sampling and
+        digests run)."""
         dev = self.backend.device
         ids, positions, logit_rows = ids.to(dev), positions.to(dev), logit_rows.to(dev)
         cos, sin = self._rope(positions)
         x = self.embedding(ids)
         for i, layer in enumerate(self.layers):
-            x = self.decoder_layer(layer, x, cos, sin, cache, i, cache_rows, batch)
+            x = self.decoder_layer(layer, x, cos, sin, cache, self.cache_index[i], cache_rows, batch,
+                                   segments=segments, chunked=chunked)
         return self.logits(x[logit_rows])
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows of the embedding for `ids` (a quantized table gives each row its dequantized values)."""
         return self.embed.rows(ids) if isinstance(self.embed, Quantized) else self.embed[ids]
 
-    def decoder_layer(self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, index: int,
-                      cache_rows: torch.Tensor, batch: AttentionBatch, tap: Tap = untapped) -> torch.Tensor:
+    def decoder_layer(self, layer: Layer | DeltaLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache,
+                      index: int, cache_rows: torch.Tensor, batch: AttentionBatch, tap: Tap = untapped,
+                      segments: torch.Tensor | None = None, chunked: bool = False) -> torch.Tensor:
         """One decoder layer over the forward's rows x [N, hidden]; its keys and values go to layer `index` of
-        the cache. `tap` sees every op's output (the start-up guard compares them row by row). Untapped, on
-        tfq's CPU kernels, the layer runs as one call (`one_call`): the same ops in the same order."""
+        the cache (a DeltaNet layer's state to its state layer `index`, by `segments`). `tap` sees every op's
+        output (the start-up guard compares them row by row). Untapped, on tfq's CPU kernels, the layer runs as
+        one call (`one_call`): the same ops in the same order."""
+        if isinstance(layer, DeltaLayer):
+            return self.deltanet_layer(layer, x, cache, index, segments, tap, chunked)
         if tap is untapped and self.runs_in_one_call(layer):
             return self.one_call(layer, x, cos, sin, cache, index, cache_rows, batch)
         c = self.config
@@ -140,30 +197,69 @@ class Qwen:
         q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         h = tap("input norm", norm(x, layer.input_norm, c.rms_eps))
         qkv = tap("qkv", layer.qkv(h))
-        qk, v = qkv[:, :q_out + kv_out], qkv[:, q_out + kv_out:]  # views (slicing is cheaper than split)
+        qk, v = qkv[:, :q_out + kv_out], qkv[:, q_out + kv_out:q_out + 2 * kv_out]  # views (cheaper than split)
         qk = qk.reshape(n, c.num_heads + c.num_kv_heads, c.head_dim)
         v = v.reshape(n, c.num_kv_heads, c.head_dim)
         if layer.q_norm is not None:
             qk = tap("q/k norm", torch.cat([norm(qk[:, :c.num_heads], layer.q_norm, c.rms_eps),
                                             norm(qk[:, c.num_heads:], layer.k_norm, c.rms_eps)], 1))
-        qk = tap("rotary", rotate(qk, cos, sin))  # queries and keys in one go
+        rd = cos.shape[-1]  # a hybrid turns only the first dimensions of each head (partial rotary)
+        qk = tap("rotary", rotate(qk, cos, sin) if rd == c.head_dim else
+                 torch.cat([rotate(qk[..., :rd], cos, sin), qk[..., rd:]], -1))  # queries and keys in one go
         q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
         cache.write(index, cache_rows, k, v)  # cache first: new keys are read back like old ones
         if tap is not untapped:
             tap("cache store", cache.stored(index, cache_rows))
         a = tap("attention", self.backend.attend(q, cache.k[index], cache.v[index], batch, self.scale))
-        x = tap("attention residual", x + tap("o", layer.o(a.reshape(n, q_out))))
+        a = a.reshape(n, q_out)
+        if layer.gated:
+            a = tap("output gate", sigmoid_gate(a, qkv[:, q_out + 2 * kv_out:]))
+        x = tap("attention residual", x + tap("o", layer.o(a)))
+        return self.mlp(layer, x, tap)
+
+    def mlp(self, layer: Layer | DeltaLayer, x: torch.Tensor, tap: Tap) -> torch.Tensor:
+        """The second half of every layer: post norm, gate_up, SiLU * up, down, residual."""
+        c, norm = self.config, self.backend.rms_norm
         h = tap("post norm", norm(x, layer.post_norm, c.rms_eps))
         gate_up = tap("gate_up", layer.gate_up(h))
         gate, up = gate_up[:, :c.intermediate_size], gate_up[:, c.intermediate_size:]
         mixed = tap("silu * up", tap("silu", self.act(gate)) * up)
         return tap("mlp residual", x + tap("down", layer.down(mixed)))
 
+    def deltanet_layer(self, layer: DeltaLayer, x: torch.Tensor, cache, index: int, segments: torch.Tensor,
+                       tap: Tap = untapped, chunked: bool = False) -> torch.Tensor:
+        """A Gated DeltaNet layer: projections, the recurrence over each stream's rows from its state slot
+        (updated in place), the gated norm, the output projection, then the MLP."""
+        c, n = self.config, self.config.deltanet
+        rows, v = x.shape[0], n.value_heads * n.value_dim
+        h = tap("input norm", self.backend.rms_norm(x, layer.input_norm, c.rms_eps))
+        proj = tap("in_proj", layer.in_proj(h))  # qkv | z | b | a
+        mixed, z = proj[:, :n.channels], proj[:, n.channels:n.channels + v]
+        b, a = proj[:, n.channels + v:n.channels + v + n.value_heads], proj[:, n.channels + v + n.value_heads:]
+        state = cache.state
+        if chunked:
+            o = deltanet_chunks(mixed, a, b, layer.mixer, state.conv[index], state.rec[index], segments, self.sizes)
+        else:
+            o = deltanet_rows(mixed, a, b, layer.mixer, state.conv[index], state.rec[index], segments,
+                              state.snap_conv[index], state.snap_rec[index], self.sizes)
+        tap("recurrence", o)
+        if tap is not untapped:
+            tap("recurrent state", state.fingerprint(index, segments, rows))
+        o = tap("gated norm", gated_rms_norm(o.reshape(rows * n.value_heads, n.value_dim), layer.mixer.norm,
+                                             z.reshape(rows * n.value_heads, n.value_dim), c.rms_eps).reshape(rows, v))
+        x = tap("attention residual", x + tap("out_proj", layer.out_proj(o)))
+        return self.mlp(layer, x, tap)
+
+    @property
+    def sizes(self) -> DeltaSizes:
+        n = self.config.deltanet
+        return DeltaSizes(n.conv_kernel, n.key_heads, n.key_dim, n.value_heads, n.value_dim)
+
     def runs_in_one_call(self, layer: Layer) -> bool:
         """Whether the backend has a one-call layer and this layer is made of exactly what it runs (the guard's
         tests swap in flawed kernels, and a clock that wraps a linear layer sees it only op by op)."""
         b = self.backend
-        return (b.layer is not None and self.act is b.silu and b.attend is attend_fixed and b.store is write
+        return (b.layer is not None and isinstance(layer, Layer) and not layer.gated and self.act is b.silu and b.attend is attend_fixed and b.store is write
                 and b.rms_norm is rms_norm_fixed and fusable(layer.qkv, layer.o, layer.gate_up, layer.down))
 
     def one_call(self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, index: int,
@@ -189,13 +285,27 @@ def stack(parts: list) -> torch.Tensor | Quantized:
     return torch.cat([p.dequantized() if isinstance(p, Quantized) else p for p in parts])
 
 
+def _cache_index(c: ModelConfig) -> list[int]:
+    """Each layer's index among the cache's layers of its kind: attention layers hold keys and values, DeltaNet
+    layers a state slot per stream."""
+    attention, deltanet = c.attention_layers, c.deltanet_layers
+    return [attention.index(i) if k == "full_attention" else deltanet.index(i) for i, k in enumerate(c.kinds)]
+
+
 class _Taker:
     """Pulls named tensors out of a state dict, checking shapes, so a wrong checkpoint fails in one line."""
 
-    def __init__(self, weights: dict[str, torch.Tensor], family: str, device: torch.device):
-        self.weights = weights
+    def __init__(self, weights: dict[str, torch.Tensor], family: str, device: torch.device, offset: bool = False):
+        self.weights = {_text_name(k): w for k, w in weights.items()}
         self.family = family
         self.device = device
+        self.offset = offset  # norms stored as weight - 1 (Qwen3.5)
+
+    def norm(self, name: str, size: int) -> torch.Tensor:
+        """An RMS norm's weight as it multiplies: Qwen3.5 multiplies by 1 + the stored weight (computed in fp32
+        as transformers does, so the product's bits are the same)."""
+        w = self(name, (size,))
+        return 1.0 + w if self.offset else w
 
     def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         t = self.weights.get(name)
@@ -207,3 +317,8 @@ class _Taker:
         if isinstance(t, Quantized):
             return t
         return t.float().contiguous().to(self.device)
+
+
+def _text_name(name: str) -> str:
+    """A Qwen3.5 image-and-text checkpoint keeps the text model under model.language_model: the names tfq reads."""
+    return "model." + name[len("model.language_model."):] if name.startswith("model.language_model.") else name

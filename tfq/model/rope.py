@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 def inv_freq_and_scale(config: ModelConfig) -> tuple[torch.Tensor, float]:
     """(inv_freq [head_dim / 2] fp32, attention factor): the angle of position p, pair i is p * inv_freq[i];
     cos and sin are multiplied by the factor (1.0 without scaling, where the multiply is left out)."""
-    dim, base, s = config.head_dim, config.rope_theta, config.rope_scaling
+    dim, base, s = config.rotary_dim, config.rope_theta, config.rope_scaling
     pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
     if s is None:
         return 1.0 / pos_freqs, 1.0

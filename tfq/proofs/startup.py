@@ -79,13 +79,13 @@ class Failure:
 
 
 class _Tap:
-    """Keeps the probes' rows of every op it sees."""
+    """Keeps the probes' rows of every op it sees (names after `prefix`: a hybrid proves two kinds of layer)."""
 
-    def __init__(self, keep: dict[str, slice], record: Record):
-        self.keep, self.record = keep, record
+    def __init__(self, keep: dict[str, slice], record: Record, prefix: str = ""):
+        self.keep, self.record, self.prefix = keep, record, prefix
 
     def __call__(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        self.record.ops[name] = {probe: t[rows].float().cpu().clone() for probe, rows in self.keep.items()}
+        self.record.ops[self.prefix + name] = {probe: t[rows].float().cpu().clone() for probe, rows in self.keep.items()}
         return t
 
 
@@ -215,24 +215,37 @@ class _Bench:
             left, i = left - n, i + 1
         paged = [s for s in list(PROBES) + self.fillers if not s.lane]
         pages = sum(pages_for(s.start + s.count, KEY_TILE) for s in paged)
-        config = replace(model.config, num_layers=1)
+        c = model.config
+        # one layer of each kind the model has: a hybrid's first attention layer and first DeltaNet layer
+        self.layers = [(model.layers[i], f"{kind}: " if c.hybrid else "")
+                       for kind, i in (("attention", (c.attention_layers or [None])[0]),
+                                       ("deltanet", (c.deltanet_layers or [None])[0])) if i is not None]
+        config = replace(c, num_layers=len(self.layers), layer_types=("full_attention", "linear_attention")[
+            :len(self.layers)] if c.hybrid else ())
+        streams = list(PROBES) + self.fillers
         self.cache = KVCache(config, lanes=2, window=LANE_WINDOW, page_rows=KEY_TILE, pool_pages=pages,
-                             dtype=kv_dtype, page_order_seed=11, backend=model.backend)
+                             dtype=kv_dtype, page_order_seed=11, backend=model.backend, slots=len(streams),
+                             snaps=max(draws, max(p.count for p in PROBES)))
         self.places: dict[str, Placement] = {}
         lanes = iter(range(2))
-        for s in list(PROBES) + self.fillers:
+        for slot, s in enumerate(streams):
             place = self.cache.pages.lane(next(lanes)) if s.lane else self.cache.pages.paged()
+            place.slot = slot  # a hybrid's state: each stream its own
             if not self.cache.pages.grow(place, s.start + s.count):
                 raise AssertionError(f"guard cache too small for {s.name}")
             self.places[s.name] = place
         dev = model.backend.device
-        c = model.config
-        for i, st in enumerate(list(PROBES) + self.fillers):  # old keys and values each stream attends to
+        state = self.cache.state
+        for i, st in enumerate(streams):  # old keys and values each stream attends to (and its past state)
             g = torch.Generator().manual_seed(2024 + i)  # the same in every bench, whatever its pool
             n = st.start + st.count
             k, v = (torch.randn(n, c.num_kv_heads, c.head_dim, generator=g).to(dev) for _ in range(2))
             self.cache.write(0, self.cache.rows(self.places[st.name], 0, n), k, v)
-        self.snapshot = [t.clone() for t in self.cache.k + self.cache.v]
+            if state is not None:
+                state.conv[0][i] = torch.randn(state.conv[0][i].shape, generator=g)
+                state.rec[0][i] = 0.1 * torch.randn(state.rec[0][i].shape, generator=g)
+        self.saved = self.cache.k + self.cache.v + (state.conv + state.rec if state is not None else [])
+        self.snapshot = [t.clone() for t in self.saved]
         vocab = model.config.vocab_size
         gen = random.Random(5)
         self.tokens = {s.name: [gen.randrange(vocab) for _ in range(s.count)] for s in list(PROBES) + self.fillers}
@@ -255,7 +268,8 @@ class _Bench:
     def run(self, streams: list[Stream]) -> Record:
         """One forward of `streams` through layer 0, the head and the sampler; the probes' rows kept."""
         self.restore()
-        feeds = [Feed(self.places[s.name], s.start, self.tokens[s.name], s.logits) for s in streams]
+        feeds = [Feed(self.places[s.name], s.start, self.tokens[s.name], s.logits,
+                      guesses=s.count - 1 if s.logits == s.count > 1 else 0) for s in streams]
         s = step_rows(self.cache, feeds, self.partial)
         probes = {p.name for p in PROBES}
         keep, keep_logits, row, logit_row = {}, {}, 0, 0
@@ -266,12 +280,14 @@ class _Bench:
             row, logit_row = row + st.count, logit_row + st.logits
         record = Record()
         model, dev = self.model, self.model.backend.device
-        layer = model.layers[0]
         with torch.inference_mode():
             cos, sin = model._rope(s.positions.to(dev))
             x0 = model.embedding(s.ids.to(dev))
-            x = model.decoder_layer(layer, x0, cos, sin, self.cache, 0, s.cache_rows, s.batch, _Tap(keep, record))
+            for layer, prefix in self.layers:
+                x = model.decoder_layer(layer, x0, cos, sin, self.cache, 0, s.cache_rows, s.batch,
+                                        _Tap(keep, record, prefix), segments=s.segments)
             model.logits(x[s.logit_rows.to(dev)], _Tap(keep_logits, record))
+            layer = self.layers[0][0]
             if model.runs_in_one_call(layer):  # what the engine runs: the same layer in one call, same cache
                 self.restore()
                 tap = _Tap(keep, record)
@@ -280,7 +296,7 @@ class _Bench:
         return record
 
     def restore(self) -> None:
-        for t, saved in zip(self.cache.k + self.cache.v, self.snapshot):
+        for t, saved in zip(self.saved, self.snapshot):
             t.copy_(saved)
 
 

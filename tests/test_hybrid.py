@@ -1,0 +1,259 @@
+"""Qwen3.5 hybrids (Gated DeltaNet + gated attention): transformers' numbers, and the exactness rule.
+
+The reference is transformers' own `Qwen3_5ForCausalLM` on tiny random checkpoints written with its classes
+(tests/tiny.py). tfq's DeltaNet arithmetic is the recurrence for every row, so a stream's bits are the same
+alone or together, prefilled whole or in chunks of any size, drafted, preempted; the chunked algorithm (what
+transformers prefills with) is the control, and must differ.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tfq.batch import Feed, forward
+from tfq.cache import KVCache
+from tfq.draft import ModelDrafter, NgramDrafter
+from tfq.engine import Engine, EngineSettings
+from tfq.errors import TfqError
+from tfq.kernels.contract import KEY_TILE
+from tfq.model.config import ModelConfig
+from tfq.model.load import load_model
+from tfq.stream import Request
+from tiny import tiny_model_dir, write_tiny_checkpoint
+
+WINDOW = 512
+KINDS = ("linear_attention", "linear_attention", "linear_attention", "full_attention",
+         "linear_attention", "full_attention")
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory):
+    return tiny_model_dir(tmp_path_factory, "qwen3_5", layers=len(KINDS), layer_types=KINDS)
+
+
+@pytest.fixture(scope="module")
+def hybrid(hybrid_dir):
+    return load_model(str(hybrid_dir), progress=False)
+
+
+@pytest.fixture(scope="module")
+def hf(hybrid_dir):
+    from transformers import Qwen3_5ForCausalLM
+
+    return Qwen3_5ForCausalLM.from_pretrained(hybrid_dir, dtype=torch.float32).eval()
+
+
+def prompt(n: int, salt: int = 0, vocab: int = 512) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(1000 + n + salt)).tolist()
+
+
+def one_forward(loaded, ids: list[int]) -> torch.Tensor:
+    cache = KVCache(loaded.config, lanes=1, window=WINDOW, slots=1)
+    return forward(loaded.model, cache, [Feed(cache.pages.lane(0), 0, ids, len(ids))], partial=False)[0]
+
+
+def run(model, requests, lanes=1, **kw) -> list:
+    settings = dict(window=WINDOW, lanes=lanes)
+    settings.update({k: kw.pop(k) for k in list(kw) if k in EngineSettings.__dataclass_fields__})
+    return Engine(model, EngineSettings(**settings), eos_ids=(), **kw).generate(requests)
+
+
+# ------------------------------------------------------------------------------------ against transformers
+
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 300])
+def test_logits_match_transformers(hybrid, hf, n):
+    ids = prompt(n)
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0]
+    got = one_forward(hybrid, ids)
+    scale = want.abs().max().item()
+    assert (got - want).abs().max().item() <= 2e-5 * scale, "logits beyond fp32 tolerance of transformers'"
+
+
+def test_first_32_greedy_tokens_equal_transformers(hybrid, hf):
+    ids = prompt(40, salt=3)
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, len(ids):].tolist()
+    got = run(hybrid.model, [Request(tuple(ids), max_tokens=32)])[0].ids
+    assert got == want
+
+
+def test_config_reads_layer_kinds_and_sizes(hybrid):
+    c = hybrid.config
+    assert c.kinds == KINDS and c.attention_layers == [3, 5] and c.deltanet_layers == [0, 1, 2, 4]
+    assert c.rotary_dim == c.head_dim // 4
+    n = c.deltanet
+    assert (n.key_heads, n.value_heads, n.key_dim, n.value_dim, n.conv_kernel) == (2, 4, 32, 32, 4)
+    state = n.value_heads * n.key_dim * n.value_dim + 3 * n.channels
+    assert c.state_bytes == 4 * state * 4
+    model = hybrid.model
+    params = sum(t.numel() for t in [model.embed, model.norm]) + 0
+    assert c.param_count() > params  # every tensor counted (the exact figure is checked against the file below)
+
+
+def test_param_count_is_the_checkpoint_s(hybrid_dir, hybrid):
+    from tfq.model.weights import load_state_dict
+
+    assert hybrid.config.param_count() == sum(t.numel() for t in load_state_dict(hybrid_dir).values())
+
+
+# --------------------------------------------------------------------------------------------- exactness
+
+def requests(n=5, tokens=24):
+    lengths = (1, 7, 64, 65, 130, 300, 33)
+    return [Request(tuple(prompt(lengths[i % len(lengths)], salt=i)), max_tokens=tokens,
+                    temperature=0.0 if i % 2 == 0 else 0.9, seed=i) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def alone(hybrid):
+    return [run(hybrid.model, [r])[0] for r in requests()]
+
+
+def same(results, reference):
+    for got, want in zip(results, reference):
+        assert got.ids == want.ids, "token ids differ from the stream's run alone"
+        assert got.digests == want.digests, "logits bits differ from the stream's run alone"
+
+
+@pytest.mark.parametrize("arm", [
+    dict(lanes=5), dict(lanes=3), dict(lanes=5, prefill_chunk=7), dict(lanes=5, prefill_chunk=13),
+    dict(lanes=5, prefill_chunk=1), dict(lanes=5, page_rows=KEY_TILE, pool_pages=40),
+    dict(lanes=5, page_rows=KEY_TILE, pool_pages=40, paged_all=True),
+])
+def test_streams_equal_their_runs_alone(hybrid, alone, arm):
+    same(run(hybrid.model, requests(), **arm), alone)
+
+
+def test_preempted_streams_recompute_their_state_exactly(hybrid, alone):
+    engine = Engine(hybrid.model, EngineSettings(window=WINDOW, lanes=5, page_rows=KEY_TILE, pool_pages=8,
+                                                 paged_all=True, prefill_chunk=29), eos_ids=())
+    results = engine.generate(requests())
+    assert engine.scheduler.preemptions > 0, "nothing was preempted: the pool held every stream"
+    same(results, alone)
+
+
+class Oracle(NgramDrafter):
+    """Guesses the reply the stream gives alone, with its last guess wrong: every verify accepts some rows and
+    rejects one, so the state's roll-back runs on every verify, by construction."""
+
+    def __init__(self, replies: dict[tuple, list[int]], k: int = 4):
+        super().__init__(k)
+        self.replies = replies
+
+    def propose(self, streams, budgets):
+        out = []
+        for st, b in zip(streams, budgets):
+            done = len(st.tokens) - len(st.request.prompt)
+            guess = list(self.replies[st.request.prompt][done:done + b])
+            if guess:
+                guess[-1] = (guess[-1] + 1) % 512
+            out.append(guess)
+        return out
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "oracle", "self"])
+def test_drafted_streams_roll_their_state_back_exactly(hybrid, alone, drafter):
+    d = {"ngram": lambda: NgramDrafter(4), "self": lambda: ModelDrafter(hybrid.model, 5, WINDOW),
+         "oracle": lambda: Oracle({r.prompt: a.ids for r, a in zip(requests(), alone)})}[drafter]()
+    results = run(hybrid.model, requests(), lanes=5, drafter=d)
+    same(results, alone)
+    proposed, accepted = sum(r.proposed for r in results), sum(r.accepted for r in results)
+    if drafter == "oracle":
+        assert 0 < accepted < proposed, "the oracle's guesses must be accepted in part and rejected in part"
+    if drafter == "self":  # greedy streams draft their own tokens: accepted
+        assert accepted > 0
+
+
+def test_rejected_guesses_need_the_roll_back(hybrid, alone, monkeypatch):
+    """Control: without the roll-back, a rejected guess's rows stay in the state, and the reply changes."""
+    from tfq.cache import StateCache
+
+    monkeypatch.setattr(StateCache, "roll_back", lambda self, slot, row: None)
+    results = run(hybrid.model, requests(), lanes=5,
+                  drafter=Oracle({r.prompt: a.ids for r, a in zip(requests(), alone)}))
+    assert any(g.digests != w.digests for g, w in zip(results, alone))
+
+
+def test_control_chunked_prefill_then_recurrent_decode_differs(hybrid, alone):
+    """transformers' way (prompt chunks by the chunked algorithm, decode rows by the recurrence) gives other
+    bits: tfq never mixes the two."""
+    results = run(hybrid.model, requests(), lanes=5, chunked_deltanet=True)
+    long = [i for i, r in enumerate(requests()) if len(r.prompt) > 1]
+    assert all(results[i].digests[0] != alone[i].digests[0] for i in long)
+    # and the chunked arithmetic depends on the chunking, which is why it is not tfq's
+    other = run(hybrid.model, requests(), lanes=5, chunked_deltanet=True, prefill_chunk=13)
+    assert any(a.digests != b.digests for a, b in zip(results, other))
+
+
+def test_chunked_control_is_within_tolerance_of_the_recurrence(hybrid):
+    """The control computes the same function (it is the arithmetic that differs, not the model)."""
+    ids = prompt(150, salt=9)
+    cache = KVCache(hybrid.config, lanes=1, window=WINDOW, slots=1)
+    chunked = forward(hybrid.model, cache, [Feed(cache.pages.lane(0), 0, ids, len(ids))], False, chunked=True)[0]
+    rows = one_forward(hybrid, ids)
+    assert not torch.equal(chunked, rows)
+    assert (chunked - rows).abs().max().item() <= 1e-4 * rows.abs().max().item()
+
+
+def test_threads_do_not_change_the_bits(hybrid, alone):
+    before = torch.get_num_threads()
+    try:
+        for n in (1, 3, 8):
+            torch.set_num_threads(n)
+            same(run(hybrid.model, requests(), lanes=5, prefill_chunk=61), alone)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_prefix_cache_is_refused_for_a_hybrid(hybrid):
+    with pytest.raises(TfqError, match="prefix_cache"):
+        Engine(hybrid.model, EngineSettings(window=WINDOW, lanes=2, page_rows=KEY_TILE, pool_pages=8,
+                                            prefix_cache=True))
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+
+def test_image_and_text_checkpoint_runs_its_text_model(tmp_path, hybrid):
+    folder = write_tiny_checkpoint(tmp_path / "vl", "qwen3_5", layers=len(KINDS), layer_types=KINDS, vision=True)
+    loaded = load_model(str(folder), progress=False)
+    assert loaded.config.skipped == "the vision tower (2 blocks)"
+    assert torch.equal(one_forward(loaded, prompt(70)), one_forward(hybrid, prompt(70)))
+
+
+def write_config(tmp_path, raw: dict):
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    return tmp_path
+
+
+def test_unknown_layer_type_is_one_line(hybrid_dir, tmp_path):
+    raw = json.loads((hybrid_dir / "config.json").read_text())
+    raw["layer_types"][1] = "mamba"
+    with pytest.raises(TfqError, match="layer type 'mamba' is not one tfq runs") as e:
+        ModelConfig.from_folder(write_config(tmp_path, raw))
+    assert "\n" not in str(e.value)
+
+
+def test_vision_only_checkpoint_is_one_line(tmp_path):
+    raw = {"model_type": "qwen3_5", "vision_config": {"depth": 27}}
+    with pytest.raises(TfqError, match="vision-only checkpoint"):
+        ModelConfig.from_folder(write_config(tmp_path, raw))
+
+
+def test_bad_input_on_the_cli_exits_2_with_one_line(hybrid_dir, tmp_path, monkeypatch, capsys):
+    from cli import tfq
+
+    raw = json.loads((hybrid_dir / "config.json").read_text())
+    raw["layer_types"][0] = "sparse_attention"
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in hybrid_dir.iterdir():
+        if f.name != "config.json":
+            (bad / f.name).symlink_to(f)
+    write_config(bad, raw)
+    code, out, err = tfq(["plan", "--model", str(bad)], monkeypatch, capsys)
+    assert code == 2 and "layer type 'sparse_attention'" in err and "Traceback" not in out + err
+    assert len(err.strip().splitlines()) == 1
