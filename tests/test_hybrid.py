@@ -257,3 +257,36 @@ def test_bad_input_on_the_cli_exits_2_with_one_line(hybrid_dir, tmp_path, monkey
     code, out, err = tfq(["plan", "--model", str(bad)], monkeypatch, capsys)
     assert code == 2 and "layer type 'sparse_attention'" in err and "Traceback" not in out + err
     assert len(err.strip().splitlines()) == 1
+
+
+def drafter_guesses_after_a_rejection(model, restore: bool = True) -> tuple[tuple, tuple]:
+    """(guesses and state of a hybrid drafter after the target kept only its first guess, the same of a fresh
+    drafter over the same tokens)."""
+    from tfq.stream import Stream
+
+    ids = prompt(90, salt=5)
+    drafter = ModelDrafter(model, 1, WINDOW)
+    st = Stream(0, Request(tuple(ids)), list(ids), lane=0)
+    first = drafter.propose([st], [4])[0]
+    wrong = (first[1] + 1) % 512
+    st.tokens += [first[0], wrong]  # the target kept guess 0, drew another token than guess 1
+    st.cached = len(ids) + 1
+    if not restore:
+        drafter.cache.state.copy = lambda source, target: None
+    drafter.settle(st)
+    after = drafter.propose([st], [4])[0]
+    fresh_st = Stream(1, Request(tuple(st.tokens)), list(st.tokens), lane=0)
+    fresh = ModelDrafter(model, 1, WINDOW)
+    guesses = fresh.propose([fresh_st], [4])[0]
+    return (after, drafter.cache.state.rec[0][0].clone()), (guesses, fresh.cache.state.rec[0][0].clone())
+
+
+def test_hybrid_drafter_rolls_back_to_its_checkpoint(hybrid):
+    (after, state), (fresh, fresh_state) = drafter_guesses_after_a_rejection(hybrid.model)
+    assert after == fresh and torch.equal(state, fresh_state)
+
+
+def test_hybrid_drafter_without_its_checkpoint_guesses_otherwise(hybrid):
+    """Control: a drafter that keeps the rejected guesses' state has run rows the fresh one never saw."""
+    (_, state), (_, fresh_state) = drafter_guesses_after_a_rejection(hybrid.model, restore=False)
+    assert not torch.equal(state, fresh_state)

@@ -16,7 +16,7 @@ from rich.table import Table
 from tfq.cli.app import app, output_file
 from tfq.errors import TfqError
 from tfq.threads import fix_threads
-from tfq.proofs.together import EXACT, RED, ArmRun, Check, Listener, arm_names, check_options, select_arms
+from tfq.proofs.together import EXACT, RED, ArmRun, Check, Listener, arm_names, arms_for, check_options, select_arms
 
 # About eight minutes for the whole default check on 2 CPU cores; `--tokens 300`, the field report's length,
 # took 1134 s (every arm EXACT 12/12, controls RED) on a quiet machine.
@@ -76,6 +76,9 @@ def together(
     chats = load_suite(suite_path)
     the_plan, config, layout = resolve_plan(plan, model, sets, True, None)
     check_options(the_plan, group, tokens)
+    chosen, left_out = arms_for(chosen, config, named=bool(arms and arms.strip()))
+    if left_out and not quiet:
+        err.print(left_out, highlight=False)
     folder = Path(evidence) if evidence else Path("evidence") / f"together-{time.strftime('%Y%m%d-%H%M%S')}"
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         raise TfqError(f"evidence folder {folder} is not empty; give a new one with --evidence DIR")

@@ -77,6 +77,10 @@ class Qwen:
         ensure_exact(backend)
         self.config = config
         c = config
+        if c.hybrid and (backend.name != "torch" or backend.layer is None):
+            raise TfqError(f"a {c.family} hybrid's DeltaNet layers run on tfq's CPU kernels (kernels/cpu/delta.cpp), "
+                           f"which this run does not have ({backend.where}); use device: cpu with TFQ_CPU_KERNELS "
+                           f"auto or tfq, and a C++ compiler")
         take = _Taker(weights, c.family, backend.device, offset=c.hybrid)
 
         def Linear(w, b=None):  # fp32 weights, or a GGUF's blocks (kept by load_model for weights: gguf)

@@ -1,8 +1,9 @@
 """The plan's layout in bytes, and where it runs: what the engine allocates, computed once.
 
-Per layer one K and one V tensor of shape [rows_total, num_kv_heads, head_dim] in the cache dtype:
-first `contiguous_lanes` lanes of `window` rows, then the pool, `pool_pages` pages of `page_rows` rows.
-Nothing here reads weights: a model's config is enough.
+Per attention layer one K and one V tensor of shape [rows_total, num_kv_heads, head_dim] in the cache dtype:
+first `contiguous_lanes` lanes of `window` rows, then the pool, `pool_pages` pages of `page_rows` rows. A
+hybrid's DeltaNet layers add a fixed-size state per lane (and, when drafting, the state after each row of a
+verify, to roll rejected guesses back). Nothing here reads weights: a model's config is enough.
 """
 from __future__ import annotations
 
@@ -72,6 +73,8 @@ class Layout:
     total_bytes: int
     available_bytes: int | None = None  # the memory available when budget is auto
     device: str = "cpu"  # where the engine runs: cpu, or cuda:N
+    state_bytes: int = 0  # a hybrid's DeltaNet states, every lane (in cache_bytes too)
+    state_snaps: int = 0  # verify rows whose state each lane keeps besides its own (drafting on a hybrid)
 
     @property
     def fits(self) -> bool:
@@ -135,7 +138,23 @@ def available_memory(device: str = "cpu") -> int:
 
 
 def row_bytes(config: ModelConfig, dtype: str) -> int:
-    return config.num_layers * 2 * config.num_kv_heads * config.head_dim * DTYPE_BYTES[dtype]
+    return len(config.attention_layers) * 2 * config.num_kv_heads * config.head_dim * DTYPE_BYTES[dtype]
+
+
+def verify_rows(draft: str) -> int:
+    """Rows a draft verify brings at most: the stream's token and its guesses (0 without drafting)."""
+    from tfq.plan.fields import parse_draft
+
+    kind, k = parse_draft(draft)
+    return 0 if kind == "none" else 1 + (k or 4)  # tfq.draft's drafters guess 4 tokens unless told
+
+
+def state_bytes(config: ModelConfig, lanes: int, draft: str) -> tuple[int, int]:
+    """(bytes, snaps): a hybrid's DeltaNet state for `lanes` lanes, and the verify rows each keeps besides."""
+    if not config.hybrid:
+        return 0, 0
+    snaps = verify_rows(draft)
+    return lanes * config.state_bytes * (1 + snaps), snaps
 
 
 def compute_layout(plan: PlanView, config: ModelConfig) -> Layout:
@@ -145,8 +164,13 @@ def compute_layout(plan: PlanView, config: ModelConfig) -> Layout:
             f"window {plan.window}{tag(plan, 'window')} is past the model's {config.max_positions} positions; "
             f"use window: {config.max_positions} or less"
         )
+    if config.hybrid and getattr(plan.kv, "prefix_cache", "off") == "on":
+        raise fail(f"kv.prefix_cache: on{tag(plan, 'kv.prefix_cache')} does not work for a hybrid model: its DeltaNet "
+                   f"layers keep a stream's past as one state, not in pages a later stream could map; set "
+                   f"kv.prefix_cache: off")
     row = row_bytes(config, plan.kv.dtype)
     weights = config.param_count() * 4  # tfq computes in fp32, whatever the checkpoint stores
+    state, snaps = state_bytes(config, plan.lanes, getattr(plan, "draft", "none"))
     device = resolve_device(plan)
     available = None
     if plan.budget == "auto":
@@ -160,7 +184,7 @@ def compute_layout(plan: PlanView, config: ModelConfig) -> Layout:
     if pages:
         per_stream = pages_for(plan.window, pages)
         if plan.kv.pool == "auto":
-            left = budget - weights - contiguous * plan.window * row
+            left = budget - weights - state - contiguous * plan.window * row
             pool = min(paged * per_stream, max(0, left // (pages * row)))
             if paged and pool < per_stream:
                 pool = per_stream  # the least that lets one paged stream reach the window; it will not fit
@@ -175,9 +199,9 @@ def compute_layout(plan: PlanView, config: ModelConfig) -> Layout:
     lay = Layout(
         row_bytes=row, window=plan.window, lanes=plan.lanes, contiguous_lanes=contiguous, paged_lanes=paged,
         page_rows=pages, pool_pages=pool, cache_bytes=0, weights_bytes=weights, budget_bytes=budget,
-        total_bytes=0, available_bytes=available, device=device,
+        total_bytes=0, available_bytes=available, device=device, state_bytes=state, state_snaps=snaps,
     )
-    cache = lay.rows_total * row  # the bytes are the rows the engine allocates, counted in one place
+    cache = lay.rows_total * row + state  # the bytes are the rows the engine allocates, counted in one place
     return dataclasses.replace(lay, cache_bytes=cache, total_bytes=weights + cache)
 
 

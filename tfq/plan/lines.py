@@ -19,15 +19,20 @@ def plan_lines(plan: Plan, config: ModelConfig, layout: Layout) -> list[str]:
     """One fact a line, in words a person reads without the docs."""
     lay, t = layout, lambda *keys: tag(plan, *keys)
     dtype = plan.kv.dtype
+    kinds = (f" ({len(config.deltanet_layers)} Gated DeltaNet + {len(config.attention_layers)} gated attention, "
+             f"rotary on {config.rotary_dim} of {config.head_dim} dims)" if config.hybrid else "")
     lines = [
-        f"model: {plan.model}{t('model')}: {config.family}, {config.num_layers} layers, {config.num_heads} query "
-        f"heads and {config.num_kv_heads} key-value heads, head dim {config.head_dim}",
+        f"model: {plan.model}{t('model')}: {config.family}, {config.num_layers} layers{kinds}, {config.num_heads} "
+        f"query heads and {config.num_kv_heads} key-value heads, head dim {config.head_dim}",
+        *([f"skipped: {config.skipped} of the checkpoint; tfq runs its text model"] if config.skipped else []),
         *_weights_lines(plan, config, lay),
         f"window: {plan.window} rows a stream may hold, prompt and reply together{t('window')}",
         f"lanes: {plan.lanes} stream{'s' * (plan.lanes > 1)} in one forward at most{t('lanes')}",
         f"prefill: prompts go in chunks of {plan.prefill_chunk} rows{t('prefill_chunk')}",
-        f"cached row: {human_bytes(lay.row_bytes)} a row in {dtype}{t('kv.dtype')} ({config.num_layers} layers x "
-        f"key and value x {config.num_kv_heads} heads x {config.head_dim} dims x {DTYPE_BYTES[dtype]} bytes)",
+        f"cached row: {human_bytes(lay.row_bytes)} a row in {dtype}{t('kv.dtype')} ({len(config.attention_layers)} "
+        f"{'attention ' * config.hybrid}layers x key and value x {config.num_kv_heads} heads x {config.head_dim} dims "
+        f"x {DTYPE_BYTES[dtype]} bytes)",
+        *_state_lines(plan, config, lay),
     ]
     one_window = plan.window * lay.row_bytes
     pages, page_tag = lay.page_rows, t("kv.pages")
@@ -67,7 +72,7 @@ def plan_lines(plan: Plan, config: ModelConfig, layout: Layout) -> list[str]:
             f"attention: partial{t('attention')}: keys in {SPLIT_ROWS}-row splits of {KEY_TILE}-row tiles, "
             f"merged in order by log-sum-exp in fp32 (exact against itself, other bits than rows)"
         )
-    lines.append(_device_line(plan, lay))
+    lines.append(_device_line(plan, lay, config))
     kind, k = parse_draft(plan.draft)
     if kind == "none":
         lines.append(f"drafting: none{t('draft')}")
@@ -86,13 +91,34 @@ def plan_lines(plan: Plan, config: ModelConfig, layout: Layout) -> list[str]:
     return [one_line(line) for line in lines]
 
 
-def _device_line(plan: Plan, lay: Layout) -> str:
+def _state_lines(plan: Plan, config: ModelConfig, lay: Layout) -> list[str]:
+    """A hybrid's DeltaNet state: what one stream keeps, all lanes, and the verify rows drafting keeps."""
+    if not config.hybrid:
+        return []
+    n = config.deltanet
+    one = config.state_bytes
+    line = (f"state: {len(config.deltanet_layers)} DeltaNet layers x (recurrence {n.value_heads} x {n.key_dim} x "
+            f"{n.value_dim} + convolution window {n.conv_kernel - 1} x {n.channels}) x 4 bytes (fp32) = "
+            f"{human_bytes(one)} a stream, whatever its length; {plan.lanes} lane{'s' * (plan.lanes > 1)} take "
+            f"{plan.lanes} state slot{'s' * (plan.lanes > 1)}")
+    if lay.state_snaps:
+        line += (f"; drafting keeps the state after each of a verify's {lay.state_snaps} rows, to roll rejected "
+                 f"guesses back")
+    line += f": {human_bytes(lay.state_bytes)} in all (in the cache's total)"
+    return [line, "preemption drops a stream's state and recomputes it from its first row; the prefix cache "
+                  "does not apply (a state is not pages)"]
+
+
+def _device_line(plan: Plan, lay: Layout, config: ModelConfig) -> str:
     auto = ""
     if plan.device == "auto":
         auto = " (auto: a CUDA GPU is here)" if lay.device != "cpu" else " (auto: no CUDA GPU here)"
     if lay.device == "cpu":
         kernels = ("tfq's C++ kernels: linear layers and attention in fixed orders, each decoder layer one call "
                    "(built once for this CPU; TFQ_CPU_KERNELS=torch, or no compiler: oneDNN and bmm)")
+        if config.hybrid:
+            kernels = ("tfq's C++ kernels: linear layers, attention and the DeltaNet recurrence in fixed orders, "
+                       "layer by layer (built once for this CPU; a hybrid needs them)")
     else:
         import torch
 

@@ -20,8 +20,8 @@ from typing import Sequence
 from tfq.errors import TfqError
 from tfq.plan import Layout, Plan, plan_json, plan_lines
 from tfq.proofs.together_arms import (
-    ARMS, EXACT, FAIL, RED, REFERENCE, Arm, ChatComparison, Context, arm_names, arm_plan, check_options, compare,
-    context_for, judge, reach, select_arms,
+    ARMS, EXACT, FAIL, RED, REFERENCE, Arm, ChatComparison, Context, arm_names, arm_plan, arms_for, check_options,
+    compare, context_for, judge, reach, select_arms,
 )
 from tfq.proofs.together_evidence import chat_record, suite_facts, versions, write_json
 from tfq.stream import Request, Result
@@ -31,7 +31,7 @@ INTERRUPTED_EXIT = 130
 # What the command and the tests import from here; the arms themselves live in together_arms.
 __all__ = [
     "ARMS", "EXACT", "FAIL", "INTERRUPTED_EXIT", "RED", "Arm", "ArmRun", "ChatComparison", "Check", "Context",
-    "Listener", "arm_names", "check_options", "select_arms",
+    "Listener", "arm_names", "arms_for", "check_options", "select_arms",
 ]
 
 
@@ -148,7 +148,8 @@ class Check:
 
         self.listener.arm_started(run, self.group)
         policy = run.arm.fresh_attention() if run.arm.fresh_attention else run.arm.attention
-        engine = Engine.from_plan(run.plan, run.layout, self.loaded, attention=policy)
+        engine = Engine.from_plan(run.plan, run.layout, self.loaded, attention=policy,
+                                  chunked_deltanet=run.arm.chunked_deltanet)
         t0 = time.perf_counter()
         order = list(range(len(self.requests)))  # the order the streams are added in
         if run.arm.warm:

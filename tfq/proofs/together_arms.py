@@ -46,6 +46,11 @@ class Arm:
     must_preempt: bool = False
     must_draft: bool = False
     warm: bool = False  # the suite in two passes through one engine: a first half cold, then all of it, mixed
+    chunked_deltanet: bool = False  # a hybrid's prompt chunks in the chunked DeltaNet arithmetic (a control)
+    models: str = "all"  # the models it applies to: all | hybrid (Qwen3.5) | attention (no DeltaNet layers)
+
+    def applies(self, config) -> bool:
+        return self.models == "all" or (self.models == "hybrid") == config.hybrid
 
     def mode(self, group: int) -> str:
         return f"{group} together" if self.together else "alone"
@@ -75,7 +80,8 @@ ARMS: tuple[Arm, ...] = (
         lambda c: {"kv.pages": 0, "draft": "self"}, must_draft=True),
     Arm("prefix", True, "K together on pages with the prefix cache: half the suite cold, then all of it (that "
         "half warm, mixed with the others) through the same cache",
-        lambda c: {"kv.pages": c.page_rows, "kv.paged": "all", "kv.prefix_cache": "on"}, warm=True),
+        lambda c: {"kv.pages": c.page_rows, "kv.paged": "all", "kv.prefix_cache": "on"}, warm=True,
+        models="attention"),
     Arm("partial", True, "control: partial attention arithmetic instead of rows; must differ",
         lambda c: {"kv.pages": 0, "attention": "partial"}, control=True),
     Arm("paged-partial", True, "control: the field report's split (forwards holding a paged stream run "
@@ -85,12 +91,30 @@ ARMS: tuple[Arm, ...] = (
         "map pages computed in partial; must differ (64-row pages: a prompt past 320 rows reuses rows past the "
         "first split)",
         lambda c: {"kv.pages": SMALL_PAGE_ROWS, "kv.paged": "all", "kv.prefix_cache": "on"}, control=True,
-        fresh_attention=ColdPartial, warm=True),
+        fresh_attention=ColdPartial, warm=True, models="attention"),
+    Arm("deltanet-chunks", True, "control: a hybrid's prompt chunks by the chunked DeltaNet algorithm (64-row "
+        "blocks, as transformers prefills), decode rows by the recurrence; must differ",
+        lambda c: {"kv.pages": 0}, control=True, chunked_deltanet=True, models="hybrid"),
 )
 
 
 def arm_names() -> list[str]:
     return [a.name for a in ARMS]
+
+
+def arms_for(arms: Sequence[Arm], config, named: bool) -> tuple[list[Arm], str]:
+    """The arms that apply to the model, and a line naming those left out (a hybrid keeps no prefix cache; only
+    a hybrid has DeltaNet layers). Arms the user named that do not apply are refused."""
+    left_out = [a for a in arms if not a.applies(config)]
+    if left_out and named:
+        a = left_out[0]
+        raise TfqError(f"arm {a.name} does not apply to this model: it runs on "
+                       f"{'hybrid (qwen3_5)' if a.models == 'hybrid' else 'attention-only'} models; leave it out of --arms")
+    if not left_out:
+        return list(arms), ""
+    why = ("a hybrid keeps each stream's DeltaNet state, not pages a later stream could map" if config.hybrid else
+           "the model has no DeltaNet layers")
+    return [a for a in arms if a.applies(config)], f"arms left out: {', '.join(a.name for a in left_out)} ({why})"
 
 
 def select_arms(text: str | None) -> list[Arm]:
@@ -203,6 +227,8 @@ def judge(arm: Arm, comparisons: Sequence[ChatComparison], preemptions: int, lon
         differ = sum(not c.logits_equal for c in comparisons)
         if differ:
             return RED, f"{differ} of {n} replies' logits differ, as they must"
+        if arm.chunked_deltanet:
+            return FAIL, "its logits equal the reference: the chunked DeltaNet arithmetic did not show"
         if longest <= SPLIT_ROWS:
             return FAIL, (f"cannot differ: the longest context is {longest} rows and partial only changes bits past "
                           f"{SPLIT_ROWS} rows; add a longer chat or raise --tokens")
