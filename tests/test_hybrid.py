@@ -290,3 +290,47 @@ def test_hybrid_drafter_without_its_checkpoint_guesses_otherwise(hybrid):
     """Control: a drafter that keeps the rejected guesses' state has run rows the fresh one never saw."""
     (_, state), (_, fresh_state) = drafter_guesses_after_a_rejection(hybrid.model, restore=False)
     assert not torch.equal(state, fresh_state)
+
+
+# ------------------------------------------------------------------------------------------ tfq together
+
+def shipped_hybrid_suite():
+    from pathlib import Path
+
+    return Path(__file__).resolve().parent.parent / "examples" / "tiny-hybrid.yaml"
+
+
+@pytest.mark.slow
+def test_together_on_a_hybrid_every_arm(tmp_path_factory, tmp_path, monkeypatch, capsys):
+    """`tfq together --model PATH` on a small random qwen3_5 model with the real models' ratios (three DeltaNet
+    layers to one attention layer, value heads three times the key heads, head dim twice the DeltaNet's, GQA 6:1,
+    tied embeddings as the small Qwen3.5 models have), the shipped tiny-hybrid suite: every arm EXACT, every
+    control RED (the chunked DeltaNet one too). Its residual branches are scaled down so that it repeats itself
+    enough for prompt lookup's guesses to be accepted (the drafted arm needs some)."""
+    from cli import tfq
+
+    folder = tiny_model_dir(tmp_path_factory, "qwen3_5", tie=True, seed=4, layers=8, hidden=192, heads=6,
+                            kv_heads=1, head_dim=64, intermediate=640, linear_heads=(2, 6), linear_dims=(32, 32),
+                            branch_scale=0.3)
+    summary = tmp_path / "summary.json"
+    code, out, err = tfq(["together", "--model", str(folder), "--suite", str(shipped_hybrid_suite()), "--tokens",
+                          "32", "--evidence", str(tmp_path / "ev"), "--json", str(summary)], monkeypatch, capsys)
+    assert code == 0, out + err
+    assert "arms left out: prefix, prefix-partial" in err
+    arms = {a["arm"]: a for a in json.loads(summary.read_text())["arms"]}
+    controls = {"partial", "paged-partial", "deltanet-chunks"}
+    assert set(arms) == {"whole", "paged-alone", "paged", "paged-all", "chunked", "preempted", "drafted",
+                         "drafted-model"} | controls
+    for name, arm in arms.items():
+        assert arm["verdict"] == ("RED" if name in controls else "EXACT"), (name, arm["note"])
+    assert arms["preempted"]["preemptions"] > 0
+
+
+def test_hybrid_arms_refused_where_they_do_not_apply(tiny_dirs, hybrid_dir, tmp_path, monkeypatch, capsys):
+    from cli import tfq
+
+    for model, arm in ((tiny_dirs["qwen2"], "deltanet-chunks"), (hybrid_dir, "prefix")):
+        code, out, err = tfq(["together", "--model", str(model), "--suite", str(shipped_hybrid_suite()), "--arms",
+                              arm, "--evidence", str(tmp_path / arm)], monkeypatch, capsys)
+        assert code == 2 and f"arm {arm} does not apply to this model" in err
+        assert len(err.strip().splitlines()) == 1

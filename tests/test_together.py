@@ -90,7 +90,8 @@ def test_every_arm_exact_and_controls_red_on_random_suites_and_plans(seed, tiny_
         assert run.equal_ids == n or run.arm.control
         assert (run.equal_logits < n) == run.arm.control
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["complete"] and summary["passed"] and len(summary["arms"]) == len(ARMS)
+    assert summary["complete"] and summary["passed"]
+    assert len(summary["arms"]) == len([a for a in ARMS if a.models != "hybrid"])
     whole = json.loads((tmp_path / "whole.json").read_text())
     ref = json.loads((tmp_path / "reference.json").read_text())
     assert [c["digests"] for c in whole["chats"]] == [c["digests"] for c in ref["chats"]]
@@ -133,8 +134,10 @@ def test_a_differing_arm_fails_with_where_it_parts(tiny_models, monkeypatch):
 
 def test_arm_list_names_and_modes():
     assert arm_names() == ["whole", "paged-alone", "paged", "paged-all", "chunked", "preempted", "drafted",
-                           "drafted-model", "prefix", "partial", "paged-partial", "prefix-partial"]
-    assert [a.name for a in ARMS if a.control] == ["partial", "paged-partial", "prefix-partial"]
+                           "drafted-model", "prefix", "partial", "paged-partial", "prefix-partial", "deltanet-chunks"]
+    assert [a.name for a in ARMS if a.control] == ["partial", "paged-partial", "prefix-partial", "deltanet-chunks"]
+    assert [a.name for a in ARMS if a.models == "attention"] == ["prefix", "prefix-partial"]
+    assert [a.name for a in ARMS if a.models == "hybrid"] == ["deltanet-chunks"]
     assert [a.name for a in select_arms(" paged ,whole,paged")] == ["paged", "whole"]
     with pytest.raises(TfqError, match="unknown arm 'drafty'.*whole, paged-alone"):
         select_arms("whole,drafty")

@@ -137,13 +137,16 @@ def write_tiny_checkpoint(
     linear_heads: tuple[int, int] = (2, 4),
     linear_dims: tuple[int, int] = (32, 32),
     vision: bool = False,
+    branch_scale: float = 1.0,
 ) -> Path:
     """Write a random `family` checkpoint (HF folder, fp32 safetensors, optionally in `shards` files).
 
     qwen3_5 is the hybrid (transformers' Qwen3_5ForCausalLM): `layer_types` (default: every fourth layer full
     attention, as transformers does), DeltaNet key and value heads `linear_heads` of dims `linear_dims`. With
     `vision`, the config is an image-and-text qwen3_5 one, its text model's tensors under model.language_model
-    (the vision tower's own tensors are left out: tfq skips them)."""
+    (the vision tower's own tensors are left out: tfq skips them). `branch_scale` multiplies the projections that
+    write into the residual stream (o_proj, out_proj, down_proj): below 1, with tied embeddings, a random model
+    tends to repeat what it read, so prompt-lookup drafting finds guesses it accepts."""
     from safetensors.torch import save_file
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -177,6 +180,9 @@ def write_tiny_checkpoint(
     model = model_cls(config).to(torch.float32).eval()
     _init_weights(model, seed)
     state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    for k in state:
+        if k.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
+            state[k] = state[k] * branch_scale
     if tie:
         state.pop("lm_head.weight")
     config.architectures = [model_cls.__name__]

@@ -100,6 +100,7 @@ class Check:
                 raise TfqError(f"chat {r.label}: its prompt of {len(r.prompt)} tokens does not fit the plan's window "
                                f"of {base.window} rows; raise window (--set window=...) or shorten the chat")
         self.context = context_for(base, self.requests, group)
+        arms = [a for a in arms if a.applies(config)]  # a hybrid has no prefix arms, only a hybrid its control
         # Every arm's plan and layout first: a plan that does not fit fails before anything runs.
         self.runs = [self._prepare(arm, base) for arm in (REFERENCE, *arms)]
         self.started = time.time()
