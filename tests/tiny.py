@@ -371,3 +371,52 @@ def tiny_gguf(tmp_path_factory, family: str = "qwen2", tie: bool = False, **kwar
         folder = tmp_path_factory.mktemp(f"tiny-gguf-{family}")
         _MADE[key] = write_tiny_gguf(folder / f"tiny-{family}.gguf", family, tie, **kwargs)
     return _MADE[key]
+
+
+def write_mlx_checkpoint(hf_folder: Path, out: Path, bits: int = 4, group: int = 64, dtype: str = "bfloat16") -> Path:
+    """An MLX checkpoint of an HF one, `bits`-bit affine groups of `group`: by mlx-lm's own converter when mlx and
+    mlx-lm install here (the real writer), else by the documented format (numpy: codes as little-endian bit
+    streams in uint32 words, scales and biases in `dtype`, the weight round(round(q * scale) + bias))."""
+    out = Path(out)
+    try:
+        from mlx_lm import convert
+    except ImportError:
+        return _write_mlx_by_format(Path(hf_folder), out, bits, group, dtype)
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        convert(str(hf_folder), str(out), quantize=True, q_group_size=group, q_bits=bits, dtype=dtype)
+    return out
+
+
+def _write_mlx_by_format(hf: Path, out: Path, bits: int, group: int, dtype: str) -> Path:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in hf.iterdir():
+        if f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy(f, out / f.name)
+    state = {}
+    dt = getattr(torch, dtype)
+    for name, w in load_file(str(hf / "model.safetensors")).items():
+        if w.ndim == 2 and name.endswith(".weight") and w.shape[1] % group == 0:
+            module = name[:-len(".weight")]
+            g = w.float().reshape(w.shape[0], -1, group)
+            lo, hi = g.amin(-1), g.amax(-1)
+            scale = ((hi - lo) / (2 ** bits - 1)).clamp_min(1e-8).to(dt)
+            bias = lo.to(dt)
+            q = ((g - bias.float()[..., None]) / scale.float()[..., None]).round().clamp(0, 2 ** bits - 1)
+            bitstream = ((q.to(torch.int64).reshape(w.shape[0], -1, 1) >> torch.arange(bits)) & 1).reshape(w.shape[0], -1)
+            words = (bitstream.reshape(w.shape[0], -1, 32).to(torch.int64) << torch.arange(32)).sum(-1)
+            state[name] = torch.from_numpy(words.numpy().astype(np.uint32).view(np.int32)).view(torch.uint32)
+            state[module + ".scales"], state[module + ".biases"] = scale, bias
+        else:
+            state[name] = w.to(dt) if w.is_floating_point() else w
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "mlx"})
+    config = json.loads((hf / "config.json").read_text())
+    config["quantization"] = {"group_size": group, "bits": bits}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out

@@ -78,6 +78,7 @@ class ModelConfig:
     partial_rotary: float = 1.0  # the share of each head's dimensions the rotary embedding turns
     deltanet: DeltaNetShape | None = None  # a hybrid's linear attention layers
     skipped: str = ""  # what of the checkpoint tfq does not run (a vision tower), for the plan's lines
+    quantized: str = ""  # how an MLX checkpoint's weights are stored ("MLX 4-bit affine, groups of 64")
 
     @property
     def hybrid(self) -> bool:
@@ -178,6 +179,7 @@ class ModelConfig:
                 eos_token_ids=tuple(int(e) for e in eos_ids),
                 rope_scaling=_rope_scaling(raw, where),
                 **(_hybrid_fields(raw, int(raw["num_hidden_layers"]), where, skipped) if family == "qwen3_5" else {}),
+                quantized=_quantized(raw, where),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise TfqError(f"{where}: missing or malformed field {e}; is this a Qwen config.json?") from None
@@ -208,6 +210,8 @@ def _text_config(raw: dict, where: str) -> tuple[dict, str]:
     merged["model_type"] = "qwen3_5_text"
     vision = raw.get("vision_config")
     depth = vision.get("depth") if isinstance(vision, dict) else None
+    if not isinstance(vision, dict):
+        return merged, "-"
     return merged, (f"the vision tower ({depth} blocks)" if depth else "the vision tower")
 
 
@@ -236,6 +240,13 @@ def _hybrid_fields(raw: dict, layers: int, where: str, skipped: str) -> dict:
         raise TfqError(f"{where}: partial_rotary_factor {partial} must leave an even number of rotary dimensions")
     return {"layer_types": tuple(kinds), "partial_rotary": partial, "deltanet": shape,
             "skipped": "" if skipped == "-" else skipped}
+
+
+def _quantized(raw: dict, where: str) -> str:
+    from tfq.model.mlx import quantization
+
+    quant = quantization(raw, where)
+    return quant.words() if quant is not None else ""
 
 
 def _refuse_sliding_window(raw: dict, where: str) -> None:

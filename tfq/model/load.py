@@ -67,7 +67,10 @@ def model_weights(spec: str, folder: Path, weights: str, backend: Backend, progr
     from tfq.model.weights import load_state_dict
 
     if weights == "fp32":
-        return load_state_dict(folder)
+        from tfq.model.mlx import folder_quantization, load_mlx_state
+
+        quant = folder_quantization(folder)  # an MLX checkpoint's groups, dequantized as MLX does
+        return load_mlx_state(folder, quant) if quant is not None else load_state_dict(folder)
     from tfq.model.gguf_file import read_header
     from tfq.model.gguf_tensors import kept_tensors
     from tfq.model.source import gguf_path

@@ -81,7 +81,11 @@ class Qwen:
             raise TfqError(f"a {c.family} hybrid's DeltaNet layers run on tfq's CPU kernels (kernels/cpu/delta.cpp), "
                            f"which this run does not have ({backend.where}); use device: cpu with TFQ_CPU_KERNELS "
                            f"auto or tfq, and a C++ compiler")
-        take = _Taker(weights, c.family, backend.device, offset=c.hybrid)
+        # Qwen3.5 stores norms as weight - 1 in transformers' layout; MLX's stores the weight itself (and the
+        # convolution as [channels, taps, 1]), which its convolution's shape tells, as mlx-lm tells it
+        mlx_layout = c.hybrid and any(k.endswith("conv1d.weight") and w.shape[-1] == 1 != c.deltanet.conv_kernel
+                                      for k, w in weights.items())
+        take = _Taker(weights, c.family, backend.device, offset=c.hybrid and not mlx_layout)
 
         def Linear(w, b=None):  # fp32 weights, or a GGUF's blocks (kept by load_model for weights: gguf)
             return backend.quant_linear(w, b) if isinstance(w, Quantized) else backend.linear(w, b)
@@ -146,7 +150,7 @@ class Qwen:
         in_proj = stack([take(a + "in_proj_qkv.weight", (n.channels, h)), take(a + "in_proj_z.weight", (v, h)),
                          take(a + "in_proj_b.weight", (n.value_heads, h)),
                          take(a + "in_proj_a.weight", (n.value_heads, h))])
-        conv = take(a + "conv1d.weight", (n.channels, 1, n.conv_kernel))
+        conv = take.conv(a + "conv1d.weight", n.channels, n.conv_kernel)
         mixer = DeltaWeights(conv=conv[:, 0].T.contiguous(), a_log=take(a + "A_log", (n.value_heads,)),
                              dt_bias=take(a + "dt_bias", (n.value_heads,)), norm=take(a + "norm.weight", (n.value_dim,)))
         return DeltaLayer(in_proj=Linear(in_proj), mixer=mixer, out_proj=Linear(take(a + "out_proj.weight", (h, v))),
@@ -305,6 +309,14 @@ class _Taker:
         self.device = device
         self.offset = offset  # norms stored as weight - 1 (Qwen3.5)
 
+    def conv(self, name: str, channels: int, taps: int) -> torch.Tensor:
+        """A depthwise convolution's weight [channels, 1, taps], from transformers' layout or MLX's [channels,
+        taps, 1]."""
+        w = self.weights.get(name)
+        if w is not None and tuple(w.shape) == (channels, taps, 1) and taps != 1:
+            self.weights[name] = w.transpose(1, 2)
+        return self(name, (channels, 1, taps))
+
     def norm(self, name: str, size: int) -> torch.Tensor:
         """An RMS norm's weight as it multiplies: Qwen3.5 multiplies by 1 + the stored weight (computed in fp32
         as transformers does, so the product's bits are the same)."""
@@ -324,5 +336,10 @@ class _Taker:
 
 
 def _text_name(name: str) -> str:
-    """A Qwen3.5 image-and-text checkpoint keeps the text model under model.language_model: the names tfq reads."""
-    return "model." + name[len("model.language_model."):] if name.startswith("model.language_model.") else name
+    """A Qwen3.5 image-and-text checkpoint keeps the text model under model.language_model (transformers) or
+    language_model.model and language_model.lm_head (MLX): the names tfq reads."""
+    for prefix, to in (("model.language_model.", "model."), ("language_model.model.", "model."),
+                       ("language_model.lm_head.", "lm_head.")):
+        if name.startswith(prefix):
+            return to + name[len(prefix):]
+    return name

@@ -164,7 +164,10 @@ def _weights_lines(plan: Plan, config: ModelConfig, lay: Layout) -> list[str]:
     kind, why = weights_kind(plan.weights, plan.model, lay.device)
     said = f" ({why})" if plan.weights == "auto" else ""
     if kind == "fp32":
-        return [f"weights: fp32{tag(plan, 'weights')}{said}: stored as {config.weights_dtype}, computed in fp32: "
+        stored = config.weights_dtype
+        if config.quantized:  # an MLX checkpoint: dequantized at load, the bits MLX's own dequantization gives
+            stored = f"{config.quantized} (dequantized at load exactly as MLX does, then widened to fp32)"
+        return [f"weights: fp32{tag(plan, 'weights')}{said}: stored as {stored}, computed in fp32: "
                 f"{config.param_count() / 1e6:.1f}M parameters, {human_bytes(lay.weights_bytes)}"]
     first = (f"weights: gguf{tag(plan, 'weights')}{said}: the file's quantized blocks are kept and computed with; "
              f"activations stay fp32 and each weight is unpacked exactly, so the bits are weights: fp32's")

@@ -103,18 +103,19 @@ def arm_names() -> list[str]:
 
 
 def arms_for(arms: Sequence[Arm], config, named: bool) -> tuple[list[Arm], str]:
-    """The arms that apply to the model, and a line naming those left out (a hybrid keeps no prefix cache; only
-    a hybrid has DeltaNet layers). Arms the user named that do not apply are refused."""
+    """The arms that apply to the model, and for a hybrid a line naming those left out (it keeps no prefix
+    cache; the DeltaNet control is left out of other models silently). Arms the user named that do not apply
+    are refused."""
     left_out = [a for a in arms if not a.applies(config)]
     if left_out and named:
         a = left_out[0]
         raise TfqError(f"arm {a.name} does not apply to this model: it runs on "
                        f"{'hybrid (qwen3_5)' if a.models == 'hybrid' else 'attention-only'} models; leave it out of --arms")
-    if not left_out:
-        return list(arms), ""
-    why = ("a hybrid keeps each stream's DeltaNet state, not pages a later stream could map" if config.hybrid else
-           "the model has no DeltaNet layers")
-    return [a for a in arms if a.applies(config)], f"arms left out: {', '.join(a.name for a in left_out)} ({why})"
+    kept = [a for a in arms if a.applies(config)]
+    if not left_out or not config.hybrid:
+        return kept, ""
+    why = "a hybrid keeps each stream's DeltaNet state, not pages a later stream could map"
+    return kept, f"arms left out: {', '.join(a.name for a in left_out)} ({why})"
 
 
 def select_arms(text: str | None) -> list[Arm]:

@@ -1,0 +1,176 @@
+"""MLX 4-bit checkpoints (mlx-lm's format): dequantized as MLX dequantizes, bit for bit, then run in fp32.
+
+The checkpoints are written by mlx-lm's own converter where mlx installs (its CPU build on Linux), otherwise by
+the documented format (tests/tiny.py); the bits are compared with `mx.dequantize` when mlx is importable.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from tfq.batch import Feed, forward
+from tfq.cache import KVCache
+from tfq.engine import Engine, EngineSettings
+from tfq.errors import TfqError
+from tfq.model.config import ModelConfig
+from tfq.model.load import load_model
+from tfq.model.mlx import dequantize, folder_quantization, load_mlx_state
+from tfq.stream import Request
+from tiny import tiny_model_dir, write_mlx_checkpoint
+
+KINDS = ("linear_attention", "linear_attention", "linear_attention", "full_attention")
+
+
+@pytest.fixture(scope="module", params=["qwen2", "qwen3_5"])
+def pair(request, tmp_path_factory):
+    """(HF folder, its MLX 4-bit checkpoint): qwen2, and a qwen3_5 hybrid in the image-and-text layout that
+    mlx-lm converts (its text model under language_model, norms and convolution in MLX's layout)."""
+    family = request.param
+    # mlx-lm's qwen2 takes head_dim as hidden / heads
+    extra = dict(layers=4, layer_types=KINDS, vision=True) if family == "qwen3_5" else dict(heads=2, kv_heads=1)
+    hf = tiny_model_dir(tmp_path_factory, family, seed=6, **extra)
+    return family, hf, write_mlx_checkpoint(hf, tmp_path_factory.mktemp(f"mlx-{family}") / "mlx")
+
+
+def raw_tensors(folder):
+    from safetensors import safe_open
+
+    out = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+def test_dequantized_weights_equal_mlx_s_own(pair):
+    mx = pytest.importorskip("mlx.core")
+    _, _, folder = pair
+    quant = folder_quantization(folder)
+    assert (quant.bits, quant.group_size) == (4, 64)
+    raw, ours = raw_tensors(folder), load_mlx_state(folder, quant)
+    modules = [k[:-len(".scales")] for k in raw if k.endswith(".scales")]
+    assert len(modules) > 10
+    for m in modules:
+        w, s, b = (raw[f"{m}.{part}"] for part in ("weight", "scales", "biases"))
+        theirs = mx.dequantize(mx.array(w.view(torch.int32).numpy().view(np.uint32)), mx.array(s.float().numpy()).astype(
+            mx.bfloat16 if s.dtype == torch.bfloat16 else mx.float32), mx.array(b.float().numpy()).astype(
+            mx.bfloat16 if b.dtype == torch.bfloat16 else mx.float32), 64, 4)
+        want = torch.from_numpy(np.array(theirs.astype(mx.float32)))
+        assert torch.equal(ours[m + ".weight"], want), f"{m}: tfq's dequantized weights are not MLX's"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+def test_every_width_and_dtype_dequantizes_as_mlx(bits, dtype):
+    mx = pytest.importorskip("mlx.core")
+    mdt = getattr(mx, dtype)
+    for group in (32, 64, 128):
+        w = (mx.random.normal((48, 256), key=mx.random.key(bits * group)) * 0.05).astype(mdt)
+        q, s, b = mx.quantize(w, group, bits)
+        want = torch.from_numpy(np.array(mx.dequantize(q, s, b, group, bits).astype(mx.float32)))
+        t = lambda a: torch.from_numpy(np.array(a.astype(mx.float32))).to(getattr(torch, dtype))  # noqa: E731
+        got = dequantize(torch.from_numpy(np.array(q).view(np.int32)).view(torch.uint32), t(s), t(b), group, bits)
+        assert torch.equal(got, want), (bits, group, dtype)
+
+
+def test_dequantizing_rounds_as_mlx_does():
+    """Control: one rounding (an fma, or the sum in fp32) gives other weights than MLX's two, in bf16."""
+    mx = pytest.importorskip("mlx.core")
+    w = (mx.random.normal((64, 256), key=mx.random.key(1)) * 0.05).astype(mx.bfloat16)
+    q, s, b = mx.quantize(w, 64, 4)
+    want = torch.from_numpy(np.array(mx.dequantize(q, s, b, 64, 4).astype(mx.float32)))
+    from tfq.model.mlx import codes
+
+    c = codes(torch.from_numpy(np.array(q).view(np.int32)).view(torch.uint32), 4, 256).float()
+    sf, bf = (torch.from_numpy(np.array(a.astype(mx.float32))).repeat_interleave(64, -1) for a in (s, b))
+    once = (c * sf + bf).to(torch.bfloat16).float()
+    assert not torch.equal(once, want)
+
+
+def one_forward(loaded, ids):
+    cache = KVCache(loaded.config, lanes=1, window=512, slots=1)
+    return forward(loaded.model, cache, [Feed(cache.pages.lane(0), 0, ids, len(ids))], partial=False)[0]
+
+
+def hf_on_dequantized(family, hf_folder, state):
+    """transformers' model of the HF folder with the MLX checkpoint's dequantized weights in it."""
+    import transformers
+
+    cls = {"qwen2": transformers.Qwen2ForCausalLM, "qwen3_5": transformers.Qwen3_5ForCausalLM}[family]
+    if family == "qwen3_5":
+        model = cls(transformers.Qwen3_5TextConfig(**json.loads((hf_folder / "config.json").read_text())["text_config"]))
+    else:
+        model = cls.from_pretrained(hf_folder, dtype=torch.float32)
+    names = {}
+    for k, v in state.items():
+        k = k.replace("language_model.model.", "model.").replace("language_model.lm_head.", "lm_head.")
+        if family == "qwen3_5" and k.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight")) \
+                or k == "model.norm.weight" and family == "qwen3_5":
+            v = v - 1.0  # MLX keeps the weight a norm multiplies by; transformers keeps weight - 1
+        if k.endswith("conv1d.weight") and v.shape[-1] == 1:
+            v = v.transpose(1, 2)
+        names[k] = v
+    missing, unexpected = model.load_state_dict(names, strict=False)
+    assert not unexpected and all("lm_head" in m for m in missing) or not missing, (missing, unexpected)
+    return model.float().eval()
+
+
+def test_mlx_checkpoint_runs_like_transformers_on_its_weights(pair):
+    family, hf_folder, folder = pair
+    loaded = load_model(str(folder), progress=False)
+    assert loaded.config.quantized == "MLX 4-bit affine, groups of 64"
+    model = hf_on_dequantized(family, hf_folder, load_mlx_state(folder, folder_quantization(folder)))
+    for n in (1, 65, 200):
+        ids = torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        with torch.no_grad():
+            want = model(torch.tensor([ids])).logits[0]
+        got = one_forward(loaded, ids)
+        assert (got - want).abs().max().item() <= 2e-5 * want.abs().max().item()
+
+
+def test_mlx_checkpoint_streams_equal_their_runs_alone(pair):
+    _, _, folder = pair
+    loaded = load_model(str(folder), progress=False)
+    requests = [Request(tuple(range(5 + 40 * i, 5 + 40 * i + 17 * (i + 1))), max_tokens=12) for i in range(4)]
+    settings = EngineSettings(window=512, lanes=4, prefill_chunk=23)
+    together = Engine(loaded.model, settings, eos_ids=()).generate(requests)
+    for r, got in zip(requests, together):
+        alone = Engine(loaded.model, EngineSettings(window=512, lanes=1), eos_ids=()).generate([r])[0]
+        assert got.ids == alone.ids and got.digests == alone.digests
+
+
+def test_bad_quantization_is_one_line(pair, tmp_path):
+    _, _, folder = pair
+    raw = json.loads((folder / "config.json").read_text())
+    raw["quantization"] = {"group_size": 64, "bits": 7}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(TfqError, match="7 bits in groups of 64 is not one tfq reads"):
+        ModelConfig.from_folder(tmp_path)
+
+
+def test_writer_by_the_documented_format_reads_back(tmp_path_factory):
+    """Where mlx does not install, tests write MLX checkpoints by the format: its bit streams read back to the
+    codes written (and, where mlx is here, MLX dequantizes them as tfq does)."""
+    from tiny import _write_mlx_by_format
+
+    hf = tiny_model_dir(tmp_path_factory, "qwen3", seed=7)
+    for bits in (3, 4, 8):
+        folder = _write_mlx_by_format(hf, tmp_path_factory.mktemp(f"fmt{bits}"), bits, 64, "bfloat16")
+        raw, ours = raw_tensors(folder), load_mlx_state(folder, folder_quantization(folder))
+        m = "model.layers.0.mlp.down_proj"
+        original = raw_tensors(hf)[m + ".weight"]
+        step = raw[m + ".scales"].float().repeat_interleave(64, -1)  # within a step of what was written
+        assert ((ours[m + ".weight"] - original).abs() <= step + 0.005).all()  # and bf16 roundings
+        try:
+            import mlx.core as mx
+        except ImportError:
+            continue
+        w = raw[m + ".weight"].view(torch.int32).numpy().view(np.uint32)
+        theirs = mx.dequantize(mx.array(w), mx.array(raw[m + ".scales"].float().numpy()).astype(mx.bfloat16),
+                               mx.array(raw[m + ".biases"].float().numpy()).astype(mx.bfloat16), 64, bits)
+        assert torch.equal(ours[m + ".weight"], torch.from_numpy(np.array(theirs.astype(mx.float32))))
+    loaded = load_model(str(folder), progress=False)
+    assert loaded.config.quantized == "MLX 8-bit affine, groups of 64"
