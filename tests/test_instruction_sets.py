@@ -23,7 +23,7 @@ if march == "tfq":
     from tfq.kernels import cpu_build
     ops = cpu_build.ops()
 else:
-    cpp_extension.load(name=name, sources=[f"{src}/{s}" for s in ("linear.cpp", "attention.cpp", "rowwise.cpp", "quant.cpp")],
+    cpp_extension.load(name=name, sources=[f"{src}/{s}" for s in ("linear.cpp", "attention.cpp", "rowwise.cpp", "quant.cpp", "delta.cpp")],
                        extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     ops = torch.ops.tfq_cpu
 g = torch.Generator().manual_seed(5)
@@ -54,6 +54,21 @@ for bits, group, zero, offsets in ((4, 32, 8, False), (5, 32, 16, False), (6, 16
     for m in (1, 3, 9):  # registers, and the buffer
         res[f"quantized linear, {bits} bits, {'offsets, ' if offsets else ''}{m} rows"] = ops.qlinear(
             xs[:m].contiguous(), blob, None, 200)
+# a hybrid's DeltaNet: head dims with and without a tail past the 16 lanes, fresh and carried state, snaps
+for kh, kd, vh, vd in ((2, 32, 6, 32), (1, 24, 3, 40)):
+    C = 2 * kh * kd + vh * vd
+    xd = torch.randn(23, C, generator=g)
+    a, b = torch.randn(23, vh, generator=g), torch.randn(23, vh, generator=g)
+    conv_w, a_log, dt = torch.randn(4, C, generator=g) * 0.5, torch.randn(vh, generator=g), torch.randn(vh, generator=g)
+    cs, rs = torch.randn(3, 3, C, generator=g), torch.randn(3, vh, kd, vd, generator=g) * 0.1
+    sc, sr = torch.zeros(3, 5, 3, C), torch.zeros(3, 5, vh, kd, vd)
+    seg = torch.tensor([[0, 13, 0, 1, 0], [13, 5, 1, 0, 1], [18, 5, 2, 0, 0]])
+    o = ops.deltanet(xd, a, b, conv_w, a_log, dt, cs, rs, seg, sc, sr, kh, kd, vh, vd)
+    res[f"deltanet {kd}/{vd}"], res[f"deltanet {kd}/{vd} state"] = o, torch.cat([cs.flatten(), rs.flatten()])
+    res[f"deltanet {kd}/{vd} snaps"] = torch.cat([sc.flatten(), sr.flatten()])
+    z = torch.randn(23 * vh, vd, generator=g)
+    res[f"gated rms norm {vd}"] = ops.gated_rms_norm(o.reshape(23 * vh, vd), torch.randn(vd, generator=g), z, 1e-6)
+res["sigmoid gate"] = ops.sigmoid_gate(x, torch.randn(x.shape, generator=g) * 10)
 torch.save(res, out)
 """
 
