@@ -347,3 +347,28 @@ def test_hybrid_arms_refused_where_they_do_not_apply(tiny_dirs, hybrid_dir, tmp_
                               arm, "--evidence", str(tmp_path / arm)], monkeypatch, capsys)
         assert code == 2 and f"arm {arm} does not apply to this model" in err
         assert len(err.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------------------------------------ the plan
+
+@pytest.mark.parametrize("sets", [[], ["kv.pages=64", "kv.paged=all"], ["draft=ngram:3"], ["draft=self", "lanes=2"]])
+def test_plan_counts_the_state_the_engine_allocates(hybrid_dir, hybrid, sets):
+    from tfq.plan import load_plan, plan_lines
+
+    plan = load_plan(None, {}, ["window=512", "lanes=4", *sets]).replace(model=str(hybrid_dir))
+    layout = plan.layout(hybrid.config)
+    engine = Engine.from_plan(plan, layout, hybrid)
+    assert engine.cache.nbytes == layout.cache_bytes
+    assert layout.state_bytes == engine.cache.state.nbytes > 0
+    lines = "\n".join(plan_lines(plan, hybrid.config, layout))
+    assert "state: 4 DeltaNet layers x (recurrence 4 x 32 x 32 + convolution window 3 x 256) x 4 bytes" in lines
+    assert ("drafting keeps the state after each of a verify's" in lines) == any(s.startswith("draft") for s in sets)
+    assert "4 DeltaNet + 2 gated attention" not in lines and "4 Gated DeltaNet + 2 gated attention" in lines
+
+
+def test_plan_refuses_the_prefix_cache_for_a_hybrid(hybrid_dir, hybrid):
+    from tfq.plan import load_plan
+
+    plan = load_plan(None, {}, ["kv.pages=64", "kv.prefix_cache=on"]).replace(model=str(hybrid_dir))
+    with pytest.raises(TfqError, match="kv.prefix_cache: on .*does not work for a hybrid model"):
+        plan.layout(hybrid.config)
