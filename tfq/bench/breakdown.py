@@ -15,6 +15,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from tfq.model.qwen import linears
+
 
 class _Clock:
     def __init__(self):
@@ -42,9 +44,8 @@ def step_breakdown(engine, steps: int, top: int = 0) -> dict:
         model.layer_clock = torch.zeros(2, dtype=torch.float64)
     else:
         model.backend = dataclasses.replace(backend, attend=attention.wrap(backend.attend))
-        model.layers = [dataclasses.replace(layer, **{name: linear.wrap(getattr(layer, name))
-                                                      for name in ("qkv", "o", "gate_up", "down")})
-                        for layer in layers]
+        model.layers = [dataclasses.replace(layer, **{name: linear.wrap(f) for name, f in linears(layer).items()})
+                        for layer in layers]  # a hybrid's DeltaNet recurrence counts in the rest
     model.lm_head = linear.wrap(head)
     try:
         t0 = time.perf_counter()

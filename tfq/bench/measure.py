@@ -25,8 +25,10 @@ def weights_read_bytes(config: ModelConfig, model=None) -> int:
     fp32 = (config.param_count() - untied_embedding) * 4
     if model is None:
         return fp32
-    linears = [f for layer in model.layers for f in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    kept = [f for f in linears + [model.lm_head] if hasattr(f, "nbytes")]
+    from tfq.model.qwen import linears
+
+    every = [f for layer in model.layers for f in linears(layer).values()]
+    kept = [f for f in every + [model.lm_head] if hasattr(f, "nbytes")]
     return fp32 - sum(4 * f.out_features * f.in_features - f.nbytes for f in kept)
 
 
@@ -36,7 +38,8 @@ def mean_context(prompt_tokens: int, tokens: int) -> float:
 
 
 def kv_read_bytes(config: ModelConfig, kv_dtype: str, lanes: int, context: float) -> float:
-    return lanes * context * row_bytes(config, kv_dtype)
+    """Keys and values a decode step reads, and a hybrid's states (each read and written back once)."""
+    return lanes * (context * row_bytes(config, kv_dtype) + 2 * config.state_bytes)
 
 
 def measure_bandwidth(mib: int = BANDWIDTH_MIB, tries: int = BANDWIDTH_TRIES) -> dict[str, float]:

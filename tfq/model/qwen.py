@@ -71,6 +71,12 @@ class DeltaLayer:
     down: LinearFn
 
 
+def linears(layer: Layer | DeltaLayer) -> dict[str, LinearFn]:
+    """A layer's linear layers by field name (what tfq bench clocks and counts)."""
+    names = ("qkv", "o") if isinstance(layer, Layer) else ("in_proj", "out_proj")
+    return {name: getattr(layer, name) for name in names + ("gate_up", "down")}
+
+
 class Qwen:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], backend: Backend | None = None):
         self.backend = backend = backend or torch_backend()
