@@ -8,6 +8,10 @@ outputs at the file's bit width and unpacks them to fp32 only in registers. The 
 package's dequantized weight to the bit, and the sum is tfq's fp32 recipe, so `QuantLinear` gives the bits
 `FixedOrderLinear` gives on the dequantized weights (docs/contract.md, section 3; docs/quantized.md).
 
+MLX's affine groups (tfq/model/mlx.py) are kept the same way with their own rounding: MLX computes
+w = round(round((q - zero) * s) + o) in its scales' dtype, so `rounding` is "fp32" (the product and the sum
+each rounded in fp32) or "bf16" (each rounded to bf16); GGUF's is "fma".
+
 This module reads block bytes with numpy and imports nothing from the engine.
 """
 from __future__ import annotations
@@ -24,6 +28,7 @@ BLOCKS = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q5_0": (22, 32), "Q5_1": (24, 32)
           "Q4_K": (144, 256), "Q5_K": (176, 256), "Q6_K": (210, 256)}
 FORMATS = tuple(BLOCKS)
 # GGUF type name -> (bits of q, inputs a scale, whether groups carry an offset), as `from_blocks` keeps them
+ROUNDINGS = {"fma": 0, "fp32": 1, "bf16": 2}  # how a weight is unpacked (the kernel's Header::rounding)
 KEPT = {"Q4_0": (4, 32, False), "Q4_1": (4, 32, True), "Q5_0": (5, 32, False), "Q5_1": (5, 32, True),
         "Q8_0": (8, 32, False), "Q4_K": (4, 32, True), "Q5_K": (5, 32, True), "Q6_K": (6, 16, False)}
 
@@ -43,8 +48,9 @@ class Quantized:
     o: torch.Tensor | None
     bits: int  # 4, 5, 6 or 8 (8: q is signed)
     group: int  # inputs sharing a scale: 32, or 16 (Q6_K)
-    zero: int  # subtracted from q: 8 (Q4_0), 16 (Q5_0), 32 (Q6_K), 0 (Q8_0, Q4_K)
-    kind: str  # the GGUF type it came from ("mixed" after joining types)
+    zero: int  # subtracted from q: 8 (Q4_0), 16 (Q5_0), 32 (Q6_K), 0 (Q8_0, Q4_K); MLX 8-bit: -128
+    kind: str  # the GGUF type it came from ("mixed" after joining types), or "MLX"
+    rounding: str = "fma"  # fma (GGUF: one rounding), fp32 or bf16 (MLX: the product and the sum each rounded)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -61,11 +67,21 @@ class Quantized:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The fp32 weights of rows `ids` (an embedding lookup): the kernel's value, q - zero times s (exact but
-        for Q6_K, where it rounds once as fma does), plus o (-0 changes nothing; Q4_K rounds once here)."""
+        for Q6_K, where it rounds once as fma does), plus o (-0 changes nothing; Q4_K rounds once here). MLX's
+        roundings: the product, then the sum, each rounded (in bf16, torch rounds each result as MLX does)."""
         q = self.ints(ids)
         s = self.s[ids].repeat_interleave(self.group, -1)
-        w = q.to(torch.float32) * s
-        return w if self.o is None else w + self.o[ids].repeat_interleave(self.group, -1)
+        if self.rounding == "bf16":
+            s = s.to(torch.bfloat16)
+        w = q.to(s.dtype) * s
+        if self.o is not None:
+            w = w + self.o[ids].repeat_interleave(self.group, -1).to(s.dtype)
+        return w.float()
+
+    def select(self, ids: torch.Tensor) -> "Quantized":
+        """Rows `ids` of the matrix, still quantized (a hybrid's q_proj splits into queries and gates)."""
+        return Quantized(self.q[ids], self.s[ids], None if self.o is None else self.o[ids], self.bits, self.group,
+                         self.zero, self.kind, self.rounding)
 
     def dequantized(self) -> torch.Tensor:
         return self.rows(torch.arange(self.shape[0]))
@@ -126,15 +142,25 @@ def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
+def joinable(parts: list) -> bool:
+    """Whether `join` keeps these matrices quantized: GGUF's formats always (widened if they differ); MLX's only
+    in one format and rounding."""
+    if not all(isinstance(p, Quantized) for p in parts):
+        return False
+    if all(p.rounding == "fma" for p in parts):
+        return True
+    return len({(p.bits, p.group, p.zero, p.o is None, p.rounding) for p in parts}) == 1
+
+
 def join(parts: list[Quantized]) -> Quantized:
     """Matrices stacked by rows (q, k, v into one layer). Parts of different formats are first widened to one
     that holds them all without changing a weight: 8-bit q - zero, the smallest group, offsets if any has one."""
-    if len({(p.bits, p.group, p.zero, p.o is None) for p in parts}) == 1:
+    if len({(p.bits, p.group, p.zero, p.o is None, p.rounding) for p in parts}) == 1:
         first = parts[0]
         o = None if first.o is None else torch.cat([p.o for p in parts])
         kind = first.kind if len({p.kind for p in parts}) == 1 else "mixed"
         return Quantized(torch.cat([p.q for p in parts]), torch.cat([p.s for p in parts]), o, first.bits,
-                         first.group, first.zero, kind)
+                         first.group, first.zero, kind, first.rounding)
     group = min(p.group for p in parts)
     offsets = any(p.o is not None for p in parts)
     return join([_widened(p, group, offsets) for p in parts])
@@ -158,7 +184,7 @@ class QuantLinear:
         self.kind, self.bits, self.nbytes = weight.kind, weight.bits, weight.nbytes()
         self.panels = cpu_build.op("qpack")(weight.q.contiguous(), weight.s.contiguous(),
                                             None if weight.o is None else weight.o.contiguous(),
-                                            weight.bits, weight.group, weight.zero)
+                                            weight.bits, weight.group, weight.zero, ROUNDINGS[weight.rounding])
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

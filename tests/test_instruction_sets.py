@@ -54,6 +54,17 @@ for bits, group, zero, offsets in ((4, 32, 8, False), (5, 32, 16, False), (6, 16
     for m in (1, 3, 9):  # registers, and the buffer
         res[f"quantized linear, {bits} bits, {'offsets, ' if offsets else ''}{m} rows"] = ops.qlinear(
             xs[:m].contiguous(), blob, None, 200)
+for bits, rounding in ((4, 1), (4, 2), (6, 2), (8, 2)):  # MLX's groups of 64: the product and the sum rounded
+    top = 2 ** bits
+    qi = torch.randint(0, top, (200, 896), generator=g).to(torch.uint8)
+    zero = 0
+    if bits == 8:
+        qi, zero = (qi.to(torch.int16) - 128).to(torch.int8).view(torch.uint8), -128
+    s = (torch.rand(200, 14, generator=g) * 0.02).bfloat16().float()
+    o = (torch.randn(200, 14, generator=g) * 0.05).bfloat16().float()
+    blob = ops.qpack(qi, s, o, bits, 64, zero, rounding)
+    for m in (1, 5, 9):
+        res[f"MLX groups, {bits} bits, rounding {rounding}, {m} rows"] = ops.qlinear(xs[:m].contiguous(), blob, None, 200)
 # a hybrid's DeltaNet: head dims with and without a tail past the 16 lanes, fresh and carried state, snaps
 for kh, kd, vh, vd in ((2, 32, 6, 32), (1, 24, 3, 40)):
     C = 2 * kh * kd + vh * vd

@@ -120,7 +120,7 @@ def hf_on_dequantized(family, hf_folder, state):
 
 def test_mlx_checkpoint_runs_like_transformers_on_its_weights(pair):
     family, hf_folder, folder = pair
-    loaded = load_model(str(folder), progress=False)
+    loaded = load_model(str(folder), progress=False, weights="fp32")
     assert loaded.config.quantized == "MLX 4-bit affine, groups of 64"
     model = hf_on_dequantized(family, hf_folder, load_mlx_state(folder, folder_quantization(folder)))
     for n in (1, 65, 200):
@@ -131,9 +131,10 @@ def test_mlx_checkpoint_runs_like_transformers_on_its_weights(pair):
         assert (got - want).abs().max().item() <= 2e-5 * want.abs().max().item()
 
 
-def test_mlx_checkpoint_streams_equal_their_runs_alone(pair):
+@pytest.mark.parametrize("weights", ["mlx", "fp32"])
+def test_mlx_checkpoint_streams_equal_their_runs_alone(pair, weights):
     _, _, folder = pair
-    loaded = load_model(str(folder), progress=False)
+    loaded = load_model(str(folder), progress=False, weights=weights)
     requests = [Request(tuple(range(5 + 40 * i, 5 + 40 * i + 17 * (i + 1))), max_tokens=12) for i in range(4)]
     settings = EngineSettings(window=512, lanes=4, prefill_chunk=23)
     together = Engine(loaded.model, settings, eos_ids=()).generate(requests)
@@ -174,3 +175,75 @@ def test_writer_by_the_documented_format_reads_back(tmp_path_factory):
         assert torch.equal(ours[m + ".weight"], torch.from_numpy(np.array(theirs.astype(mx.float32))))
     loaded = load_model(str(folder), progress=False)
     assert loaded.config.quantized == "MLX 8-bit affine, groups of 64"
+
+
+# ------------------------------------------------------------------------------- weights: mlx (groups kept)
+
+def random_groups(bits: int, group: int, scales_dtype: torch.dtype, n: int = 96, k: int = 256, seed: int = 0):
+    """uint32 words, scales and biases of a random MLX layer [n, k]."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 2 ** bits, (n, k), generator=g, dtype=torch.int64)
+    stream = ((q.reshape(n, k, 1) >> torch.arange(bits)) & 1).reshape(n, -1)
+    words = (stream.reshape(n, -1, 32) << torch.arange(32)).sum(-1)
+    packed = torch.from_numpy(words.numpy().astype(np.uint32).view(np.int32)).view(torch.uint32)
+    s = (torch.rand(n, k // group, generator=g) * 0.02 + 0.001).to(scales_dtype)
+    b = (torch.randn(n, k // group, generator=g) * 0.05).to(scales_dtype)
+    return packed, s, b
+
+
+@pytest.mark.parametrize("scales", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
+def test_kept_groups_give_the_fp32_layer_s_bits(bits, scales):
+    """tfq's quantized kernel on MLX's groups (its roundings) gives, bit for bit, the fp32 layer on the weights
+    MLX's dequantization gives, at 1 to 70 rows and 1, 3 and 8 threads."""
+    from tfq.kernels.quant import QuantLinear
+    from tfq.kernels.rowwise import FixedOrderLinear
+    from tfq.model.mlx import kept
+
+    before = torch.get_num_threads()
+    try:
+        for group in (32, 64, 128):
+            packed, s, b = random_groups(bits, group, scales, seed=bits * group)
+            groups = kept(packed, s, b, group, bits)
+            weights = dequantize(packed, s, b, group, bits)
+            assert torch.equal(groups.dequantized(), weights)
+            layer, reference = QuantLinear(groups), FixedOrderLinear(weights)
+            x = torch.randn(70, 256, generator=torch.Generator().manual_seed(group))
+            for threads in (1, 3, 8):
+                torch.set_num_threads(threads)
+                for m in (1, 2, 4, 5, 8, 9, 70):
+                    assert torch.equal(layer(x[:m]), reference(x[:m])), (bits, group, m, threads)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_kept_groups_need_mlx_s_rounding():
+    """Control: the same groups unpacked with one rounding (GGUF's fma) give other weights than MLX's."""
+    import dataclasses
+
+    from tfq.kernels.quant import QuantLinear
+    from tfq.kernels.rowwise import FixedOrderLinear
+    from tfq.model.mlx import kept
+
+    packed, s, b = random_groups(4, 64, torch.bfloat16)
+    groups = kept(packed, s, b, 64, 4)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
+    want = FixedOrderLinear(dequantize(packed, s, b, 64, 4))(x)
+    assert torch.equal(QuantLinear(groups)(x), want)
+    assert not torch.equal(QuantLinear(dataclasses.replace(groups, rounding="fma"))(x), want)
+
+
+def test_weights_mlx_has_the_bits_of_weights_fp32(pair):
+    _, _, folder = pair
+    loaded = load_model(str(folder), progress=False)  # auto: the groups kept
+    fp32 = load_model(str(folder), progress=False, weights="fp32")
+    assert (loaded.weights, fp32.weights) == ("mlx", "fp32")
+    for n in (1, 6, 9, 130):
+        ids = torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        assert torch.equal(one_forward(loaded, ids), one_forward(fp32, ids))
+
+
+def test_weights_mlx_refused_where_there_are_no_groups(tmp_path_factory):
+    hf = tiny_model_dir(tmp_path_factory, "qwen2", seed=6, heads=2, kv_heads=1)
+    with pytest.raises(TfqError, match="weights: mlx keeps an MLX checkpoint's quantized groups"):
+        load_model(str(hf), progress=False, weights="mlx")

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -158,6 +159,36 @@ inline void rms_norm_row(const float* x, const float* w, int64_t n, float eps, f
   const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
   for (int64_t k = 0; k < n; k++) y[k] = (x[k] * inv) * w[k];
 }
+
+// Each lane rounded to bfloat16, to nearest even, the value kept as fp32 (finite inputs): the rounding MLX applies
+// after each operation on bf16 numbers. Integer operations only, so every instruction set gives the same bits.
+#if defined(__AVX512F__)
+inline V vround_bf16(V x) {
+  const __m512i b = _mm512_castps_si512(x.a);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+  return {_mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))))};
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+inline __m256 round_bf16_8(__m256 x) {
+  const __m256i b = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
+  return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+inline V vround_bf16(V x) { return {round_bf16_8(x.lo), round_bf16_8(x.hi)}; }
+#else
+inline V vround_bf16(V x) {
+  V out;
+  for (int i = 0; i < 16; i++) {
+    uint32_t b;
+    std::memcpy(&b, &x.f[i], 4);
+    b = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
+    std::memcpy(&out.f[i], &b, 4);
+  }
+  return out;
+}
+#endif
 
 inline float exp1(float x) {
   alignas(64) float in[16] = {x}, out[16];

@@ -20,6 +20,12 @@
 //   plane of bit 4 (8 bytes, bit n = output n), then for 6 bits a plane of bit 5.
 // So a 5-bit weight costs 5 bits plus its group's scale, as in the file.
 //
+// MLX's affine groups (tfq/model/mlx.py) are kept the same way, with their own rounding (`Header::rounding`):
+// MLX computes w = round(round((q - zero) * s) + o) in its scales' dtype, so the unpacking is the product then
+// the sum, each rounded, in fp32 (ROUND_FP32) or each rounded to bf16 (ROUND_BF16, by integer operations on
+// the fp32 bits). (q - zero) * s is exact in fp32 for a bf16 scale, so each of the two roundings is MLX's.
+// Again the unpacked value is the dequantized weight to the bit, and the sum the fp32 recipe.
+//
 // Speed: a decode step (a few rows) unpacks each weight vector once in registers and uses it for every row
 // (`fused`); a prompt's forward unpacks a panel once into an fp32 buffer and runs linear.cpp's tiles over all
 // its rows (`through_buffer`): the unpacking is then a small cost beside the products. Both are the recipe
@@ -58,8 +64,12 @@ alignas(64) constexpr float NEG_ZERO[PANEL] = {
     -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f,
     -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f};
 
+enum Rounding : int16_t { ROUND_FMA = 0, ROUND_FP32 = 1, ROUND_BF16 = 2 };  // GGUF's one rounding; MLX's two
+
 struct Header {
-  int32_t magic, bits, group, has_offset, zero, row_bytes;
+  int32_t magic;
+  int16_t bits, rounding;
+  int32_t group, has_offset, zero, row_bytes;
   int64_t n, k, panels, group_bytes, panel_bytes;
 };
 static_assert(sizeof(Header) == HEADER, "the blob's header is 64 bytes");
@@ -154,29 +164,42 @@ inline Group group_at(const Header& h, const uint8_t* panel, int64_t g) {
 // a power of two, and o is -0 when zero is not 0), so fma(float(q), s, o') is one rounding of
 // (q - zero) s + o, the same value as fma(float(q - zero), s, o) (only a zero's sign may differ, which no sum
 // that starts from +0 can see: fma(x, +-0, acc) is acc unless acc is -0, and acc never is)
+// (MLX's roundings keep zero apart: q - zero is exact in fp32, and the product must round as MLX's does.)
 struct Scales {
-  V s[4], o[4];
+  V s[4], o[4], zero;
 };
 
+template <int ROUND>
 inline Scales scales_of(const Group& grp, int32_t zero) {
   Scales r;
+  r.zero = vbroadcast(static_cast<float>(zero));
   for (int j = 0; j < 4; j++) {
     r.s[j] = tfq::vload(grp.s + 16 * j);
-    r.o[j] = vfma(vbroadcast(-static_cast<float>(zero)), r.s[j], tfq::vload(grp.o + 16 * j));
+    r.o[j] = tfq::vload(grp.o + 16 * j);
+    if (ROUND == ROUND_FMA) r.o[j] = vfma(vbroadcast(-static_cast<float>(zero)), r.s[j], r.o[j]);
   }
   return r;
 }
 
+// Vector j of a group's row as fp32 weights, in the blob's rounding
+template <int BITS, int ROUND>
+inline V weights(const uint8_t* row, int j, const Scales& sc) {
+  if (ROUND == ROUND_FMA) return vfma(qfloat<BITS>(row, j), sc.s[j], sc.o[j]);
+  const V product = tfq::vmul(tfq::vsub(qfloat<BITS>(row, j), sc.zero), sc.s[j]);
+  if (ROUND == ROUND_FP32) return tfq::vadd(product, sc.o[j]);
+  return tfq::vround_bf16(tfq::vadd(tfq::vround_bf16(product), sc.o[j]));
+}
+
 // The panel's fp32 weights [K][64], as linear.cpp's pack lays them out
-template <int BITS>
+template <int BITS, int ROUND>
 void unpack_panel(const Header& h, const uint8_t* panel, float* out) {
   for (int64_t g = 0; g < h.k / h.group; g++) {
     const Group grp = group_at(h, panel, g);
-    const Scales sc = scales_of(grp, h.zero);
+    const Scales sc = scales_of<ROUND>(grp, h.zero);
     for (int64_t r = 0; r < h.group; r++) {
       const uint8_t* row = grp.rows + r * h.row_bytes;
       float* dst = out + (g * h.group + r) * PANEL;
-      for (int j = 0; j < 4; j++) vstore(dst + 16 * j, vfma(qfloat<BITS>(row, j), sc.s[j], sc.o[j]));
+      for (int j = 0; j < 4; j++) vstore(dst + 16 * j, weights<BITS, ROUND>(row, j, sc));
     }
   }
 }
@@ -185,7 +208,7 @@ void unpack_panel(const Header& h, const uint8_t* panel, float* out) {
 // whole panel (up to 4 rows: 16 accumulators); NV = 2 is half of it, vectors `half` and `half + 2`, which share
 // their nibble bytes (5 to 8 rows: up to 16 accumulators, so the panel is read twice, from cache the second time,
 // and each weight is still unpacked once)
-template <int BITS, int mr, int NV>
+template <int BITS, int ROUND, int mr, int NV>
 void fused(const Header& h, const uint8_t* panel, const float* x, const float* bias, float* y, int64_t outputs,
            int half) {
   const int64_t K = h.k;
@@ -194,7 +217,7 @@ void fused(const Header& h, const uint8_t* panel, const float* x, const float* b
     for (int v = 0; v < NV; v++) acc[i][v] = vzero();
   for (int64_t g = 0; g < K / h.group; g++) {
     const Group grp = group_at(h, panel, g);
-    const Scales sc = scales_of(grp, h.zero);
+    const Scales sc = scales_of<ROUND>(grp, h.zero);
     for (int64_t r = 0; r < h.group; r++) {
       const uint8_t* row = grp.rows + r * h.row_bytes;
       const int64_t k = g * h.group + r;
@@ -202,7 +225,7 @@ void fused(const Header& h, const uint8_t* panel, const float* x, const float* b
       TFQ_PREFETCH_L2(row + AHEAD_L2);
       for (int v = 0; v < NV; v++) {
         const int j = NV == 4 ? v : half + 2 * v;
-        const V w = vfma(qfloat<BITS>(row, j), sc.s[j], sc.o[j]);
+        const V w = weights<BITS, ROUND>(row, j, sc);
         for (int i = 0; i < mr; i++) acc[i][v] = vfma(vbroadcast(x[i * K + k]), w, acc[i][v]);
       }
     }
@@ -217,29 +240,29 @@ void fused(const Header& h, const uint8_t* panel, const float* x, const float* b
     }
 }
 
-template <int BITS>
+template <int BITS, int ROUND>
 void fused_rows(const Header& h, const uint8_t* panel, const float* x, int64_t M, const float* bias, float* y,
                 int64_t outputs) {
   if (M > 4) {
     for (int half = 0; half < 2; half++) {
       switch (M) {
-        case 8: fused<BITS, 8, 2>(h, panel, x, bias, y, outputs, half); break;
-        case 7: fused<BITS, 7, 2>(h, panel, x, bias, y, outputs, half); break;
-        case 6: fused<BITS, 6, 2>(h, panel, x, bias, y, outputs, half); break;
-        default: fused<BITS, 5, 2>(h, panel, x, bias, y, outputs, half); break;
+        case 8: fused<BITS, ROUND, 8, 2>(h, panel, x, bias, y, outputs, half); break;
+        case 7: fused<BITS, ROUND, 7, 2>(h, panel, x, bias, y, outputs, half); break;
+        case 6: fused<BITS, ROUND, 6, 2>(h, panel, x, bias, y, outputs, half); break;
+        default: fused<BITS, ROUND, 5, 2>(h, panel, x, bias, y, outputs, half); break;
       }
     }
     return;
   }
   switch (M) {
-    case 4: fused<BITS, 4, 4>(h, panel, x, bias, y, outputs, 0); break;
-    case 3: fused<BITS, 3, 4>(h, panel, x, bias, y, outputs, 0); break;
-    case 2: fused<BITS, 2, 4>(h, panel, x, bias, y, outputs, 0); break;
-    default: fused<BITS, 1, 4>(h, panel, x, bias, y, outputs, 0); break;
+    case 4: fused<BITS, ROUND, 4, 4>(h, panel, x, bias, y, outputs, 0); break;
+    case 3: fused<BITS, ROUND, 3, 4>(h, panel, x, bias, y, outputs, 0); break;
+    case 2: fused<BITS, ROUND, 2, 4>(h, panel, x, bias, y, outputs, 0); break;
+    default: fused<BITS, ROUND, 1, 4>(h, panel, x, bias, y, outputs, 0); break;
   }
 }
 
-template <int BITS>
+template <int BITS, int ROUND>
 void qlinear_bits(const Header& h, const uint8_t* data, const float* x, int64_t M, const float* bias, float* y) {
   at::parallel_for(0, h.panels, 1, [&](int64_t p0, int64_t p1) {
     thread_local std::vector<float> buffer;
@@ -248,14 +271,24 @@ void qlinear_bits(const Header& h, const uint8_t* data, const float* x, int64_t 
       const int64_t outputs = std::min(PANEL, h.n - p * PANEL);
       const float* b = bias ? bias + p * PANEL : nullptr;
       if (M <= FUSED_ROWS) {
-        fused_rows<BITS>(h, panel, x, M, b, y + p * PANEL, outputs);
+        fused_rows<BITS, ROUND>(h, panel, x, M, b, y + p * PANEL, outputs);
         continue;
       }
       buffer.resize(static_cast<size_t>(h.k * PANEL));
-      unpack_panel<BITS>(h, panel, buffer.data());
+      unpack_panel<BITS, ROUND>(h, panel, buffer.data());
       tfq::panel_rows_fp32(x, M, h.k, buffer.data(), b, y + p * PANEL, h.n, outputs);
     }
   });
+}
+
+template <int ROUND>
+void with_bits(const Header& h, const uint8_t* data, const float* x, int64_t M, const float* bias, float* y) {
+  switch (h.bits) {
+    case 4: qlinear_bits<4, ROUND>(h, data, x, M, bias, y); break;
+    case 5: qlinear_bits<5, ROUND>(h, data, x, M, bias, y); break;
+    case 6: qlinear_bits<6, ROUND>(h, data, x, M, bias, y); break;
+    default: qlinear_bits<8, ROUND>(h, data, x, M, bias, y); break;
+  }
 }
 
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& blob, const c10::optional<at::Tensor>& b, int64_t N) {
@@ -272,20 +305,21 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& blob, const c10::optio
   const float* xp = x.data_ptr<float>();
   const float* bp = b.has_value() ? b->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  switch (h.bits) {
-    case 4: qlinear_bits<4>(h, data, xp, M, bp, yp); break;
-    case 5: qlinear_bits<5>(h, data, xp, M, bp, yp); break;
-    case 6: qlinear_bits<6>(h, data, xp, M, bp, yp); break;
-    default: qlinear_bits<8>(h, data, xp, M, bp, yp); break;
+  switch (h.rounding) {
+    case ROUND_FP32: with_bits<ROUND_FP32>(h, data, xp, M, bp, yp); break;
+    case ROUND_BF16: with_bits<ROUND_BF16>(h, data, xp, M, bp, yp); break;
+    default: with_bits<ROUND_FMA>(h, data, xp, M, bp, yp); break;
   }
   return y;
 }
 
-// q [N, K] uint8 (the integers; for 8 bits, int8 bit patterns), s [N, K / G] fp32, o [N, K / G] fp32 or none
+// q [N, K] uint8 (the integers; for 8 bits, int8 bit patterns), s [N, K / G] fp32, o [N, K / G] fp32 or none;
+// rounding: 0 GGUF's fma, 1 MLX's product and sum in fp32, 2 the same each rounded to bf16
 at::Tensor qpack(const at::Tensor& q, const at::Tensor& s, const c10::optional<at::Tensor>& o, int64_t bits,
-                 int64_t group, int64_t zero) {
+                 int64_t group, int64_t zero, int64_t rounding) {
   TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "tfq qpack: 4, 5, 6 or 8 bits");
-  TORCH_CHECK(group == 16 || group == 32, "tfq qpack: groups of 16 or 32 inputs");
+  TORCH_CHECK(group == 16 || group == 32 || group == 64 || group == 128, "tfq qpack: groups of 16 to 128 inputs");
+  TORCH_CHECK(rounding >= ROUND_FMA && rounding <= ROUND_BF16, "tfq qpack: rounding 0, 1 or 2");
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && q.is_contiguous() && q.size(1) % group == 0,
               "tfq qpack: q [N, K] uint8 with K a multiple of the group");
   const int64_t N = q.size(0), K = q.size(1), groups = K / group;
@@ -293,8 +327,8 @@ at::Tensor qpack(const at::Tensor& q, const at::Tensor& s, const c10::optional<a
               s.size(1) == groups, "tfq qpack: s [N, K / group] fp32");
   TORCH_CHECK(!o.has_value() || (o->scalar_type() == at::kFloat && o->is_contiguous() && o->sizes() == s.sizes()),
               "tfq qpack: o like s");
-  Header h{MAGIC, static_cast<int32_t>(bits), static_cast<int32_t>(group), o.has_value() ? 1 : 0,
-           static_cast<int32_t>(zero), row_bytes(bits), N, K, (N + PANEL - 1) / PANEL, 0, 0};
+  Header h{MAGIC, static_cast<int16_t>(bits), static_cast<int16_t>(rounding), static_cast<int32_t>(group),
+           o.has_value() ? 1 : 0, static_cast<int32_t>(zero), row_bytes(bits), N, K, (N + PANEL - 1) / PANEL, 0, 0};
   h.group_bytes = 4 * PANEL * (1 + h.has_offset) + group * h.row_bytes;
   h.panel_bytes = groups * h.group_bytes;
   auto blob = tfq::weights_memory(HEADER + h.panels * h.panel_bytes);
@@ -337,6 +371,6 @@ at::Tensor qpack(const at::Tensor& q, const at::Tensor& s, const c10::optional<a
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) {
-  m.def("qpack(Tensor q, Tensor s, Tensor? o, int bits, int group, int zero) -> Tensor", qpack);
+  m.def("qpack(Tensor q, Tensor s, Tensor? o, int bits, int group, int zero, int rounding=0) -> Tensor", qpack);
   m.def("qlinear(Tensor x, Tensor blob, Tensor? b, int n) -> Tensor", qlinear);
 }

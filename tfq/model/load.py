@@ -18,14 +18,14 @@ class LoadedModel:
     config: ModelConfig
     model: Qwen
     tokenizer: object  # tfq.model.tokenizer.Tokenizer
-    weights: str = "fp32"  # fp32 | gguf: how the matrices are kept (load_model's `weights`)
+    weights: str = "fp32"  # fp32 | gguf | mlx: how the matrices are kept (load_model's `weights`)
 
 
 def load_model(spec: str, progress: bool = True, device: str | torch.device = "cpu",
                weights: str = "auto") -> LoadedModel:
     """device: where the model runs (cpu: the torch kernels; cuda: the Triton kernels). weights: fp32 (every
-    tensor as float32), gguf (a GGUF's quantized matrices kept in their blocks: tfq.kernels.quant) or auto
-    (`weights_kind`)."""
+    tensor as float32), gguf (a GGUF's quantized matrices kept in their blocks: tfq.kernels.quant), mlx (an MLX
+    checkpoint's affine groups kept: tfq.model.mlx) or auto (`weights_kind`)."""
     from tfq.model.source import resolve_model
     from tfq.model.tokenizer import Tokenizer
 
@@ -43,13 +43,25 @@ def load_model(spec: str, progress: bool = True, device: str | torch.device = "c
 
 
 def weights_kind(choice: str, spec: str, device: str | torch.device = "cpu") -> tuple[str, str]:
-    """(fp32 | gguf, why) for the plan's `weights` choice: auto is gguf for a GGUF model (the default one, or a
-    .gguf file) on tfq's CPU kernels, else fp32; fp32 and gguf are taken as they are (gguf's own checks come
-    when the model loads)."""
+    """(fp32 | gguf | mlx, why) for the plan's `weights` choice: auto is gguf for a GGUF model (the default one,
+    or a .gguf file) and mlx for an MLX-quantized folder whose groups the kernel computes with, on tfq's CPU
+    kernels, else fp32; a choice other than auto is taken as it is (its own checks come when the model
+    loads)."""
     if choice != "auto":
         return choice, "as the plan says"
+    kind, why = "gguf", "the model is a GGUF file"
     if spec != "default" and not (Path(spec).expanduser().is_file() and spec.endswith(".gguf")):
-        return "fp32", "the model is an HF folder"
+        from tfq.model.mlx import folder_quantization, keepable
+
+        try:
+            quant = folder_quantization(Path(spec).expanduser())
+        except TfqError:
+            quant = None  # the config's own error comes when it is read
+        if quant is None:
+            return "fp32", "the model is an HF folder"
+        if keepable(quant):
+            return "fp32", f"an MLX checkpoint dequantized: {keepable(quant)}"
+        kind, why = "mlx", f"the model is an MLX checkpoint: {quant.words()}"
     if torch.device(device).type != "cpu":
         return "fp32", "tfq's quantized kernel runs on the CPU"
     from tfq.kernels import cpu_build
@@ -59,18 +71,24 @@ def weights_kind(choice: str, spec: str, device: str | torch.device = "cpu") -> 
             return "fp32", "TFQ_CPU_KERNELS=torch: tfq's CPU kernels are not in use"
     except ValueError:  # a bad TFQ_CPU_KERNELS: backend_for says so in its own words
         return "fp32", "TFQ_CPU_KERNELS is not a choice tfq knows"
-    return "gguf", "the model is a GGUF file"  # if the kernels fail to build, load_model falls back to fp32
+    return kind, why  # if the kernels fail to build, load_model falls back to fp32
 
 
 def model_weights(spec: str, folder: Path, weights: str, backend: Backend, progress: bool = True) -> dict:
     """The model's tensors by HF name, as `weights` says they are kept."""
     from tfq.model.weights import load_state_dict
 
-    if weights == "fp32":
+    if weights in ("fp32", "mlx"):
         from tfq.model.mlx import folder_quantization, load_mlx_state
 
-        quant = folder_quantization(folder)  # an MLX checkpoint's groups, dequantized as MLX does
-        return load_mlx_state(folder, quant) if quant is not None else load_state_dict(folder)
+        quant = folder_quantization(folder)  # an MLX checkpoint's groups: dequantized as MLX does, or kept
+        if weights == "mlx" and (quant is None or backend.quant_linear is None):
+            raise TfqError(f"weights: mlx keeps an MLX checkpoint's quantized groups on tfq's CPU kernels, and "
+                           f"{'this run does not have them (' + backend.where + ')' if quant else spec + ' is not one'}; "
+                           f"set weights: fp32")
+        if quant is None:
+            return load_state_dict(folder)
+        return load_mlx_state(folder, quant, keep=weights == "mlx")
     from tfq.model.gguf_file import read_header
     from tfq.model.gguf_tensors import kept_tensors
     from tfq.model.source import gguf_path

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from tfq.errors import TfqError
+from tfq.kernels.quant import Quantized
 
 BITS = (2, 3, 4, 5, 6, 8)  # the widths mlx-lm writes
 
@@ -89,9 +90,39 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor,
     return (q * s + b).float()  # torch rounds the product, then the sum, to the scales' dtype (MLX does the same)
 
 
-def load_mlx_state(folder: Path, quant: MlxQuantization) -> dict[str, torch.Tensor]:
+KEPT_BITS = (4, 5, 6, 8)  # widths tfq's quantized kernel computes with (kernels/cpu/quant.cpp)
+KEPT_GROUPS = (16, 32, 64, 128)
+KEPT_SCALES = {torch.bfloat16: "bf16", torch.float32: "fp32"}  # the roundings the kernel has (fp16's: not yet)
+
+
+def keepable(quant: MlxQuantization) -> str:
+    """Why the checkpoint's groups cannot be kept as they are (weights: mlx), or "" when they can."""
+    if quant.bits not in KEPT_BITS:
+        return f"tfq's quantized kernel computes with {', '.join(map(str, KEPT_BITS))} bits, not {quant.bits}"
+    if quant.group_size not in KEPT_GROUPS:
+        return f"tfq's quantized kernel takes groups of {', '.join(map(str, KEPT_GROUPS))}, not {quant.group_size}"
+    return ""
+
+
+def kept(packed: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, group: int, bits: int) -> Quantized | None:
+    """The layer's groups as tfq's quantized kernel keeps them (codes, fp32 scales and biases, MLX's rounding),
+    or None where the kernel cannot (other widths, groups, or fp16 scales: dequantize instead)."""
+    rounding = KEPT_SCALES.get(scales.dtype)
+    if rounding is None or bits not in KEPT_BITS or group not in KEPT_GROUPS or biases.dtype != scales.dtype:
+        return None
+    q = codes(packed, bits, scales.shape[-1] * group)
+    zero = 0
+    if bits == 8:  # the kernel reads 8-bit codes as signed bytes: code - 128, and zero -128 adds it back exactly
+        q, zero = q - 128, -128
+    return Quantized(q.to(torch.int8).view(torch.uint8) if bits == 8 else q.to(torch.uint8), scales.float(),
+                     biases.float(), bits, group, zero, "MLX", rounding)
+
+
+def load_mlx_state(folder: Path, quant: MlxQuantization, keep: bool = False) -> dict[str, torch.Tensor | Quantized]:
     """Every tensor of an MLX checkpoint by name, fp32, quantized ones dequantized (names without .scales and
-    .biases); tensors of what tfq does not run (a vision tower, multi-token prediction) are left out."""
+    .biases), or with `keep` kept in their groups where tfq's quantized kernel computes with them (the same
+    weights, bit for bit); tensors of what tfq does not run (a vision tower, multi-token prediction) are left
+    out."""
     from safetensors import SafetensorError, safe_open
 
     from tfq.model.weights import safetensors_files
@@ -116,7 +147,9 @@ def load_mlx_state(folder: Path, quant: MlxQuantization) -> dict[str, torch.Tens
                 raise TfqError(f"{folder}: {module} has scales but config.json leaves it unquantized")
             if module + ".biases" not in raw:
                 raise TfqError(f"{folder}: {module} has scales but no biases; tfq reads MLX's affine groups")
-            out[name] = dequantize(t, raw[module + ".scales"], raw[module + ".biases"], *spec)
+            groups = kept(t, raw[module + ".scales"], raw[module + ".biases"], *spec) if keep else None
+            out[name] = groups if groups is not None else dequantize(t, raw[module + ".scales"],
+                                                                     raw[module + ".biases"], *spec)
         else:
             out[name] = t if t.dtype == torch.float32 else t.to(torch.float32)
     return out

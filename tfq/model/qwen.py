@@ -23,7 +23,7 @@ from tfq.kernels.attention import AttentionBatch, attend_fixed, write
 from tfq.kernels.backend import Backend, LinearFn, torch_backend
 from tfq.kernels.delta import DeltaSizes, DeltaWeights, deltanet_chunks, deltanet_rows, gated_rms_norm, sigmoid_gate
 from tfq.kernels.layer import fusable
-from tfq.kernels.quant import Quantized, join
+from tfq.kernels.quant import Quantized, join, joinable
 from tfq.kernels.rowwise import rms_norm_fixed
 from tfq.proofs.startup_kernels import check_layers, ensure_exact
 from tfq.errors import TfqError
@@ -115,8 +115,9 @@ class Qwen:
             q = take(a + "q_proj.weight", (q_out * (2 if c.hybrid else 1), c.hidden_size))
             gate = None
             if c.hybrid:  # each head's rows: its queries, then its gate; the gate goes after v (same sums)
-                q, gate = q.reshape(c.num_heads, 2, c.head_dim, c.hidden_size).unbind(1)
-                q, gate = q.reshape(q_out, c.hidden_size), gate.reshape(q_out, c.hidden_size)
+                rows = torch.arange(2 * q_out).reshape(c.num_heads, 2, c.head_dim)
+                q, gate = (q.select(r.reshape(-1)) if isinstance(q, Quantized) else q[r.reshape(-1)]
+                           for r in rows.unbind(1))
             qkv_w = stack([q, take(a + "k_proj.weight", (kv_out, c.hidden_size)),
                            take(a + "v_proj.weight", (kv_out, c.hidden_size))] + ([gate] if c.hybrid else []))
             qkv_b = None
@@ -294,7 +295,7 @@ class Qwen:
 def stack(parts: list) -> torch.Tensor | Quantized:
     """Matrices one under the other (q, k and v into one layer): quantized if all are, else fp32 (a quantized
     part dequantized: the same values)."""
-    if all(isinstance(p, Quantized) for p in parts):
+    if joinable(parts):
         return join(parts)
     return torch.cat([p.dequantized() if isinstance(p, Quantized) else p for p in parts])
 

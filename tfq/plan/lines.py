@@ -169,6 +169,8 @@ def _weights_lines(plan: Plan, config: ModelConfig, lay: Layout) -> list[str]:
             stored = f"{config.quantized} (dequantized at load exactly as MLX does, then widened to fp32)"
         return [f"weights: fp32{tag(plan, 'weights')}{said}: stored as {stored}, computed in fp32: "
                 f"{config.param_count() / 1e6:.1f}M parameters, {human_bytes(lay.weights_bytes)}"]
+    if kind == "mlx":
+        return _mlx_lines(plan, config, lay, said)
     first = (f"weights: gguf{tag(plan, 'weights')}{said}: the file's quantized blocks are kept and computed with; "
              f"activations stay fp32 and each weight is unpacked exactly, so the bits are weights: fp32's")
     summary = _kept_summary(plan.model)
@@ -179,6 +181,26 @@ def _weights_lines(plan: Plan, config: ModelConfig, lay: Layout) -> list[str]:
     kinds = " + ".join(f"{n} {k}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1]))
     return [first, f"weights read a decode step: {human_bytes(step)} ({kinds} matrices; in fp32: "
                    f"{human_bytes(fp32)}); the plan's total counts them as fp32"]
+
+
+def _mlx_lines(plan: Plan, config: ModelConfig, lay: Layout, said: str) -> list[str]:
+    """weights: mlx: the groups kept, and about what a decode step reads of them."""
+    from pathlib import Path
+
+    from tfq.kernels.quant import kept_bytes
+    from tfq.model.mlx import folder_quantization
+
+    quant = folder_quantization(Path(plan.model).expanduser())
+    first = (f"weights: mlx{tag(plan, 'weights')}{said}: its groups are kept and computed with, each weight unpacked "
+             f"as MLX dequantizes it (the product and the sum each rounded); activations stay fp32, so the bits "
+             f"are weights: fp32's")
+    if quant is None:
+        return [first]
+    matrices = config.param_count() - (0 if config.tie_embeddings else config.vocab_size * config.hidden_size)
+    step = kept_bytes(quant.bits, quant.group_size, True, matrices, 1)
+    return [first, f"weights read a decode step: about {human_bytes(step)} ({quant.bits}-bit codes, an fp32 scale and "
+                   f"bias per {quant.group_size} weights; in fp32: {human_bytes(4 * matrices)}); the plan's total "
+                   f"counts them as fp32"]
 
 
 def _kept_summary(spec: str):

@@ -78,7 +78,8 @@ class KVPlan:
 @dataclass(frozen=True)
 class Plan:
     model: str = "default"
-    weights: str = "auto"  # auto: a GGUF's quantized blocks where tfq's CPU kernels run (gguf), else fp32
+    weights: str = "auto"  # auto: a GGUF's blocks (gguf) or an MLX checkpoint's groups (mlx) where tfq's CPU
+    # kernels run, else fp32
     window: int = DEFAULT_WINDOW
     lanes: int = DEFAULT_LANES
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
