@@ -180,15 +180,10 @@ def test_writer_by_the_documented_format_reads_back(tmp_path_factory):
 # ------------------------------------------------------------------------------- weights: mlx (groups kept)
 
 def random_groups(bits: int, group: int, scales_dtype: torch.dtype, n: int = 96, k: int = 256, seed: int = 0):
-    """uint32 words, scales and biases of a random MLX layer [n, k]."""
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 2 ** bits, (n, k), generator=g, dtype=torch.int64)
-    stream = ((q.reshape(n, k, 1) >> torch.arange(bits)) & 1).reshape(n, -1)
-    words = (stream.reshape(n, -1, 32) << torch.arange(32)).sum(-1)
-    packed = torch.from_numpy(words.numpy().astype(np.uint32).view(np.int32)).view(torch.uint32)
-    s = (torch.rand(n, k // group, generator=g) * 0.02 + 0.001).to(scales_dtype)
-    b = (torch.randn(n, k // group, generator=g) * 0.05).to(scales_dtype)
-    return packed, s, b
+    """uint32 words, scales and biases of a random MLX layer [n, k] (the kernel check's own)."""
+    from tfq.proofs.kernel_check_rowwise import random_mlx
+
+    return random_mlx(bits, group, scales_dtype, n, k, torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("scales", [torch.bfloat16, torch.float32])

@@ -77,6 +77,35 @@ def dequantized(kind: str, raw: np.ndarray, n: int, k: int) -> torch.Tensor:
     return torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind]).reshape(n, k).astype(np.float32))
 
 
+MLX_CASES = ((4, torch.bfloat16), (8, torch.float32))  # MLX's groups of 64: its two roundings tfq keeps
+
+
+def random_mlx(bits: int, group: int, dtype: torch.dtype, n: int, k: int, g: torch.Generator):
+    """A random MLX layer [n, k]: codes as uint32 words (one little-endian bit stream a row), scales of a few
+    thousandths and biases of a few hundredths in `dtype`."""
+    q = torch.randint(0, 2 ** bits, (n, k), generator=g, dtype=torch.int64)
+    stream = ((q.reshape(n, k, 1) >> torch.arange(bits)) & 1).reshape(n, -1)
+    words = (stream.reshape(n, -1, 32) << torch.arange(32)).sum(-1)
+    packed = torch.from_numpy(words.numpy().astype(np.uint32).view(np.int32)).view(torch.uint32)
+    s = (torch.rand(n, k // group, generator=g) * 0.02 + 0.001).to(dtype)
+    return packed, s, (torch.randn(n, k // group, generator=g) * 0.05).to(dtype)
+
+
+def quantized_layers(n_out: int, n_in: int, rng, g):
+    """(name, the quantized layer, the fp32 weights it must compute with) of each GGUF format, and of MLX's
+    groups in each rounding (tfq.model.mlx: dequantized as MLX does)."""
+    from tfq.kernels.quant import FORMATS, from_blocks
+    from tfq.model.mlx import dequantize, kept
+
+    for kind in FORMATS:
+        raw = random_blocks(kind, n_out, n_in, rng)
+        yield f"linear {kind}", from_blocks(kind, raw, (n_out, n_in)), dequantized(kind, raw, n_out, n_in)
+    for bits, dtype in MLX_CASES:
+        packed, s, o = random_mlx(bits, 64, dtype, n_out, n_in, g)
+        yield (f"linear MLX {bits}-bit, {str(dtype).split('.')[1]} scales", kept(packed, s, o, 64, bits),
+               dequantize(packed, s, o, 64, bits))
+
+
 def check_quantized(backend: Backend, hidden: int, repeats: int, seed: int) -> list[Case]:
     """Each format: repeats, batch, bound (against the dequantized weights), equal to the fp32 layer on them."""
     from tfq.kernels.quant import FORMATS, from_blocks
@@ -85,11 +114,9 @@ def check_quantized(backend: Backend, hidden: int, repeats: int, seed: int) -> l
     g = torch.Generator().manual_seed(seed)
     n_in, n_out = -(-hidden // 256) * 256, hidden  # whole K-quant blocks
     cases = []
-    for kind in FORMATS:
-        raw = random_blocks(kind, n_out, n_in, rng)
-        w = dequantized(kind, raw, n_out, n_in)
+    for name, weights, w in quantized_layers(n_out, n_in, rng, g):
         b = torch.randn(n_out, generator=g)
-        f = backend.quant_linear(from_blocks(kind, raw, (n_out, n_in)), b)
+        f = backend.quant_linear(weights, b)
         x = torch.randn(ROWS, n_in, generator=g)
         outs = [f(x) for _ in range(repeats)]
         full = outs[0]
@@ -97,8 +124,11 @@ def check_quantized(backend: Backend, hidden: int, repeats: int, seed: int) -> l
         bound = linear_bound(x, w) + U32 * b.double().abs()
         flags = {"repeats": all(torch.equal(o, full) for o in outs), "batch": _batch_ok(f, x, full),
                  "bound": bool((err <= bound).all()), "fp32": torch.equal(full, backend.linear(w, b)(x))}
-        cases.append(Case("rows", f"linear {kind}", backend.name, "fp32", all(flags.values()), err.max().item(),
+        cases.append(Case("rows", name, backend.name, "fp32", all(flags.values()), err.max().item(),
                           bound.max().item(), _notes(flags)))
+    kind = FORMATS[-1]
+    raw = random_blocks(kind, n_out, n_in, rng)
+    w = dequantized(kind, raw, n_out, n_in)
     nudged = w.clone()
     nudged[3, 5] = torch.nextafter(nudged[3, 5], torch.tensor(float("inf")))
     one_hot = torch.zeros(2, n_in)
