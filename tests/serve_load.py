@@ -29,12 +29,14 @@ def corpus_text(rng: random.Random, chars: int, start: int | None = None) -> str
 def calls(seed: int = 0, count: int = 32, long_chars: int = 900, max_tokens: int = 40,
           shared: bool = False) -> list[Call]:
     """Greedy and seeded sampled, mixed prompt and reply lengths, every fifth with n = 2, every third streamed;
-    the first two are long greedy prompts fired at once, so one of them runs on pages (the control needs it).
+    the first three are long prompts fired at once (the first two greedy), so at least one of them runs on pages
+    (the control needs it), and two do: in the tests' small pool they cannot both hold their rows, so a stream
+    is preempted whatever the machine's speed.
     `shared`: every long prompt starts at the same place, so they share their first pages (the prefix cache)."""
     rng = random.Random(seed)
     out = []
     for i in range(count):
-        long = i < 2 or rng.random() < 0.15
+        long = i < 3 or rng.random() < 0.15
         text = corpus_text(rng, long_chars if long else rng.randrange(20, 200), 0 if long and shared else None)
         sampled = i >= 2 and rng.random() < 0.5
         body = {"max_tokens": rng.randrange(4, max_tokens), "n": 2 if i % 5 == 4 else 1,
@@ -45,7 +47,7 @@ def calls(seed: int = 0, count: int = 32, long_chars: int = 900, max_tokens: int
             body.update(messages=[{"role": "user", "content": text}], logprobs=True, top_logprobs=2)
         else:
             body.update(prompt=text, logprobs=2)
-        out.append(Call(f"c{i:02d}", chat, i % 3 == 2, 0.0 if i < 2 else rng.uniform(0, 2.0), body))
+        out.append(Call(f"c{i:02d}", chat, i % 3 == 2, 0.0 if i < 3 else rng.uniform(0, 2.0), body))
     return out
 
 
