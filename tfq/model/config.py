@@ -200,7 +200,7 @@ def _text_config(raw: dict, where: str) -> tuple[dict, str]:
     """A Qwen3.5 config's text model: the config itself (qwen3_5_text), or the text_config inside a qwen3_5
     (image and text) config, whose vision tower tfq skips; (text config, what is skipped)."""
     if raw.get("model_type") == "qwen3_5_text":
-        return raw, "-"
+        return raw, ""
     text = raw.get("text_config")
     if not isinstance(text, dict) or "num_hidden_layers" not in text:
         raise TfqError(f"{where}: a qwen3_5 config without a text_config: a vision-only checkpoint; tfq runs "
@@ -211,7 +211,7 @@ def _text_config(raw: dict, where: str) -> tuple[dict, str]:
     vision = raw.get("vision_config")
     depth = vision.get("depth") if isinstance(vision, dict) else None
     if not isinstance(vision, dict):
-        return merged, "-"
+        return merged, ""
     return merged, (f"the vision tower ({depth} blocks)" if depth else "the vision tower")
 
 
@@ -239,7 +239,7 @@ def _hybrid_fields(raw: dict, layers: int, where: str, skipped: str) -> dict:
     if not 0 < partial <= 1 or int(head_dim * partial) % 2:
         raise TfqError(f"{where}: partial_rotary_factor {partial} must leave an even number of rotary dimensions")
     return {"layer_types": tuple(kinds), "partial_rotary": partial, "deltanet": shape,
-            "skipped": "" if skipped == "-" else skipped}
+            "skipped": skipped}
 
 
 def _quantized(raw: dict, where: str) -> str:
