@@ -19,7 +19,7 @@ from tfq.cache import KVCache
 from tfq.errors import TfqError
 from tfq.model.qwen import Qwen
 from tfq.prefix import PrefixCache, root_key
-from tfq.plan.layout import lane_split
+from tfq.plan.layout import PREFIX_ON_HYBRID, lane_split
 from tfq.proofs.startup import prove
 from tfq.runner import AttentionPolicy, Runner, plan_arithmetic
 from tfq.sampling import TokenLogprob, digest, logprob, sample
@@ -80,9 +80,7 @@ class Engine:
         self.threads = threads  # tfq.threads.Threads (the CPU thread count follows the load) or None
         prefix = None
         if s.prefix_cache and model.config.hybrid:
-            raise TfqError("kv.prefix_cache: on does not work for a hybrid model: its DeltaNet layers keep a "
-                           "stream's past as one state, not in pages a later stream could map; set "
-                           "kv.prefix_cache: off")
+            raise TfqError(f"kv.prefix_cache: on {PREFIX_ON_HYBRID}")
         if s.prefix_cache and s.page_rows:  # what besides the tokens decides a cached row's bits
             prefix = PrefixCache(root_key(model.config, model.backend.name, s.kv_dtype, s.partial))
         self.cache = KVCache(model.config, lanes=s.contiguous_lanes, window=s.window, page_rows=s.page_rows,

@@ -19,6 +19,8 @@ from tfq.plan.fields import DTYPE_BYTES
 from tfq.plan.words import Sourced, fail, human_bytes, tag
 
 AUTO_BUDGET_SHARE = 0.8  # budget: auto takes this share of the memory available now
+PREFIX_ON_HYBRID = ("does not work for a hybrid model: its DeltaNet layers keep a stream's past as one state, not in "
+                    "pages a later stream could map; set kv.prefix_cache: off")
 
 
 class KVView(Protocol):
@@ -165,9 +167,7 @@ def compute_layout(plan: PlanView, config: ModelConfig) -> Layout:
             f"use window: {config.max_positions} or less"
         )
     if config.hybrid and getattr(plan.kv, "prefix_cache", "off") == "on":
-        raise fail(f"kv.prefix_cache: on{tag(plan, 'kv.prefix_cache')} does not work for a hybrid model: its DeltaNet "
-                   f"layers keep a stream's past as one state, not in pages a later stream could map; set "
-                   f"kv.prefix_cache: off")
+        raise fail(f"kv.prefix_cache: on{tag(plan, 'kv.prefix_cache')} {PREFIX_ON_HYBRID}")
     row = row_bytes(config, plan.kv.dtype)
     weights = config.param_count() * 4  # tfq computes in fp32, whatever the checkpoint stores
     state, snaps = state_bytes(config, plan.lanes, getattr(plan, "draft", "none"))
