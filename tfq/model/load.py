@@ -104,14 +104,14 @@ def model_weights(spec: str, folder: Path, weights: str, backend: Backend, progr
 
 
 def _say_if_building(device: torch.device) -> None:
-    """One line before tfq's CPU kernels compile for this machine (once, about 10 s), so the wait is explained."""
+    """One line before tfq's CPU kernels compile for this machine (once, about 30 s), so the wait is explained."""
     import sys
 
     from tfq.kernels import cpu_build
 
     try:
         if device.type == "cpu" and cpu_build.choice() != "torch" and not cpu_build.built() and not cpu_build.cached():
-            print("tfq: building its CPU kernels for this machine (once, about 10 s)", file=sys.stderr, flush=True)
+            print("tfq: building its CPU kernels for this machine (once, about 30 s)", file=sys.stderr, flush=True)
     except (ValueError, OSError, AttributeError):
         pass  # a bad TFQ_CPU_KERNELS is reported by backend_for, in its own words
 
