@@ -93,10 +93,10 @@ class Qwen:
                                       for k, w in weights.items())
         take = _Taker(weights, c.family, backend.device, offset=c.hybrid and not mlx_layout)
 
-        def Linear(w, b=None):  # fp32 weights, or a GGUF's blocks (kept by load_model for weights: gguf)
+        def Linear(w, b=None):  # fp32 weights, or quantized ones kept by load_model (weights: gguf or mlx)
             return backend.quant_linear(w, b) if isinstance(w, Quantized) else backend.linear(w, b)
 
-        norm = take.norm  # Qwen3.5 stores its norms as 1 + weight (zero-centred); loaded as the weight they act as
+        norm = take.norm  # a Qwen3.5 norm multiplies by 1 + its stored weight: loaded as what it multiplies by
         self.embed = take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
         self.layers: list[Layer | DeltaLayer] = []
         q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
