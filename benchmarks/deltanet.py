@@ -51,12 +51,12 @@ def states(channels: int):
 def run(kind: str, x, a, b, w, channels, cuts: list[int]) -> torch.Tensor:
     """The layer's output over all rows, the prompt fed in pieces of `cuts` rows (one state carried)."""
     conv, rec = states(channels)
-    out, start, none = [], 0, torch.empty(0)
+    out, start = [], 0
     for count in cuts:
         rows = slice(start, start + count)
         seg = torch.tensor([[0, count, 0, int(start == 0), 0]])
         if kind == "rows":
-            out.append(deltanet_rows(x[rows], a[rows], b[rows], w, conv, rec, seg, none, none, SIZES))
+            out.append(deltanet_rows(x[rows], a[rows], b[rows], w, conv, rec, seg, SIZES))
         else:
             out.append(deltanet_chunks(x[rows], a[rows], b[rows], w, conv, rec, seg, SIZES))
         start += count

@@ -42,13 +42,17 @@ class DeltaWeights:
     norm: torch.Tensor  # [value_dim]: the gated RMS norm's weight
 
 
+NONE = torch.empty(0)  # no saved states
+
+
 def deltanet_rows(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, w: DeltaWeights, conv_state: torch.Tensor,
-                  rec_state: torch.Tensor, segments: torch.Tensor, snap_conv: torch.Tensor, snap_rec: torch.Tensor,
-                  n: DeltaSizes) -> torch.Tensor:
+                  rec_state: torch.Tensor, segments: torch.Tensor, n: DeltaSizes, save_conv: torch.Tensor = NONE,
+                  save_rec: torch.Tensor = NONE) -> torch.Tensor:
     """The recurrence over every segment (kernels/cpu/delta.cpp); x [N, channels], a and b [N, value_heads];
-    the states of the segments' slots are updated in place. Returns o [N, value_heads * value_dim]."""
+    the states of the segments' slots are updated in place, and those of segments marked to save copied first
+    into save_conv and save_rec (shaped as the states). Returns o [N, value_heads * value_dim]."""
     return cpu_build.op("deltanet")(x.contiguous(), a.contiguous(), b.contiguous(), w.conv, w.a_log, w.dt_bias,
-                                    conv_state, rec_state, segments, snap_conv, snap_rec, n.key_heads, n.key_dim,
+                                    conv_state, rec_state, segments, save_conv, save_rec, n.key_heads, n.key_dim,
                                     n.value_heads, n.value_dim)
 
 
@@ -72,8 +76,7 @@ def deltanet_chunks(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, w: DeltaW
     for row0, count, slot, fresh, _ in segments.tolist():
         one = segments.new_tensor([[row0, count, slot, fresh, 0]])
         if count == 1:
-            out[row0:row0 + 1] = deltanet_rows(x, a, b, w, conv_state, rec_state, one, torch.empty(0),
-                                               torch.empty(0), n)[row0:row0 + 1]
+            out[row0:row0 + 1] = deltanet_rows(x, a, b, w, conv_state, rec_state, one, n)[row0:row0 + 1]
             continue
         rows = slice(row0, row0 + count)
         if fresh:

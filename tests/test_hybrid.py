@@ -183,9 +183,9 @@ def test_drafted_streams_roll_their_state_back_exactly(hybrid, alone, drafter):
 
 def test_rejected_guesses_need_the_roll_back(hybrid, alone, monkeypatch):
     """Control: without the roll-back, a rejected guess's rows stay in the state, and the reply changes."""
-    from tfq.cache import StateCache
+    from tfq.model.qwen import Qwen
 
-    monkeypatch.setattr(StateCache, "roll_back", lambda self, slot, row: None)
+    monkeypatch.setattr(Qwen, "roll_back", lambda self, cache, slot, rows: None)
     results = run(hybrid.model, requests(), lanes=5,
                   drafter=Oracle({r.prompt: a.ids for r, a in zip(requests(), alone)}))
     assert any(g.digests != w.digests for g, w in zip(results, alone))
@@ -362,7 +362,7 @@ def test_plan_counts_the_state_the_engine_allocates(hybrid_dir, hybrid, sets):
     assert layout.state_bytes == engine.cache.state.nbytes > 0
     lines = "\n".join(plan_lines(plan, hybrid.config, layout))
     assert "state: 4 DeltaNet layers x (recurrence 4 x 32 x 32 + convolution window 3 x 256) x 4 bytes" in lines
-    assert ("drafting keeps the state after each of a verify's" in lines) == any(s.startswith("draft") for s in sets)
+    assert ("drafting keeps a second copy, from before each verify" in lines) == any(s.startswith("draft") for s in sets)
     assert "4 DeltaNet + 2 gated attention" not in lines and "4 Gated DeltaNet + 2 gated attention" in lines
 
 

@@ -65,18 +65,18 @@ for bits, rounding in ((4, 1), (4, 2), (6, 2), (8, 2)):  # MLX's groups of 64: t
     blob = ops.qpack(qi, s, o, bits, 64, zero, rounding)
     for m in (1, 5, 9):
         res[f"MLX groups, {bits} bits, rounding {rounding}, {m} rows"] = ops.qlinear(xs[:m].contiguous(), blob, None, 200)
-# a hybrid's DeltaNet: head dims with and without a tail past the 16 lanes, fresh and carried state, snaps
+# a hybrid's DeltaNet: head dims with and without a tail past the 16 lanes, fresh and carried state, a save
 for kh, kd, vh, vd in ((2, 32, 6, 32), (1, 24, 3, 40)):
     C = 2 * kh * kd + vh * vd
     xd = torch.randn(23, C, generator=g)
     a, b = torch.randn(23, vh, generator=g), torch.randn(23, vh, generator=g)
     conv_w, a_log, dt = torch.randn(4, C, generator=g) * 0.5, torch.randn(vh, generator=g), torch.randn(vh, generator=g)
     cs, rs = torch.randn(3, 3, C, generator=g), torch.randn(3, vh, kd, vd, generator=g) * 0.1
-    sc, sr = torch.zeros(3, 5, 3, C), torch.zeros(3, 5, vh, kd, vd)
+    sc, sr = torch.zeros(3, 3, C), torch.zeros(3, vh, kd, vd)
     seg = torch.tensor([[0, 13, 0, 1, 0], [13, 5, 1, 0, 1], [18, 5, 2, 0, 0]])
     o = ops.deltanet(xd, a, b, conv_w, a_log, dt, cs, rs, seg, sc, sr, kh, kd, vh, vd)
     res[f"deltanet {kd}/{vd}"], res[f"deltanet {kd}/{vd} state"] = o, torch.cat([cs.flatten(), rs.flatten()])
-    res[f"deltanet {kd}/{vd} snaps"] = torch.cat([sc.flatten(), sr.flatten()])
+    res[f"deltanet {kd}/{vd} saved"] = torch.cat([sc.flatten(), sr.flatten()])
     z = torch.randn(23 * vh, vd, generator=g)
     res[f"gated rms norm {vd}"] = ops.gated_rms_norm(o.reshape(23 * vh, vd), torch.randn(vd, generator=g), z, 1e-6)
 res["sigmoid gate"] = ops.sigmoid_gate(x, torch.randn(x.shape, generator=g) * 10)

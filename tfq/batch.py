@@ -18,7 +18,7 @@ class Feed:
     start: int
     tokens: list[int]
     logits: int = 1  # how many of its last rows need logits (0: none)
-    guesses: int = 0  # of its tokens, the last ones a drafter guessed (a verify: a hybrid keeps each row's state)
+    guesses: int = 0  # of its tokens, the last ones a drafter guessed (a verify: a hybrid saves its state first)
 
 
 @dataclass
@@ -31,7 +31,7 @@ class StepRows:
     batch: AttentionBatch
     logit_rows: torch.Tensor  # rows whose logits are drawn from, feed by feed
     counts: list[int]  # logits rows of each feed
-    segments: torch.Tensor  # [feeds, 5] int64: first row, rows, state slot, fresh (start 0), keep each row's state
+    segments: torch.Tensor  # [feeds, 5] int64: first row, rows, state slot, fresh (start 0), save (a verify)
 
 
 def step_rows(cache: KVCache, feeds: list[Feed], partial: bool) -> StepRows:

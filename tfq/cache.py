@@ -7,13 +7,15 @@ only ever sees row indices (`rows`, `key_rows`), so a lane and a page list are r
 A DeltaNet layer keeps no rows: each stream's whole past is a fixed-size state (the recurrence's
 [value_heads, key_dim, value_dim] and the convolution's last kernel - 1 inputs), in the slot of the lane the
 stream holds. A stream's first row starts its slot from zeros, so a preempted stream recomputes its state from
-scratch; a draft verify keeps the state after each of its rows (`snap_*`), so rejected guesses roll back.
+scratch; a draft verify keeps the state from before its rows and their inputs, so rejected guesses roll back
+(the state restored, the rows kept run again: tfq/model/qwen.py, `roll_back`).
 """
 from __future__ import annotations
 
 import torch
 
 from tfq.kernels.attention import tile_count
+from tfq.kernels.delta import NONE
 from tfq.kernels.contract import CACHE_DTYPES, KEY_TILE
 from tfq.model.config import ModelConfig
 from tfq.pages import PagePool, Placement
@@ -22,7 +24,7 @@ from tfq.pages import PagePool, Placement
 class KVCache:
     def __init__(self, config: ModelConfig, *, lanes: int, window: int, page_rows: int = 0, pool_pages: int = 0,
                  dtype: str = "fp32", page_order_seed: int | None = None, backend=None, prefix=None,
-                 slots: int = 0, snaps: int = 0):
+                 slots: int = 0, verify_rows: int = 0):
         if backend is None:
             from tfq.kernels.backend import torch_backend
             backend = torch_backend()
@@ -37,7 +39,7 @@ class KVCache:
         self.k = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(layers)]
         self.v = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(layers)]
         # a hybrid's state: a slot per lane (slots: every lane, contiguous or paged)
-        self.state = StateCache(config, slots or lanes, snaps) if config.hybrid else None
+        self.state = StateCache(config, slots or lanes, verify_rows) if config.hybrid else None
 
     @property
     def nbytes(self) -> int:
@@ -68,25 +70,38 @@ class KVCache:
 
 class StateCache:
     """A hybrid's per-stream state, fp32: for each DeltaNet layer a recurrent state [slots, value_heads, key_dim,
-    value_dim] and a convolution window [slots, kernel - 1, channels]; with `snaps`, room for the state after
-    each of a verify's rows (at most `snaps` rows)."""
+    value_dim] and a convolution window [slots, kernel - 1, channels]. With `verify_rows` (drafting), room to
+    roll a verify back: each slot's state from before the verify, and the verify's inputs to the recurrence (its
+    rows of in_proj's q, k, v channels, a and b)."""
 
-    def __init__(self, config: ModelConfig, slots: int, snaps: int = 0):
+    def __init__(self, config: ModelConfig, slots: int, verify_rows: int = 0):
         n, layers = config.deltanet, len(config.deltanet_layers)
         self.conv = [torch.zeros(slots, n.conv_kernel - 1, n.channels) for _ in range(layers)]
         self.rec = [torch.zeros(slots, n.value_heads, n.key_dim, n.value_dim) for _ in range(layers)]
-        none = torch.empty(0)
-        self.snap_conv = [torch.zeros(slots, snaps, *t.shape[1:]) if snaps else none for t in self.conv]
-        self.snap_rec = [torch.zeros(slots, snaps, *t.shape[1:]) if snaps else none for t in self.rec]
+        self.verify_rows = verify_rows
+        keep = verify_rows > 0
+        self.saved_conv = [torch.zeros_like(t) if keep else NONE for t in self.conv]
+        self.saved_rec = [torch.zeros_like(t) if keep else NONE for t in self.rec]
+        self.inputs = [(torch.zeros(slots, verify_rows, n.channels), torch.zeros(slots, verify_rows, n.value_heads),
+                        torch.zeros(slots, verify_rows, n.value_heads)) if keep else () for _ in range(layers)]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.conv + self.rec + self.snap_conv + self.snap_rec)
+        tensors = self.conv + self.rec + self.saved_conv + self.saved_rec + [t for i in self.inputs for t in i]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
-    def roll_back(self, slot: int, row: int) -> None:
-        """The slot's state as it was after row `row` of the verify that last ran in it."""
-        for state, snaps in zip(self.conv + self.rec, self.snap_conv + self.snap_rec):
-            state[slot].copy_(snaps[slot, row])
+    def keep_inputs(self, index: int, segments: torch.Tensor, x: torch.Tensor, a: torch.Tensor,
+                    b: torch.Tensor) -> None:
+        """Layer `index`'s inputs of the segments marked to save (a verify's rows), by their slots."""
+        for row0, count, slot, _, save in segments.tolist():
+            if save:
+                for kept, t in zip(self.inputs[index], (x, a, b)):
+                    kept[slot, :count] = t[row0:row0 + count]
+
+    def restore(self, slot: int) -> None:
+        """The slot's states as they were before the verify that last ran in it."""
+        for state, saved in zip(self.conv + self.rec, self.saved_conv + self.saved_rec):
+            state[slot].copy_(saved[slot])
 
     def copy(self, source: int, target: int) -> None:
         """Slot `source`'s state into slot `target` (a drafter's checkpoint)."""

@@ -86,7 +86,7 @@ class Engine:
         self.cache = KVCache(model.config, lanes=s.contiguous_lanes, window=s.window, page_rows=s.page_rows,
                              pool_pages=s.pool_pages, dtype=s.kv_dtype, page_order_seed=page_order_seed,
                              backend=model.backend, prefix=prefix, slots=s.lanes,
-                             snaps=1 + drafter.k if drafter is not None else 0)
+                             verify_rows=self.drawing_rows if drafter is not None else 0)
         self.pages = self.cache.pages
         self.scheduler = Scheduler(s.lanes, s.contiguous_lanes, s.prefill_chunk, s.window, self.pages, drafter)
         self.runner = Runner(model, self.cache, attention or plan_arithmetic(s.partial), chunked_deltanet)
@@ -216,7 +216,7 @@ class Engine:
             self.pages.shrink(st.placement, st.cached)  # rejected rows give their pages back
             kept = st.cached - feed.start  # rows of this verify whose tokens stand
             if self.cache.state is not None and kept < len(feed.tokens):
-                self.cache.state.roll_back(st.placement.slot, kept - 1)  # the state after the last of them
+                self.model.roll_back(self.cache, st.placement.slot, kept)  # a hybrid's state after the last of them
             self.drafter.settle(st)
         return outputs
 

@@ -13,8 +13,9 @@
 //   per value head h:        beta = 1 / (1 + exp(-b)), decay = exp(-exp(A_log) * softplus(a + dt_bias))
 //                            S = S * decay; kv = sum_i S[i] k[i]; delta = (v - kv) * beta;
 //                            S[i] = fma(k[i], delta, S[i]); o = sum_i S[i] q[i]   (sums: i in order, fma)
-// With `snap`, the convolution window and the state after each row are kept too, so a draft's rejected rows can
-// be rolled back to the last accepted one.
+// With `save`, a segment's state as it was before its first row (the convolution window and the recurrence) is
+// copied aside too, so a draft verify's rejected rows can be rolled back: the state is restored and the rows
+// kept are run again from their inputs, in this same arithmetic (tfq/model/qwen.py, `roll_back`).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -68,17 +69,20 @@ inline float exp1(float x) { return tfq::exp1(x); }
 inline float softplus(float x) { return x > 20.0f ? x : std::log1p(exp1(x)); }
 
 struct Dims {
-  int64_t rows, channels, kernel, key_heads, key_dim, value_heads, value_dim, snaps;
+  int64_t rows, channels, kernel, key_heads, key_dim, value_heads, value_dim;
+  bool saves;
 };
 
 // The causal convolution of one segment over 16 channels from c0: SiLU of the K taps, the window kept.
-void convolve(const float* x, const float* w, float* window, float* snap, float* out, int64_t row0, int64_t count,
+void convolve(const float* x, const float* w, float* window, float* save, float* out, int64_t row0, int64_t count,
               bool fresh, int64_t c0, const Dims& d) {
   const int64_t C = d.channels, K = d.kernel, cnt = std::min<int64_t>(16, C - c0);
   alignas(64) float hist[16][16] = {};  // the window: rows t-K+1 .. t-1, 16 channels each
   TORCH_CHECK(K <= 16, "tfq deltanet: a convolution of more than 16 taps");
   if (!fresh)
     for (int64_t j = 0; j < K - 1; j++) std::memcpy(hist[j], window + j * C + c0, cnt * sizeof(float));
+  if (save != nullptr)
+    for (int64_t j = 0; j < K - 1; j++) std::memcpy(save + j * C + c0, hist[j], cnt * sizeof(float));
   alignas(64) float taps[16][16] = {};
   for (int64_t j = 0; j < K; j++) std::memcpy(taps[j], w + j * C + c0, cnt * sizeof(float));
   for (int64_t r = 0; r < count; r++) {
@@ -93,9 +97,6 @@ void convolve(const float* x, const float* w, float* window, float* snap, float*
       for (int64_t j = 0; j + 1 < K - 1; j++) std::memcpy(hist[j], hist[j + 1], sizeof(hist[j]));
       std::memcpy(hist[K - 2], in, sizeof(in));
     }
-    if (snap != nullptr)
-      for (int64_t j = 0; j < K - 1; j++)
-        std::memcpy(snap + (r * (K - 1) + j) * C + c0, hist[j], cnt * sizeof(float));
   }
   for (int64_t j = 0; j < K - 1; j++) std::memcpy(window + j * C + c0, hist[j], cnt * sizeof(float));
 }
@@ -125,10 +126,11 @@ void prepare_row(const float* conv, const float* a, const float* b, const float*
 
 // The gated delta rule for one segment and one value head, row by row; S is the head's state [dk][dv].
 void recur(const float* conv, const float* q, const float* k, const float* beta, const float* decay, float* S,
-           float* snap, float* out, int64_t row0, int64_t count, bool fresh, int64_t h, const Dims& d) {
+           float* save, float* out, int64_t row0, int64_t count, bool fresh, int64_t h, const Dims& d) {
   const int64_t kd = d.key_dim, vd = d.value_dim, qk = d.key_heads * kd;
   const int64_t hk = h / (d.value_heads / d.key_heads);  // each key head serves consecutive value heads
   if (fresh) std::memset(S, 0, kd * vd * sizeof(float));
+  if (save != nullptr) std::memcpy(save, S, kd * vd * sizeof(float));
   float kv[1024], delta[1024];
   TORCH_CHECK(vd <= 1024, "tfq deltanet: value heads wider than 1024");
   for (int64_t r = 0; r < count; r++) {
@@ -148,30 +150,31 @@ void recur(const float* conv, const float* q, const float* k, const float* beta,
       fma_row(S + i * vd, delta, kt[i], vd);
       fma_row(o, S + i * vd, qt[i], vd);
     }
-    if (snap != nullptr) std::memcpy(snap + (r * d.value_heads + h) * kd * vd, S, kd * vd * sizeof(float));
   }
 }
 
 // x [N, C] (in_proj_qkv's rows), a and b [N, Hv], conv_w [K, C], a_log and dt_bias [Hv]; the states of every
 // slot: conv_state [slots, K-1, C], rec_state [slots, Hv, dk, dv], updated in place; segments [S, 5] int64:
-// first row, rows, slot, fresh, snap. snap_conv [slots, R, K-1, C] and snap_rec [slots, R, Hv, dk, dv] take the
-// state after each row of a segment with snap (R: most rows such a segment holds). Returns o [N, Hv * dv].
+// first row, rows, slot, fresh, save. save_conv and save_rec (shaped as the states, or empty) take the state of a
+// segment with save as it was before its first row. Returns o [N, Hv * dv].
 at::Tensor deltanet(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, const at::Tensor& conv_w,
                     const at::Tensor& a_log, const at::Tensor& dt_bias, at::Tensor conv_state, at::Tensor rec_state,
-                    const at::Tensor& segments, at::Tensor snap_conv, at::Tensor snap_rec, int64_t key_heads,
+                    const at::Tensor& segments, at::Tensor save_conv, at::Tensor save_rec, int64_t key_heads,
                     int64_t key_dim, int64_t value_heads, int64_t value_dim) {
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&x, &a, &b, &conv_w, &a_log, &dt_bias, &conv_state, &rec_state, &snap_conv, &snap_rec})
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&x, &a, &b, &conv_w, &a_log, &dt_bias, &conv_state, &rec_state, &save_conv, &save_rec})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "tfq deltanet: fp32, contiguous tensors");
   TORCH_CHECK(segments.scalar_type() == at::kLong && segments.is_contiguous() && segments.dim() == 2 &&
               segments.size(1) == 5, "tfq deltanet: segments [S, 5] int64");
   TORCH_CHECK(value_heads % key_heads == 0, "tfq deltanet: value heads a multiple of key heads");
   const Dims d{x.size(0), x.size(1), conv_w.size(0), key_heads, key_dim, value_heads, value_dim,
-               snap_rec.dim() == 5 ? snap_rec.size(1) : 0};
+               save_rec.numel() > 0};
   TORCH_CHECK(d.channels == 2 * key_heads * key_dim + value_heads * value_dim, "tfq deltanet: channels");
   const int64_t S = segments.size(0), blocks = (d.channels + 15) / 16, qk = key_heads * key_dim;
   const int64_t* seg = segments.data_ptr<int64_t>();
   for (int64_t s = 0; s < S; s++)
-    TORCH_CHECK(!seg[s * 5 + 4] || seg[s * 5 + 1] <= d.snaps, "tfq deltanet: a snapped segment longer than its snaps");
+    TORCH_CHECK(!seg[s * 5 + 4] || d.saves, "tfq deltanet: a segment to save, and nowhere to save it");
+  TORCH_CHECK(!d.saves || (save_conv.sizes() == conv_state.sizes() && save_rec.sizes() == rec_state.sizes()),
+              "tfq deltanet: save_conv and save_rec shaped as the states");
   auto conv = at::empty_like(x);
   auto q = at::empty({d.rows, qk}, x.options()), k = at::empty({d.rows, qk}, x.options());
   auto beta = at::empty({d.rows, value_heads}, x.options()), decay = at::empty({d.rows, value_heads}, x.options());
@@ -179,13 +182,13 @@ at::Tensor deltanet(const at::Tensor& x, const at::Tensor& a, const at::Tensor& 
   const int64_t window = (d.kernel - 1) * d.channels, state = value_heads * key_dim * value_dim;
   float* cs = conv_state.data_ptr<float>();
   float* rs = rec_state.data_ptr<float>();
-  float* sc = d.snaps ? snap_conv.data_ptr<float>() : nullptr;
-  float* sr = d.snaps ? snap_rec.data_ptr<float>() : nullptr;
+  float* sc = d.saves ? save_conv.data_ptr<float>() : nullptr;
+  float* sr = d.saves ? save_rec.data_ptr<float>() : nullptr;
   at::parallel_for(0, S * blocks, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; i++) {
       const int64_t* g = seg + (i / blocks) * 5;
-      float* snap = g[4] ? sc + g[2] * d.snaps * window : nullptr;
-      convolve(x.data_ptr<float>(), conv_w.data_ptr<float>(), cs + g[2] * window, snap, conv.data_ptr<float>(),
+      float* save = g[4] ? sc + g[2] * window : nullptr;
+      convolve(x.data_ptr<float>(), conv_w.data_ptr<float>(), cs + g[2] * window, save, conv.data_ptr<float>(),
                g[0], g[1], g[3] != 0, (i % blocks) * 16, d);
     }
   });
@@ -199,9 +202,10 @@ at::Tensor deltanet(const at::Tensor& x, const at::Tensor& a, const at::Tensor& 
     for (int64_t i = i0; i < i1; i++) {
       const int64_t* g = seg + (i / value_heads) * 5;
       const int64_t h = i % value_heads;
-      float* snap = g[4] ? sr + g[2] * d.snaps * state : nullptr;
+      const int64_t head = h * key_dim * value_dim;
+      float* save = g[4] ? sr + g[2] * state + head : nullptr;
       recur(conv.data_ptr<float>(), q.data_ptr<float>(), k.data_ptr<float>(), beta.data_ptr<float>(),
-            decay.data_ptr<float>(), rs + g[2] * state + h * key_dim * value_dim, snap, out.data_ptr<float>(), g[0],
+            decay.data_ptr<float>(), rs + g[2] * state + head, save, out.data_ptr<float>(), g[0],
             g[1], g[3] != 0, h, d);
     }
   });
@@ -260,7 +264,7 @@ at::Tensor sigmoid_gate(const at::Tensor& x, const at::Tensor& g) {
 
 TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) {
   m.def("deltanet(Tensor x, Tensor a, Tensor b, Tensor conv_w, Tensor a_log, Tensor dt_bias, Tensor(a!) conv_state, "
-        "Tensor(b!) rec_state, Tensor segments, Tensor(c!) snap_conv, Tensor(d!) snap_rec, int key_heads, "
+        "Tensor(b!) rec_state, Tensor segments, Tensor(c!) save_conv, Tensor(d!) save_rec, int key_heads, "
         "int key_dim, int value_heads, int value_dim) -> Tensor", deltanet);
   m.def("gated_rms_norm(Tensor x, Tensor w, Tensor z, float eps) -> Tensor", gated_rms_norm);
   m.def("sigmoid_gate(Tensor x, Tensor g) -> Tensor", sigmoid_gate);

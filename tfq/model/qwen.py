@@ -255,8 +255,10 @@ class Qwen:
         if chunked:
             o = deltanet_chunks(mixed, a, b, layer.mixer, state.conv[index], state.rec[index], segments, self.sizes)
         else:
-            o = deltanet_rows(mixed, a, b, layer.mixer, state.conv[index], state.rec[index], segments,
-                              state.snap_conv[index], state.snap_rec[index], self.sizes)
+            if state.verify_rows:
+                state.keep_inputs(index, segments, mixed, a, b)
+            o = deltanet_rows(mixed, a, b, layer.mixer, state.conv[index], state.rec[index], segments, self.sizes,
+                              state.saved_conv[index], state.saved_rec[index])
         tap("recurrence", o)
         if tap is not untapped:
             tap("recurrent state", state.fingerprint(index, segments, rows))
@@ -264,6 +266,18 @@ class Qwen:
                                              z.reshape(rows * n.value_heads, n.value_dim), c.rms_eps).reshape(rows, v))
         x = tap("attention residual", x + tap("out_proj", layer.out_proj(o)))
         return self.mlp(layer, x, tap)
+
+    def roll_back(self, cache, slot: int, rows: int) -> None:
+        """A hybrid's DeltaNet states in `slot` as they were after the first `rows` rows of the verify that last
+        ran there: restored from before the verify, then those rows run again from their kept inputs, by the
+        same recurrence (the same bits: a row's arithmetic does not depend on the forward it is in)."""
+        state = cache.state
+        state.restore(slot)
+        segment = torch.tensor([[0, rows, slot, 0, 0]])
+        for i in self.config.deltanet_layers:
+            index = self.cache_index[i]
+            x, a, b = (t[slot, :rows] for t in state.inputs[index])
+            deltanet_rows(x, a, b, self.layers[i].mixer, state.conv[index], state.rec[index], segment, self.sizes)
 
     @property
     def sizes(self) -> DeltaSizes:

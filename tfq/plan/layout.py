@@ -2,8 +2,8 @@
 
 Per attention layer one K and one V tensor of shape [rows_total, num_kv_heads, head_dim] in the cache dtype:
 first `contiguous_lanes` lanes of `window` rows, then the pool, `pool_pages` pages of `page_rows` rows. A
-hybrid's DeltaNet layers add a fixed-size state per lane (and, when drafting, the state after each row of a
-verify, to roll rejected guesses back). Nothing here reads weights: a model's config is enough.
+hybrid's DeltaNet layers add a fixed-size state per lane (and, when drafting, a copy from before a verify and
+the verify's inputs, to roll rejected guesses back). Nothing here reads weights: a model's config is enough.
 """
 from __future__ import annotations
 
@@ -76,7 +76,8 @@ class Layout:
     available_bytes: int | None = None  # the memory available when budget is auto
     device: str = "cpu"  # where the engine runs: cpu, or cuda:N
     state_bytes: int = 0  # a hybrid's DeltaNet states, every lane (in cache_bytes too)
-    state_snaps: int = 0  # verify rows whose state each lane keeps besides its own (drafting on a hybrid)
+    verify_rows: int = 0  # drafting on a hybrid: each lane keeps its state from before a verify, and the
+    # inputs of this many verify rows, to roll rejected guesses back
 
     @property
     def fits(self) -> bool:
@@ -152,11 +153,16 @@ def verify_rows(draft: str) -> int:
 
 
 def state_bytes(config: ModelConfig, lanes: int, draft: str) -> tuple[int, int]:
-    """(bytes, snaps): a hybrid's DeltaNet state for `lanes` lanes, and the verify rows each keeps besides."""
+    """(bytes, verify rows): a hybrid's DeltaNet states for `lanes` lanes; drafting, each also keeps a copy
+    from before a verify and the verify rows' inputs to the recurrence (tfq.cache.StateCache)."""
     if not config.hybrid:
         return 0, 0
-    snaps = verify_rows(draft)
-    return lanes * config.state_bytes * (1 + snaps), snaps
+    rows = verify_rows(draft)
+    if not rows:
+        return lanes * config.state_bytes, 0
+    n = config.deltanet
+    inputs = 4 * rows * (n.channels + 2 * n.value_heads) * len(config.deltanet_layers)
+    return lanes * (2 * config.state_bytes + inputs), rows
 
 
 def compute_layout(plan: PlanView, config: ModelConfig) -> Layout:
@@ -170,7 +176,7 @@ def compute_layout(plan: PlanView, config: ModelConfig) -> Layout:
         raise fail(f"kv.prefix_cache: on{tag(plan, 'kv.prefix_cache')} {PREFIX_ON_HYBRID}")
     row = row_bytes(config, plan.kv.dtype)
     weights = config.param_count() * 4  # tfq computes in fp32, whatever the checkpoint stores
-    state, snaps = state_bytes(config, plan.lanes, getattr(plan, "draft", "none"))
+    state, rows = state_bytes(config, plan.lanes, getattr(plan, "draft", "none"))
     device = resolve_device(plan)
     available = None
     if plan.budget == "auto":
@@ -199,7 +205,7 @@ def compute_layout(plan: PlanView, config: ModelConfig) -> Layout:
     lay = Layout(
         row_bytes=row, window=plan.window, lanes=plan.lanes, contiguous_lanes=contiguous, paged_lanes=paged,
         page_rows=pages, pool_pages=pool, cache_bytes=0, weights_bytes=weights, budget_bytes=budget,
-        total_bytes=0, available_bytes=available, device=device, state_bytes=state, state_snaps=snaps,
+        total_bytes=0, available_bytes=available, device=device, state_bytes=state, verify_rows=rows,
     )
     cache = lay.rows_total * row + state  # the bytes are the rows the engine allocates, counted in one place
     return dataclasses.replace(lay, cache_bytes=cache, total_bytes=weights + cache)

@@ -101,9 +101,9 @@ def _state_lines(plan: Plan, config: ModelConfig, lay: Layout) -> list[str]:
             f"{n.value_dim} + convolution window {n.conv_kernel - 1} x {n.channels}) x 4 bytes (fp32) = "
             f"{human_bytes(one)} a stream, whatever its length; {plan.lanes} lane{'s' * (plan.lanes > 1)} take "
             f"{plan.lanes} state slot{'s' * (plan.lanes > 1)}")
-    if lay.state_snaps:
-        line += (f"; drafting keeps the state after each of a verify's {lay.state_snaps} rows, to roll rejected "
-                 f"guesses back")
+    if lay.verify_rows:
+        line += (f"; drafting keeps a second copy, from before each verify, and the inputs of its "
+                 f"{lay.verify_rows} rows, to roll rejected guesses back by running the kept rows again")
     line += f": {human_bytes(lay.state_bytes)} in all (in the cache's total)"
     return [line, "preemption drops a stream's state and recomputes it from its first row; the prefix cache "
                   "does not apply (a state is not pages)"]

@@ -225,7 +225,7 @@ class _Bench:
         streams = list(PROBES) + self.fillers
         self.cache = KVCache(config, lanes=2, window=LANE_WINDOW, page_rows=KEY_TILE, pool_pages=pages,
                              dtype=kv_dtype, page_order_seed=11, backend=model.backend, slots=len(streams),
-                             snaps=max(draws, max(p.count for p in PROBES)))
+                             verify_rows=max(draws, max(p.count for p in PROBES)))
         self.places: dict[str, Placement] = {}
         lanes = iter(range(2))
         for slot, s in enumerate(streams):
