@@ -59,8 +59,9 @@ def weights_kind(choice: str, spec: str, device: str | torch.device = "cpu") -> 
             quant = None  # the config's own error comes when it is read
         if quant is None:
             return "fp32", "the model is an HF folder"
-        if keepable(quant):
-            return "fp32", f"an MLX checkpoint dequantized: {keepable(quant)}"
+        why_not = keepable(quant)
+        if why_not:
+            return "fp32", f"an MLX checkpoint dequantized: {why_not}"
         kind, why = "mlx", f"the model is an MLX checkpoint: {quant.words()}"
     if torch.device(device).type != "cpu":
         return "fp32", "tfq's quantized kernel runs on the CPU"
@@ -82,10 +83,12 @@ def model_weights(spec: str, folder: Path, weights: str, backend: Backend, progr
         from tfq.model.mlx import folder_quantization, load_mlx_state
 
         quant = folder_quantization(folder)  # an MLX checkpoint's groups: dequantized as MLX does, or kept
-        if weights == "mlx" and (quant is None or backend.quant_linear is None):
-            raise TfqError(f"weights: mlx keeps an MLX checkpoint's quantized groups on tfq's CPU kernels, and "
-                           f"{'this run does not have them (' + backend.where + ')' if quant else spec + ' is not one'}; "
-                           f"set weights: fp32")
+        if weights == "mlx" and quant is None:
+            raise TfqError(f"weights: mlx keeps an MLX checkpoint's quantized groups, and {spec} is not one; set "
+                           f"weights: fp32")
+        if weights == "mlx" and backend.quant_linear is None:
+            raise TfqError(f"weights: mlx keeps an MLX checkpoint's quantized groups on tfq's CPU kernels, which "
+                           f"this run does not have ({backend.where}); set weights: fp32")
         if quant is None:
             return load_state_dict(folder)
         return load_mlx_state(folder, quant, keep=weights == "mlx")
