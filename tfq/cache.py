@@ -31,6 +31,9 @@ class KVCache:
         self.backend = backend  # tfq.kernels.backend.Backend: where the store lives and which kernel writes it
         self.dtype_name = dtype
         self.dtype = CACHE_DTYPES[dtype]
+        # what another tensor-parallel rank needs to hold the same rows of its own heads (tfq/parallel/ranks.py)
+        self.spec = dict(lanes=lanes, window=window, page_rows=page_rows, pool_pages=pool_pages, dtype=dtype,
+                         slots=slots, verify_rows=verify_rows)
         self.pages = PagePool(lanes, window, page_rows, pool_pages, page_order_seed, prefix)  # prefix: PrefixCache
         self.rows_total = self.pages.rows
         shape = (self.rows_total, config.num_kv_heads, config.head_dim)

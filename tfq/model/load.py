@@ -22,10 +22,16 @@ class LoadedModel:
 
 
 def load_model(spec: str, progress: bool = True, device: str | torch.device = "cpu",
-               weights: str = "auto") -> LoadedModel:
+               weights: str = "auto", tp: int = 1, group=None, reduce: bool = False) -> LoadedModel:
     """device: where the model runs (cpu: the torch kernels; cuda: the Triton kernels). weights: fp32 (every
     tensor as float32), gguf (a GGUF's quantized matrices kept in their blocks: tfq.kernels.quant), mlx (an MLX
-    checkpoint's affine groups kept: tfq.model.mlx) or auto (`weights_kind`)."""
+    checkpoint's affine groups kept: tfq.model.mlx) or auto (`weights_kind`). tp: split over this many ranks
+    (tfq/parallel: rank 0's shard is returned, the other ranks load theirs); group: a rank's end of the group
+    (the ranks call this with it); reduce: the all-reduce control's split."""
+    if tp > 1:
+        from tfq.parallel.ranks import ModelSpec, ranks
+
+        return ranks(tp, torch.device(device)).load(ModelSpec(spec, str(device), weights, reduce), progress)
     from tfq.model.source import resolve_model
     from tfq.model.tokenizer import Tokenizer
 
@@ -38,7 +44,13 @@ def load_model(spec: str, progress: bool = True, device: str | torch.device = "c
     kind = weights_kind(weights, spec, device)[0]
     if weights == "auto" and backend.quant_linear is None:  # tfq's CPU kernels did not build here
         kind = "fp32"
-    model = Qwen(config, model_weights(spec, folder, kind, backend, progress), backend)
+    tensors = model_weights(spec, folder, kind, backend, progress)
+    if group is None:
+        return LoadedModel(folder, config, Qwen(config, tensors, backend), tokenizer, kind)
+    from tfq.parallel.model import ShardedQwen
+    from tfq.parallel.shard import Shard
+
+    model = ShardedQwen(config, tensors, backend, Shard(config, group.rank, group.world, reduce), group)
     return LoadedModel(folder, config, model, tokenizer, kind)
 
 

@@ -12,6 +12,7 @@ row (kernels/delta.py), so a row's bits do not depend on how its prompt was chun
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ from tfq.proofs.startup_kernels import check_layers, ensure_exact
 from tfq.errors import TfqError
 from tfq.model.config import ModelConfig
 from tfq.model.rope import rope_tables
+from tfq.model.taker import Taker
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -78,7 +80,9 @@ def linears(layer: Layer | DeltaLayer) -> dict[str, LinearFn]:
 
 
 class Qwen:
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], backend: Backend | None = None):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], backend: Backend | None = None,
+                 shard=None):
+        """shard: a tensor-parallel rank's share (tfq/parallel/shard.py; tfq/parallel/model.py runs it)."""
         self.backend = backend = backend or torch_backend()
         ensure_exact(backend)
         self.config = config
@@ -91,7 +95,7 @@ class Qwen:
         # convolution as [channels, taps, 1]), which its convolution's shape tells, as mlx-lm tells it
         mlx_layout = c.hybrid and any(k.endswith("conv1d.weight") and w.shape[-1] == 1 != c.deltanet.conv_kernel
                                       for k, w in weights.items())
-        take = _Taker(weights, c.family, backend.device, offset=c.hybrid and not mlx_layout)
+        take = Taker(weights, c.family, backend.device, offset=c.hybrid and not mlx_layout, shard=shard)
 
         def Linear(w, b=None):  # fp32 weights, or quantized ones kept by load_model (weights: gguf or mlx)
             return backend.quant_linear(w, b) if isinstance(w, Quantized) else backend.linear(w, b)
@@ -125,14 +129,15 @@ class Qwen:
                 qkv_b = torch.cat([take(a + "q_proj.bias", (q_out,)), take(a + "k_proj.bias", (kv_out,)),
                                    take(a + "v_proj.bias", (kv_out,))])
             self.layers.append(Layer(
-                qkv=Linear(qkv_w, qkv_b),
+                qkv=Linear(qkv_w, qkv_b) if qkv_w.shape[0] else None,  # None: a rank without heads (tp)
                 q_norm=norm(a + "q_norm.weight", c.head_dim) if c.qk_norm else None,
                 k_norm=norm(a + "k_norm.weight", c.head_dim) if c.qk_norm else None,
                 o=Linear(take(a + "o_proj.weight", (c.hidden_size, q_out))),
                 gated=c.hybrid, **mlp,
             ))
         self.norm = norm("model.norm.weight", c.hidden_size)
-        head = self.embed if c.tie_embeddings else take("lm_head.weight", (c.vocab_size, c.hidden_size))
+        head = take.kept("lm_head.weight", self.embed) if c.tie_embeddings else \
+            take("lm_head.weight", (c.vocab_size, c.hidden_size))
         self.lm_head = Linear(head)
         self._rope_rows = 0
         self.scale = 1.0 / math.sqrt(c.head_dim)
@@ -140,10 +145,12 @@ class Qwen:
         self.layer_clock: torch.Tensor | None = None  # float64 [2]: tfq bench's breakdown reads the one-call layer
         self.proved: dict = {}  # what the start-up guard proved on this model (tfq.proofs.startup), by its settings
         self.cache_index = _cache_index(c)  # layer -> its index among the cache's attention or state layers
+        if shard is not None:  # what this rank computes with: its heads, its slice of the MLP
+            self.config = shard.local_config()
         first = self.layers[c.attention_layers[0]] if c.attention_layers else self.layers[0]
         layers = {"gate_up": first.gate_up, "down": first.down, "lm_head": self.lm_head}
         if isinstance(first, Layer):
-            layers.update(qkv=first.qkv, o=first.o)
+            layers.update(o=first.o, **({"qkv": first.qkv} if first.qkv is not None else {}))
         if c.deltanet_layers:
             delta = self.layers[c.deltanet_layers[0]]
             layers.update(in_proj=delta.in_proj, out_proj=delta.out_proj)
@@ -211,6 +218,8 @@ class Qwen:
         norm = self.backend.rms_norm
         q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         h = tap("input norm", norm(x, layer.input_norm, c.rms_eps))
+        if layer.qkv is None:  # a tensor-parallel rank holding no heads: only its share of o and the MLP
+            return self.mlp(layer, x + self.joined("o", tap("o", layer.o(self.joined("heads", x[:, :0])))), tap)
         qkv = tap("qkv", layer.qkv(h))
         qk, v = qkv[:, :q_out + kv_out], qkv[:, q_out + kv_out:q_out + 2 * kv_out]  # views (cheaper than split)
         qk = qk.reshape(n, c.num_heads + c.num_kv_heads, c.head_dim)
@@ -229,8 +238,18 @@ class Qwen:
         a = a.reshape(n, q_out)
         if layer.gated:
             a = tap("output gate", sigmoid_gate(a, qkv[:, q_out + 2 * kv_out:]))
-        x = tap("attention residual", x + tap("o", layer.o(a)))
+        x = tap("attention residual", x + self.joined("o", tap("o", layer.o(self.joined("heads", a)))))
         return self.mlp(layer, x, tap)
+
+    def joined(self, site: str, t: torch.Tensor) -> torch.Tensor:
+        """What a layer needs whole at `site` (heads, o, mlp, down, head): one process has it all; a tensor-
+        parallel rank gathers it (tfq/parallel/model.py)."""
+        return t
+
+    def on_its_own(self):
+        """A context in which this process computes without its peers (the start-up guard's proofs): nothing to
+        change in one process; a tensor-parallel rank stands its own columns in for the gathers."""
+        return contextlib.nullcontext()
 
     def mlp(self, layer: Layer | DeltaLayer, x: torch.Tensor, tap: Tap) -> torch.Tensor:
         """The second half of every layer: post norm, gate_up, SiLU * up, down, residual."""
@@ -239,7 +258,7 @@ class Qwen:
         gate_up = tap("gate_up", layer.gate_up(h))
         gate, up = gate_up[:, :c.intermediate_size], gate_up[:, c.intermediate_size:]
         mixed = tap("silu * up", tap("silu", self.act(gate)) * up)
-        return tap("mlp residual", x + tap("down", layer.down(mixed)))
+        return tap("mlp residual", x + self.joined("down", tap("down", layer.down(self.joined("mlp", mixed)))))
 
     def deltanet_layer(self, layer: DeltaLayer, x: torch.Tensor, cache, index: int, segments: torch.Tensor,
                        tap: Tap = untapped, chunked: bool = False) -> torch.Tensor:
@@ -303,7 +322,7 @@ class Qwen:
     def logits(self, x: torch.Tensor, tap: Tap = untapped) -> torch.Tensor:
         """The final norm and the head over the rows that draw; fp32 logits on the CPU."""
         h = tap("final norm", self.backend.rms_norm(x, self.norm, self.config.rms_eps))
-        return tap("head", self.lm_head(h)).cpu()
+        return self.joined("head", tap("head", self.lm_head(h))).cpu()
 
 
 def stack(parts: list) -> torch.Tensor | Quantized:
@@ -319,48 +338,3 @@ def _cache_index(c: ModelConfig) -> list[int]:
     layers a state slot per stream."""
     attention, deltanet = c.attention_layers, c.deltanet_layers
     return [attention.index(i) if k == "full_attention" else deltanet.index(i) for i, k in enumerate(c.kinds)]
-
-
-class _Taker:
-    """Pulls named tensors out of a state dict, checking shapes, so a wrong checkpoint fails in one line."""
-
-    def __init__(self, weights: dict[str, torch.Tensor], family: str, device: torch.device, offset: bool = False):
-        self.weights = {_text_name(k): w for k, w in weights.items()}
-        self.family = family
-        self.device = device
-        self.offset = offset  # norms stored as weight - 1 (Qwen3.5)
-
-    def conv(self, name: str, channels: int, taps: int) -> torch.Tensor:
-        """A depthwise convolution's weight [channels, 1, taps], from transformers' layout or MLX's [channels,
-        taps, 1]."""
-        w = self.weights.get(name)
-        if w is not None and tuple(w.shape) == (channels, taps, 1) and taps != 1:
-            self.weights[name] = w.transpose(1, 2)
-        return self(name, (channels, 1, taps))
-
-    def norm(self, name: str, size: int) -> torch.Tensor:
-        """An RMS norm's weight as it multiplies: Qwen3.5 multiplies by 1 + the stored weight (computed in fp32
-        as transformers does, so the product's bits are the same)."""
-        w = self(name, (size,))
-        return 1.0 + w if self.offset else w
-
-    def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        t = self.weights.get(name)
-        if t is None:
-            raise TfqError(f"checkpoint has no tensor {name}; its weights do not match its config.json "
-                           f"(a {self.family} model): re-export or re-convert the checkpoint")
-        if tuple(t.shape) != shape:
-            raise TfqError(f"checkpoint tensor {name} has shape {tuple(t.shape)}, config says {shape}")
-        if isinstance(t, Quantized):
-            return t
-        return t.float().contiguous().to(self.device)
-
-
-def _text_name(name: str) -> str:
-    """A Qwen3.5 image-and-text checkpoint keeps the text model under model.language_model (transformers) or
-    language_model.model and language_model.lm_head (MLX): the names tfq reads."""
-    for prefix, to in (("model.language_model.", "model."), ("language_model.model.", "model."),
-                       ("language_model.lm_head.", "lm_head.")):
-        if name.startswith(prefix):
-            return to + name[len(prefix):]
-    return name

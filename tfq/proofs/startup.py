@@ -111,7 +111,8 @@ class LayerProof:
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            failure = self._prove(threads, rows, chunk, draws)
+            with self.model.on_its_own():  # a tensor-parallel rank proves its own ops (tfq/parallel/model.py)
+                failure = self._prove(threads, rows, chunk, draws)
         finally:
             torch.set_num_threads(before)
             self.seconds += time.perf_counter() - t0

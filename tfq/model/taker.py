@@ -1,0 +1,68 @@
+"""Named tensors out of a checkpoint's state dict, shape-checked, and cut to a tensor-parallel rank's share."""
+from __future__ import annotations
+
+import torch
+
+from tfq.errors import TfqError
+from tfq.kernels.quant import Quantized
+
+
+class Taker:
+    """Pulls named tensors out of a state dict, checking shapes, so a wrong checkpoint fails in one line."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], family: str, device: torch.device, offset: bool = False,
+                 shard=None):
+        self.weights = {_text_name(k): w for k, w in weights.items()}
+        self.family = family
+        self.device = device
+        self.offset = offset  # norms stored as weight - 1 (Qwen3.5)
+        self.shard = shard  # tfq.parallel.shard.Shard: the rows and columns of each tensor this rank keeps
+
+    def kept(self, name: str, t):
+        """The rank's share of `t`, which the checkpoint names `name` (all of it without a shard): whole
+        rows of a quantized matrix stay quantized; columns of one are cut from its fp32 values (the same)."""
+        keep = self.shard.keep(name) if self.shard is not None else None
+        if keep is None:
+            return t
+        rows, cols = keep
+        if isinstance(t, Quantized):
+            if cols is None:
+                return t.select(torch.arange(t.shape[0])[rows])
+            t = t.dequantized()
+        t = t if rows is None else t[rows]
+        return (t if cols is None else t[:, cols]).contiguous()
+
+    def conv(self, name: str, channels: int, taps: int) -> torch.Tensor:
+        """A depthwise convolution's weight [channels, 1, taps], from transformers' layout or MLX's [channels,
+        taps, 1]."""
+        w = self.weights.get(name)
+        if w is not None and tuple(w.shape) == (channels, taps, 1) and taps != 1:
+            self.weights[name] = w.transpose(1, 2)
+        return self(name, (channels, 1, taps))
+
+    def norm(self, name: str, size: int) -> torch.Tensor:
+        """An RMS norm's weight as it multiplies: Qwen3.5 multiplies by 1 + the stored weight (computed in fp32
+        as transformers does, so the product's bits are the same)."""
+        w = self(name, (size,))
+        return 1.0 + w if self.offset else w
+
+    def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        t = self.weights.get(name)
+        if t is None:
+            raise TfqError(f"checkpoint has no tensor {name}; its weights do not match its config.json "
+                           f"(a {self.family} model): re-export or re-convert the checkpoint")
+        if tuple(t.shape) != shape:
+            raise TfqError(f"checkpoint tensor {name} has shape {tuple(t.shape)}, config says {shape}")
+        if isinstance(t, Quantized):
+            return self.kept(name, t)
+        return self.kept(name, t.float()).contiguous().to(self.device)
+
+
+def _text_name(name: str) -> str:
+    """A Qwen3.5 image-and-text checkpoint keeps the text model under model.language_model (transformers) or
+    language_model.model and language_model.lm_head (MLX): the names tfq reads."""
+    for prefix, to in (("model.language_model.", "model."), ("language_model.model.", "model."),
+                       ("language_model.lm_head.", "lm_head.")):
+        if name.startswith(prefix):
+            return to + name[len(prefix):]
+    return name

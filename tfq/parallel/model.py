@@ -1,0 +1,80 @@
+"""A Qwen model's shard on one rank (tfq/parallel/shard.py says what it holds): the same forward as one
+process runs, op for op, with a gather wherever a layer needs what other ranks computed.
+
+Per attention layer, in order: the heads' outputs (before o), o's output, the MLP's SiLU(gate) * up (before
+down), down's output; after the last layer, the logits. Each gather copies columns in rank order, so every
+rank holds the same whole tensor, with the bits one process computes: every element of it was computed whole
+on one rank, by the same kernels with the same fixed-order sums (the start-up guard proves that a column's bits
+do not depend on the columns beside it). The control (`reduce`) splits o and down by their inputs and adds the
+ranks' partial sums (an all-reduce), as Megatron-style tensor parallelism does.
+
+On rank 0 a forward first sends its inputs to the other ranks (tfq/parallel/ranks.py), which run the same
+forward on their shards; the engine above never knows the model is split.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import weakref
+
+import torch
+
+from tfq.errors import TfqError
+from tfq.model.qwen import Qwen
+from tfq.parallel.shard import Shard, sizes
+
+_serials = itertools.count(1)
+
+
+class ShardedQwen(Qwen):
+    def __init__(self, config, weights: dict, backend, shard: Shard, group):
+        if config.hybrid:
+            raise TfqError(f"tp: {shard.world} splits attention models (qwen2, qwen3); a {config.family} hybrid's "
+                           f"DeltaNet layers have no split yet: set tp: 1")
+        self.shard, self.group = shard, group
+        self.what = None  # the ModelSpec the ranks loaded it by (tfq/parallel/ranks.py)
+        self.local = False  # True while the start-up guard proves this rank's ops alone (no collectives)
+        self.dropped: list[int] = []  # caches rank 0 no longer holds, for the other ranks to drop
+        c = config
+        d = c.head_dim
+        self.widths = {"heads": [w * d * c.group for w in sizes(c.num_kv_heads, shard.world)],
+                       "o": sizes(c.hidden_size, shard.world), "mlp": sizes(c.intermediate_size, shard.world),
+                       "down": sizes(c.hidden_size, shard.world), "head": sizes(c.vocab_size, shard.world)}
+        super().__init__(config, weights, backend, shard=shard)
+
+    def joined(self, site: str, t: torch.Tensor) -> torch.Tensor:
+        reduce = self.shard.reduce and site in ("heads", "mlp", "o", "down")
+        if reduce and site in ("heads", "mlp"):
+            return t  # the control's o and down take the rank's own inputs
+        if self.local:  # the guard: this rank's columns in place, the others' zeros (no collective)
+            if reduce:
+                return t
+            widths, r = self.widths[site], self.shard.rank
+            whole = t.new_zeros(t.shape[0], sum(widths))
+            start = sum(widths[:r])
+            whole[:, start:start + widths[r]] = t
+            return whole
+        return self.group.all_reduce(t) if reduce else self.group.gather(t, self.widths[site])
+
+    @contextlib.contextmanager
+    def on_its_own(self):
+        self.local = True
+        try:
+            yield
+        finally:
+            self.local = False
+
+    def runs_in_one_call(self, layer) -> bool:
+        return False  # the gathers sit inside the layer
+
+    @torch.inference_mode()
+    def forward(self, ids, positions, cache, cache_rows, batch, logit_rows, segments=None, chunked=False):
+        if self.shard.rank == 0 and not self.local:
+            if not hasattr(cache, "serial"):
+                cache.serial = next(_serials)
+                weakref.finalize(cache, self.dropped.append, cache.serial)
+            dropped = list(self.dropped)
+            self.dropped.clear()
+            self.group.send(("forward", self.what, cache.serial, cache.spec, dropped,
+                             (ids, positions, cache_rows, batch, logit_rows, segments, chunked)))
+        return super().forward(ids, positions, cache, cache_rows, batch, logit_rows, segments, chunked)

@@ -1,0 +1,98 @@
+"""What one rank of a tensor-parallel model holds, chosen so that no sum is split between ranks.
+
+Every linear layer is split by its outputs: a rank holds whole rows of the weight matrix (whole output
+columns of the layer), so each output element is the one fixed-order sum tfq's kernel computes on one rank,
+whatever the number of ranks. What a layer needs whole (the attention's output before o, the MLP's product
+before down, o's and down's outputs for the residual, the logits) is gathered from every rank in rank order.
+
+    qkv      by key/value head groups: a rank's query heads are those that read its key/value heads
+    o        by hidden columns (its input, every head's output, gathered first)
+    gate_up  by intermediate columns; SiLU(gate) * up is elementwise, so it runs on the rank's slice
+    down     by hidden columns (its input, the whole product, gathered first)
+    head     by vocabulary entries
+
+Uneven splits: n units over w ranks give the first n % w ranks one unit more (896 hidden columns over 3
+ranks: 299, 299, 298). Key/value heads are the unit of the attention, so with more ranks than key/value
+heads some ranks hold no attention head at all (2 heads over 3 ranks: 1, 1, 0); those ranks still take
+their share of o, the MLP and the head. Nothing about the bits depends on the split: only the work does.
+
+`reduce` is the control of `tfq together`: o and down split by their inputs instead (Megatron's
+"row-parallel" layers), each rank summing part of every output and an all-reduce adding the parts, so an
+output is a sum split between ranks: other bits than one process computes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from tfq.model.config import ModelConfig
+
+
+def part(n: int, rank: int, world: int) -> slice:
+    """Rank `rank`'s share of n units: contiguous, in rank order, the first n % world ranks one more."""
+    base, extra = divmod(n, world)
+    start = rank * base + min(rank, extra)
+    return slice(start, start + base + (rank < extra))
+
+
+def sizes(n: int, world: int) -> list[int]:
+    """Every rank's share of n units, in rank order."""
+    return [part(n, r, world).stop - part(n, r, world).start for r in range(world)]
+
+
+@dataclass(frozen=True)
+class Shard:
+    config: ModelConfig  # the whole model's
+    rank: int
+    world: int
+    reduce: bool = False  # the control: o and down split by their inputs, summed across ranks
+
+    @property
+    def kv_heads(self) -> slice:
+        return part(self.config.num_kv_heads, self.rank, self.world)
+
+    @property
+    def q_heads(self) -> slice:
+        g = self.config.num_heads // self.config.num_kv_heads
+        return slice(self.kv_heads.start * g, self.kv_heads.stop * g)
+
+    @property
+    def hidden(self) -> slice:
+        return part(self.config.hidden_size, self.rank, self.world)
+
+    @property
+    def intermediate(self) -> slice:
+        return part(self.config.intermediate_size, self.rank, self.world)
+
+    @property
+    def vocab(self) -> slice:
+        return part(self.config.vocab_size, self.rank, self.world)
+
+    def local_config(self) -> ModelConfig:
+        """The sizes this rank computes with: its heads and its slice of the MLP (hidden size and vocabulary
+        stay whole: every rank holds every row's whole hidden state and, after the head's gather, its logits)."""
+        c = self.config
+        return replace(c, num_heads=_len(self.q_heads), num_kv_heads=_len(self.kv_heads),
+                       intermediate_size=_len(self.intermediate))
+
+    def keep(self, name: str) -> tuple[slice | None, slice | None] | None:
+        """(rows, columns) of the checkpoint tensor `name` this rank holds; None: all of it (norms, the
+        embedding)."""
+        d = self.config.head_dim
+        heads = {"q_proj": self.q_heads, "k_proj": self.kv_heads, "v_proj": self.kv_heads}
+        for proj, h in heads.items():
+            if f".self_attn.{proj}." in name:
+                return slice(h.start * d, h.stop * d), None
+        if ".mlp.gate_proj." in name or ".mlp.up_proj." in name:
+            return self.intermediate, None
+        if name.endswith(".self_attn.o_proj.weight"):
+            q = self.q_heads
+            return (None, slice(q.start * d, q.stop * d)) if self.reduce else (self.hidden, None)
+        if name.endswith(".mlp.down_proj.weight"):
+            return (None, self.intermediate) if self.reduce else (self.hidden, None)
+        if name == "lm_head.weight":
+            return self.vocab, None
+        return None
+
+
+def _len(s: slice) -> int:
+    return s.stop - s.start
