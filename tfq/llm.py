@@ -63,7 +63,8 @@ class LLM:
         from tfq.model.load import load_model
 
         self.plan, self.config, self.layout = resolve_plan(plan, model, sets, quiet, None)
-        self.loaded = load_model(self.plan.model, progress=not quiet, device=self.layout.device, weights=self.plan.weights)
+        self.loaded = load_model(self.plan.model, progress=not quiet, device=self.layout.device,
+                                 weights=self.plan.weights, tp=self.plan.tp)
         self.tokenizer = self.loaded.tokenizer
         self.engine = Engine.from_plan(self.plan, self.layout, self.loaded)
 

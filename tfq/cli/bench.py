@@ -81,7 +81,8 @@ def bench_command(
         torch.set_num_threads(settings.threads)
     load_before = os.getloadavg()
     with err.status("loading the model"):
-        loaded = load_model(the_plan.model, progress=not quiet, device=layout.device, weights=the_plan.weights)
+        loaded = load_model(the_plan.model, progress=not quiet, device=layout.device,
+                            weights=the_plan.weights, tp=the_plan.tp)
     peer_engine = None
     if settings.peer == "hf":
         if quiet:
@@ -249,7 +250,8 @@ def bench_serve_command(
     the_plan, config, layout = resolve_plan(plan, model, sets, quiet, err)
     load_before = os.getloadavg()
     with err.status("loading the model"):
-        loaded = load_model(the_plan.model, progress=not quiet, device=layout.device, weights=the_plan.weights)
+        loaded = load_model(the_plan.model, progress=not quiet, device=layout.device,
+                            weights=the_plan.weights, tp=the_plan.tp)
     chats, left_out = fitting_chats(load_prompts(suite), loaded.tokenizer, layout.window, settings.max_tokens)
     if not quiet:
         for out in left_out:

@@ -63,7 +63,7 @@ def chat(
     fix_threads(threads)
     the_plan, _, layout = resolve_plan(plan, model, sets, quiet, err)
     with err.status("loading the model"):
-        loaded = load_model(the_plan.model, device=layout.device, weights=the_plan.weights)
+        loaded = load_model(the_plan.model, device=layout.device, weights=the_plan.weights, tp=the_plan.tp)
     engine = Engine.from_plan(the_plan, layout, loaded)
     tok = loaded.tokenizer
     if not chats:

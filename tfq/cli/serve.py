@@ -53,7 +53,7 @@ def serve(
     sock = listening_socket(host, port)  # before the model loads: a taken port fails at once
     the_plan, config, layout = resolve_plan(plan, model, sets, quiet, err)
     with err.status("loading the model"):
-        loaded = load_model(the_plan.model, device=layout.device, weights=the_plan.weights)
+        loaded = load_model(the_plan.model, device=layout.device, weights=the_plan.weights, tp=the_plan.tp)
     engine = Engine.from_plan(the_plan, layout, loaded)
     metrics = Metrics(layout.lanes, layout.pool_pages)
     served = Served(EngineLoop(engine, queue, metrics), loaded.tokenizer, name or served_name(the_plan.model),

@@ -76,7 +76,7 @@ def together(
     chats = load_suite(suite_path)
     the_plan, config, layout = resolve_plan(plan, model, sets, True, None)
     check_options(the_plan, group, tokens)
-    chosen, left_out = arms_for(chosen, config, named=bool(arms and arms.strip()))
+    chosen, left_out = arms_for(chosen, config, named=bool(arms and arms.strip()), tp=the_plan.tp)
     if left_out and not quiet:
         err.print(left_out, highlight=False)
     folder = Path(evidence) if evidence else Path("evidence") / f"together-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -85,6 +85,7 @@ def together(
     t0 = time.perf_counter()
     try:
         with err.status("loading the model"):
+            # the reference's model, in one process; arms with tp > 1 load theirs split (tfq.proofs.together)
             loaded = load_model(the_plan.model, progress=not quiet, device=layout.device, weights=the_plan.weights)
     except KeyboardInterrupt:
         err.print("[yellow](stopped before the check began)[/]")

@@ -97,8 +97,7 @@ class Qwen:
                                       for k, w in weights.items())
         take = Taker(weights, c.family, backend.device, offset=c.hybrid and not mlx_layout, shard=shard)
 
-        def Linear(w, b=None):  # fp32 weights, or quantized ones kept by load_model (weights: gguf or mlx)
-            return backend.quant_linear(w, b) if isinstance(w, Quantized) else backend.linear(w, b)
+        Linear = self.make_linear
 
         norm = take.norm  # a Qwen3.5 norm multiplies by 1 + its stored weight: loaded as what it multiplies by
         self.embed = take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
@@ -155,6 +154,12 @@ class Qwen:
             delta = self.layers[c.deltanet_layers[0]]
             layers.update(in_proj=delta.in_proj, out_proj=delta.out_proj)
         check_layers(layers, backend)
+
+    def make_linear(self, w, b=None) -> LinearFn:
+        """A linear layer on fp32 weights, or on quantized ones kept by load_model (weights: gguf or mlx)."""
+        if isinstance(w, Quantized):
+            return self.backend.quant_linear(w, b)
+        return self.backend.linear(w, b)
 
     def _deltanet(self, take, a: str, Linear, mlp: dict) -> DeltaLayer:
         """One Gated DeltaNet layer's tensors, checked against the config's sizes."""

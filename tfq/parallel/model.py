@@ -20,8 +20,10 @@ import weakref
 import torch
 
 from tfq.errors import TfqError
+from tfq.kernels.quant import Quantized
 from tfq.model.qwen import Qwen
 from tfq.parallel.shard import Shard, sizes
+from tfq.proofs.startup_kernels import check_columns
 
 _serials = itertools.count(1)
 
@@ -41,6 +43,7 @@ class ShardedQwen(Qwen):
                        "o": sizes(c.hidden_size, shard.world), "mlp": sizes(c.intermediate_size, shard.world),
                        "down": sizes(c.hidden_size, shard.world), "head": sizes(c.vocab_size, shard.world)}
         super().__init__(config, weights, backend, shard=shard)
+        check_columns(_first_layer(weights, config), self.make_linear, backend)
 
     def joined(self, site: str, t: torch.Tensor) -> torch.Tensor:
         reduce = self.shard.reduce and site in ("heads", "mlp", "o", "down")
@@ -78,3 +81,16 @@ class ShardedQwen(Qwen):
             self.group.send(("forward", self.what, cache.serial, cache.spec, dropped,
                              (ids, positions, cache_rows, batch, logit_rows, segments, chunked)))
         return super().forward(ids, positions, cache, cache_rows, batch, logit_rows, segments, chunked)
+
+
+def _first_layer(weights: dict, config) -> dict:
+    """The first layer's matrices and the head, whole, as the checkpoint holds them (for check_columns)."""
+    a, m = "model.layers.0.self_attn.", "model.layers.0.mlp."
+    names = {"q_proj": a + "q_proj", "o": a + "o_proj", "gate_proj": m + "gate_proj", "down": m + "down_proj",
+             "head": "model.embed_tokens" if config.tie_embeddings else "lm_head"}
+    out = {}
+    for what, name in names.items():
+        w = weights[name + ".weight"]
+        b = weights.get(name + ".bias")
+        out[what] = (w if isinstance(w, Quantized) else w.float(), None if b is None else b.float())
+    return out

@@ -74,6 +74,18 @@ class Shard:
         return replace(c, num_heads=_len(self.q_heads), num_kv_heads=_len(self.kv_heads),
                        intermediate_size=_len(self.intermediate))
 
+    def params(self) -> int:
+        """Parameters this rank holds: its shares, plus the whole embedding and norms every rank keeps."""
+        c, d = self.config, self.config.head_dim
+        h, q, kv = c.hidden_size, _len(self.q_heads) * d, _len(self.kv_heads) * d
+        i = _len(self.intermediate)
+        hidden = _len(self.hidden)
+        attention = h * (q + 2 * kv) + (q + 2 * kv) * c.qkv_bias + 2 * d * c.qk_norm
+        attention += h * q if self.reduce else hidden * c.num_heads * d
+        mlp = 2 * i * h + (h * i if self.reduce else hidden * c.intermediate_size)
+        head = 0 if c.tie_embeddings else _len(self.vocab) * h
+        return c.vocab_size * h + c.num_layers * (attention + mlp + 2 * h) + h + head
+
     def keep(self, name: str) -> tuple[slice | None, slice | None] | None:
         """(rows, columns) of the checkpoint tensor `name` this rank holds; None: all of it (norms, the
         embedding)."""
@@ -96,3 +108,10 @@ class Shard:
 
 def _len(s: slice) -> int:
     return s.stop - s.start
+
+
+def gathered_floats(config: ModelConfig) -> tuple[int, int]:
+    """Floats a forward gathers (every rank's columns of the whole tensor): per row and attention layer (the
+    heads' outputs, o's, the MLP's product, down's), and per logits row (the vocabulary)."""
+    c = config
+    return c.num_heads * c.head_dim + 2 * c.hidden_size + c.intermediate_size, c.vocab_size

@@ -6,6 +6,7 @@ import dataclasses
 from tfq.kernels.contract import KEY_TILE, SPLIT_ROWS
 from tfq.model.config import ModelConfig
 from tfq.plan.fields import DTYPE_BYTES, parse_draft
+from tfq.parallel.shard import Shard, gathered_floats, sizes
 from tfq.plan.layout import Layout, budget_words
 from tfq.plan.schema import Plan
 from tfq.plan.words import human_bytes, one_line, tag
@@ -73,6 +74,8 @@ def plan_lines(plan: Plan, config: ModelConfig, layout: Layout) -> list[str]:
             f"merged in order by log-sum-exp in fp32 (exact against itself, other bits than rows)"
         )
     lines.append(_device_line(plan, lay, config))
+    if plan.tp > 1 or plan.source("tp"):
+        lines += tp_lines(plan, config, lay)
     kind, k = parse_draft(plan.draft)
     if kind == "none":
         lines.append(f"drafting: none{t('draft')}")
@@ -125,6 +128,30 @@ def _device_line(plan: Plan, lay: Layout, config: ModelConfig) -> str:
         kernels = f"{torch.cuda.get_device_name(torch.device(lay.device))}, Triton kernels for linear layers, " \
                   f"norms, attention and cache stores"
     return f"device: {lay.device}{auto}{tag(plan, 'device')}: {kernels}"
+
+
+def tp_lines(plan: Plan, config: ModelConfig, lay: Layout) -> list[str]:
+    """Tensor parallelism: how the model splits, what a rank holds, what a step gathers."""
+    n, t = plan.tp, tag(plan, "tp")
+    if n == 1:
+        return [f"tp: 1{t}: one process holds the whole model"]
+    heads = sizes(config.num_kv_heads, n)
+    shards = [Shard(config, r, n) for r in range(n)]
+    weights = [4 * s.params() for s in shards]
+    cache = [(lay.cache_bytes * k) // config.num_kv_heads for k in heads]
+    per_layer, per_logit = gathered_floats(config)
+    token = 4 * (config.num_layers * per_layer + per_logit)
+    idle = heads.count(0)
+    spare = f"; {idle} rank{'s hold' if idle > 1 else ' holds'} no head, only its share of the rest" if idle else ""
+    return [
+        f"tp: {n} ranks{t}: rank 0 is this process, tfq starts the others (gloo on the CPU, NCCL on GPUs); every "
+        f"matrix split by its outputs and the attention by whole key-value heads ({' + '.join(map(str, heads))}"
+        f"{spare}), so no sum is split and the bits are tp: 1's",
+        f"a rank holds: weights {' / '.join(human_bytes(w) for w in weights)} (fp32; the embedding and the norms "
+        f"whole on every rank), cache {' / '.join(human_bytes(c) for c in cache)}",
+        f"gathered: {per_layer} floats a row and layer (heads, o, SiLU * up, down) and {per_logit} a logits row: "
+        f"{human_bytes(token)} a decoded token, of which a rank receives all but its own columns",
+    ]
 
 
 def _pool_line(plan: Plan, lay: Layout) -> str:
@@ -221,7 +248,7 @@ def plan_json(plan: Plan, config: ModelConfig, layout: Layout) -> dict:
         "model": plan.model, "weights": plan.weights, "window": plan.window, "lanes": plan.lanes,
         "prefill_chunk": plan.prefill_chunk,
         "kv": dataclasses.asdict(plan.kv), "attention": plan.attention, "budget": plan.budget,
-        "draft": plan.draft, "device": plan.device,
+        "draft": plan.draft, "device": plan.device, "tp": plan.tp,
     }
     model = {
         "family": config.family, "layers": config.num_layers, "query_heads": config.num_heads,

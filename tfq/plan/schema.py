@@ -38,6 +38,7 @@ SCHEMA: dict[str, Check] = {
     "budget": budget,
     "draft": draft,
     "device": device,
+    "tp": positive("tp"),
 }
 
 # Environment variables that set one key from their text.
@@ -46,6 +47,7 @@ ENV_VALUES = {
     "TFQ_KV_DTYPE": "kv.dtype", "TFQ_KV_PAGES": "kv.pages", "TFQ_KV_POOL": "kv.pool",
     "TFQ_KV_PREFIX_CACHE": "kv.prefix_cache",
     "TFQ_BUDGET": "budget", "TFQ_DRAFT": "draft", "TFQ_DEVICE": "device",
+    "TFQ_TP": "tp",
 }
 # Environment switches: 1 sets the key to the value, 0 or unset leaves the plan alone.
 ENV_FLAGS = {
@@ -88,10 +90,11 @@ class Plan:
     budget: int | str = "auto"
     draft: str = "none"
     device: str = "auto"  # auto: a CUDA GPU when torch sees one (Triton kernels), else the CPU (torch kernels)
+    tp: int = 1  # ranks the model is split over (tfq/parallel), each a process tfq starts
     sources: tuple[tuple[str, str], ...] = ()  # (dotted key, what set it: "TFQ_X", "--set", "--model")
 
     def __post_init__(self) -> None:
-        for name in ("model", "weights", "window", "lanes", "prefill_chunk", "attention", "budget", "draft", "device"):
+        for name in ("model", "weights", "window", "lanes", "prefill_chunk", "attention", "budget", "draft", "device", "tp"):
             object.__setattr__(self, name, checked(name, getattr(self, name)))
         if not isinstance(self.kv, KVPlan):
             raise fail(f"kv must be a KVPlan, not {self.kv!r}")

@@ -14,6 +14,7 @@ import torch
 
 from tfq.errors import TfqError
 from tfq.kernels.attention import attend, tile_count
+from tfq.kernels.quant import Quantized
 from tfq.kernels.contract import KEY_TILE, SPLIT_ROWS, AttentionBatch, Chunk, DecodeGroup, LinearFn
 
 CHECK_ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 33, 48, 63)
@@ -62,6 +63,43 @@ def check_layers(layers: dict, backend) -> None:
     g = torch.Generator().manual_seed(4321)
     for name, f in layers.items():
         check_rows(f, f.in_features, name, rows=CHECK_ROWS[-1] + 1, g=g, device=backend.device, fix=_fix(backend))
+
+
+COLUMN_ROWS = 320  # weight rows (output columns) each matrix is proved on: several 64-wide panels and a tail
+
+
+def check_columns(matrices: dict, make: Callable, backend) -> None:
+    """Refuse to split a model over ranks if an output column's bits change with the columns computed beside it
+    (the column analogue of row invariance: a rank computes only its share of a layer's outputs).
+
+    `matrices`: name -> (weight, bias or None), fp32 or quantized, the model's own; `make`: how the model
+    builds a layer from them. Each matrix's first COLUMN_ROWS rows are computed whole, then cut at widths and
+    offsets off the kernel's 16-lane vectors and 64-wide panels; every cut must give the whole's bits.
+    """
+    if backend.interpreted:
+        return
+    g = torch.Generator().manual_seed(2468)
+    for name, (w, b) in matrices.items():
+        n = min(w.shape[0], COLUMN_ROWS)
+        x = torch.randn(17, w.shape[1], generator=g).to(backend.device)
+        dev = backend.device
+        whole = make(_rows(w, 0, n, dev), None if b is None else b[:n].to(dev))(x)
+        for start, stop in ((0, 1), (1, 8), (5, 72), (n // 3, n // 3 + 130), (n - 65, n), (0, n - 1)):
+            start, stop = max(0, start), min(n, stop)
+            if stop <= start:
+                continue
+            part = make(_rows(w, start, stop, dev), None if b is None else b[start:stop].to(dev))(x)
+            if not torch.equal(part, whole[:, start:stop]):
+                raise TfqError(f"this build's linear layer is not column-invariant ({name}'s outputs {start}..{stop - 1} "
+                               f"change when computed apart from the others), so tp > 1 would change bits: set "
+                               f"tp: 1, or {_fix(backend)}")
+
+
+def _rows(w, start: int, stop: int, device):
+    """Rows [start, stop) of a weight matrix, fp32 or quantized."""
+    if isinstance(w, Quantized):
+        return w.select(torch.arange(start, stop))
+    return w[start:stop].float().contiguous().to(device)
 
 
 def _fix(backend) -> str:

@@ -100,7 +100,7 @@ class Check:
                 raise TfqError(f"chat {r.label}: its prompt of {len(r.prompt)} tokens does not fit the plan's window "
                                f"of {base.window} rows; raise window (--set window=...) or shorten the chat")
         self.context = context_for(base, self.requests, group)
-        arms = [a for a in arms if a.applies(config)]  # a hybrid has no prefix arms, only a hybrid its control
+        arms = [a for a in arms if a.applies(config, base.tp)]  # a hybrid has no prefix arms, only a hybrid its control
         # Every arm's plan and layout first: a plan that does not fit fails before anything runs.
         self.runs = [self._prepare(arm, base) for arm in (REFERENCE, *arms)]
         self.started = time.time()
@@ -108,6 +108,19 @@ class Check:
         self.complete = False
         self.interrupted_in: str | None = None
         self.versions = versions(loaded)
+        self.split: dict[tuple[int, bool], object] = {}  # (tp, all-reduce) -> the model split over its ranks
+
+    def _loaded(self, run: ArmRun):
+        """The reference's model (one process), or the arm's split over its plan's ranks, loaded once."""
+        if run.plan.tp == 1:
+            return self.loaded
+        from tfq.model.load import load_model
+
+        key = (run.plan.tp, run.arm.reduce)
+        if key not in self.split:
+            self.split[key] = load_model(run.plan.model, progress=False, device=run.layout.device,
+                                         weights=self.loaded.weights, tp=run.plan.tp, reduce=run.arm.reduce)
+        return self.split[key]
 
     def _prepare(self, arm: Arm, base: Plan) -> ArmRun:
         plan = arm_plan(arm, base, self.context)
@@ -149,7 +162,7 @@ class Check:
 
         self.listener.arm_started(run, self.group)
         policy = run.arm.fresh_attention() if run.arm.fresh_attention else run.arm.attention
-        engine = Engine.from_plan(run.plan, run.layout, self.loaded, attention=policy,
+        engine = Engine.from_plan(run.plan, run.layout, self._loaded(run), attention=policy,
                                   chunked_deltanet=run.arm.chunked_deltanet)
         t0 = time.perf_counter()
         order = list(range(len(self.requests)))  # the order the streams are added in

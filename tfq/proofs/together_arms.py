@@ -48,16 +48,19 @@ class Arm:
     warm: bool = False  # the suite in two passes through one engine: a first half cold, then all of it, mixed
     chunked_deltanet: bool = False  # a hybrid's prompt chunks in the chunked DeltaNet arithmetic (a control)
     models: str = "all"  # the models it applies to: all | hybrid (Qwen3.5) | attention (no DeltaNet layers)
+    reduce: bool = False  # tensor parallelism's usual split (o and down summed across ranks): plans with tp > 1
 
-    def applies(self, config) -> bool:
+    def applies(self, config, tp: int = 1) -> bool:
+        if self.reduce and tp == 1:
+            return False
         return self.models == "all" or (self.models == "hybrid") == config.hybrid
 
     def mode(self, group: int) -> str:
         return f"{group} together" if self.together else "alone"
 
 
-REFERENCE = Arm("reference", False, "every chat alone, whole (no pages), rows attention",
-                lambda c: {"kv.pages": 0})
+REFERENCE = Arm("reference", False, "every chat alone, whole (no pages), rows attention, one process (tp: 1)",
+                lambda c: {"kv.pages": 0, "tp": 1})
 
 # Adding an arm is one entry here.
 ARMS: tuple[Arm, ...] = (
@@ -95,6 +98,9 @@ ARMS: tuple[Arm, ...] = (
     Arm("deltanet-chunks", True, "control: a hybrid's prompt chunks by the chunked DeltaNet algorithm (64-row "
         "blocks, as transformers prefills), decode rows by the recurrence; must differ",
         lambda c: {"kv.pages": 0}, control=True, chunked_deltanet=True, models="hybrid"),
+    Arm("all-reduce", True, "control: tensor parallelism split as usual (o and down by their inputs, the ranks' "
+        "partial sums added by an all-reduce); must differ", lambda c: {"kv.pages": 0}, control=True, reduce=True,
+        models="attention"),
 )
 
 
@@ -102,16 +108,19 @@ def arm_names() -> list[str]:
     return [a.name for a in ARMS]
 
 
-def arms_for(arms: Sequence[Arm], config, named: bool) -> tuple[list[Arm], str]:
-    """The arms that apply to the model, and for a hybrid a line naming those left out (it keeps no prefix
-    cache; the DeltaNet control is left out of other models silently). Arms the user named that do not apply
-    are refused."""
-    left_out = [a for a in arms if not a.applies(config)]
+def arms_for(arms: Sequence[Arm], config, named: bool, tp: int = 1) -> tuple[list[Arm], str]:
+    """The arms that apply to the model and plan, and for a hybrid a line naming those left out (it keeps no
+    prefix cache; the DeltaNet control is left out of other models, and the all-reduce control of tp: 1,
+    silently). Arms the user named that do not apply are refused."""
+    left_out = [a for a in arms if not a.applies(config, tp)]
     if left_out and named:
         a = left_out[0]
+        if a.reduce and tp == 1:
+            raise TfqError(f"arm {a.name} splits the model over ranks: run it with --set tp=2 (or more)")
         raise TfqError(f"arm {a.name} does not apply to this model: it runs on "
                        f"{'hybrid (qwen3_5)' if a.models == 'hybrid' else 'attention-only'} models; leave it out of --arms")
-    kept = [a for a in arms if a.applies(config)]
+    kept = [a for a in arms if a.applies(config, tp)]
+    left_out = [a for a in left_out if not a.reduce]
     if not left_out or not config.hybrid:
         return kept, ""
     why = "a hybrid keeps each stream's DeltaNet state, not pages a later stream could map"
@@ -230,6 +239,8 @@ def judge(arm: Arm, comparisons: Sequence[ChatComparison], preemptions: int, lon
             return RED, f"{differ} of {n} replies' logits differ, as they must"
         if arm.chunked_deltanet:
             return FAIL, "its logits equal the reference: the chunked DeltaNet arithmetic did not show"
+        if arm.reduce:
+            return FAIL, "its logits equal the reference: the sums split across ranks did not show"
         if longest <= SPLIT_ROWS:
             return FAIL, (f"cannot differ: the longest context is {longest} rows and partial only changes bits past "
                           f"{SPLIT_ROWS} rows; add a longer chat or raise --tokens")

@@ -1,0 +1,159 @@
+"""Tensor parallelism (tfq/parallel): a stream's ids and logits bits on 1, 2 and 3 ranks equal one process's,
+alone, together, paged, chunked, preempted, drafted and from a warm prefix; the usual all-reduce split is RED.
+
+The ranks are real processes on gloo, started by tfq itself (`python -m tfq.parallel.ranks`). The tiny models
+split unevenly over 3 ranks: 2 key/value heads (1 + 1 + 0: the last rank holds no head), 128 hidden columns
+(43 + 43 + 42), 256 intermediate (86 + 85 + 85) and 512 vocabulary entries (171 + 171 + 170).
+"""
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from cli import tfq
+from test_together import check_for, random_suite
+from tfq.errors import TfqError
+from tfq.model.load import load_model
+from tfq.parallel.shard import Shard, part, sizes
+from tfq.plan import load_plan
+from tfq.proofs.startup_kernels import check_columns
+from tfq.proofs.together import ARMS, EXACT, RED
+from tiny import write_tiny_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_parts_cover_every_unit_once_in_rank_order():
+    for n in (0, 1, 2, 5, 128, 896, 151936):
+        for world in (1, 2, 3, 4, 7, 8):
+            cuts = [part(n, r, world) for r in range(world)]
+            assert cuts[0].start == 0 and cuts[-1].stop == n
+            assert all(a.stop == b.start for a, b in zip(cuts, cuts[1:]))
+            assert max(sizes(n, world)) - min(sizes(n, world)) <= 1
+            assert sizes(n, world) == sorted(sizes(n, world), reverse=True)  # the first ranks take the extra
+
+
+def test_a_shard_holds_whole_heads_and_its_columns(tiny_models):
+    config = tiny_models["qwen3"].config  # 8 query heads, 2 key/value heads
+    local = [Shard(config, r, 3).local_config() for r in range(3)]
+    assert [c.num_kv_heads for c in local] == [1, 1, 0]
+    assert [c.num_heads for c in local] == [4, 4, 0]
+    assert [c.intermediate_size for c in local] == sizes(config.intermediate_size, 3)
+    assert all(c.hidden_size == config.hidden_size and c.vocab_size == config.vocab_size for c in local)
+    reduce = Shard(config, 1, 2, reduce=True)
+    assert reduce.keep("model.layers.0.mlp.down_proj.weight") == (None, reduce.intermediate)
+    assert Shard(config, 1, 2).keep("model.layers.0.mlp.down_proj.weight") == (Shard(config, 1, 2).hidden, None)
+    assert Shard(config, 0, 2).keep("model.embed_tokens.weight") is None
+
+
+@pytest.mark.parametrize("family, world", [("qwen2", 1), ("qwen2", 2), ("qwen3", 2), ("qwen2", 3), ("qwen3", 3)])
+def test_every_arm_equals_one_process_alone_and_all_reduce_is_red(family, world, tiny_models, tmp_path):
+    """tfq together's arms at tp = world against the reference at tp = 1: every arm EXACT in ids and logits,
+    every control RED (the all-reduce control where there are ranks to reduce over)."""
+    rng = random.Random(world * 10 + len(family))
+    loaded = tiny_models[family]
+    plan = load_plan(None, env={}, sets=["window=640", "lanes=4", "prefill_chunk=100", "kv.pages=128",
+                                         "budget=1GiB", f"tp={world}", f"model={loaded.folder}"])
+    check = check_for(loaded, random_suite(rng, loaded.tokenizer), plan, 3, tokens=6, evidence=tmp_path).run()
+    assert check.reference.plan.tp == 1 and all(r.plan.tp == world for r in check.arms)
+    wrong = {r.arm.name: (r.verdict, r.note) for r in check.arms if r.verdict != (RED if r.arm.control else EXACT)}
+    assert not wrong, wrong
+    n = len(check.requests)
+    for run in check.arms:
+        assert run.equal_ids == n or run.arm.control
+        assert (run.equal_logits < n) == run.arm.control
+    names = {r.arm.name for r in check.arms}
+    assert ("all-reduce" in names) == (world > 1)
+    assert {"paged-alone", "whole", "paged", "chunked", "preempted", "drafted", "drafted-model", "prefix"} <= names
+    if world > 1:
+        reduce = next(r for r in check.arms if r.arm.name == "all-reduce")
+        assert reduce.equal_logits == 0  # every reply's logits differ: the split sums show at the first step
+
+
+def test_ranks_run_the_same_forward_as_one_process(tiny_models):
+    """Below the check: one forward's logits at 3 ranks equal one process's bit for bit, and the all-reduce
+    split's differ (the control fails by construction: a sum cut in two and added)."""
+    from tfq.engine import Engine, EngineSettings
+    from tfq.stream import Request
+
+    folder = str(tiny_models["qwen3"].folder)
+    settings = EngineSettings(window=256, lanes=3)
+    requests = [Request(prompt=tuple(range(5 + 3 * i, 40 + 7 * i)), max_tokens=5) for i in range(4)]
+    runs = {}
+    for name, loaded in (("one", tiny_models["qwen3"]), ("tp3", load_model(folder, progress=False, tp=3)),
+                         ("reduce", load_model(folder, progress=False, tp=2, reduce=True))):
+        runs[name] = Engine(loaded.model, settings, keep_logits=True).generate(requests)
+    for one, tp3, reduce in zip(runs["one"], runs["tp3"], runs["reduce"]):
+        assert one.ids == tp3.ids and all(torch.equal(a, b) for a, b in zip(one.logits, tp3.logits))
+        assert not torch.equal(one.logits[0], reduce.logits[0])
+
+
+def test_column_check_refuses_a_kernel_whose_columns_depend_on_their_neighbours(tiny_models):
+    """The guard's column proof passes tfq's kernel on the model's own matrices and refuses, by construction,
+    a linear layer whose outputs depend on how many columns it computes."""
+    from tfq.parallel.model import _first_layer
+    from tfq.model.weights import load_state_dict
+
+    loaded = tiny_models["qwen2"]
+    model = loaded.model
+    matrices = _first_layer(load_state_dict(loaded.folder), loaded.config)
+    check_columns(matrices, model.make_linear, model.backend)  # tfq's kernel: passes
+
+    def by_width(w, b=None):  # the control: the sum picks up a term from the number of columns computed
+        f = model.make_linear(w, b)
+        return lambda x: f(x) + 1e-3 * (w.shape[0] % 2)
+
+    with pytest.raises(TfqError, match="not column-invariant"):
+        check_columns(matrices, by_width, model.backend)
+
+
+def test_a_hybrid_is_refused_in_one_line(tmp_path):
+    folder = write_tiny_checkpoint(tmp_path / "hybrid", family="qwen3_5")
+    with pytest.raises(TfqError, match="tp: 2 splits attention models") as e:
+        load_model(str(folder), progress=False, tp=2)
+    assert "\n" not in str(e.value)
+
+
+def test_plan_lines_count_each_rank(tiny_dirs, monkeypatch, capsys):
+    code, out, err = tfq(["plan", "--model", str(tiny_dirs["qwen2"]), "--set", "tp=3", "--set", "window=512"],
+                         monkeypatch, capsys)
+    assert code == 0, err
+    text = out + err
+    assert "tp: 3 ranks (set by --set)" in text and "(1 + 1 + 0; 1 rank holds no head" in text
+    assert "a rank holds: weights" in text and "cache" in text
+    assert "gathered: 768 floats a row and layer" in text  # 128 heads' outputs + 2 x 128 hidden + 256 + ...
+    code, out, err = tfq(["plan", "--model", str(tiny_dirs["qwen2"]), "--set", "tp=0"], monkeypatch, capsys)
+    assert code == 2 and "tp must be a positive integer" in err and len(err.strip().splitlines()) == 1
+
+
+def test_together_cli_at_tp_2_and_its_control(tiny_dirs, tiny_models, tmp_path, monkeypatch, capsys):
+    suite = tmp_path / "suite.yaml"
+    suite.write_text(yaml.safe_dump(random_suite(random.Random(4), tiny_models["qwen2"].tokenizer)))
+    args = ["together", "--suite", str(suite), "--model", str(tiny_dirs["qwen2"]), "--set", "window=512",
+            "--set", "lanes=4", "--set", "budget=1GiB", "--tokens", "4"]
+    code, out, err = tfq(args + ["--set", "tp=2", "--arms", "whole,paged,all-reduce", "--evidence",
+                                 str(tmp_path / "ev"), "--json", str(tmp_path / "s.json")], monkeypatch, capsys)
+    assert code == 0, out + err
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert {a["arm"]: a["verdict"] for a in summary["arms"]} == {"whole": "EXACT", "paged": "EXACT",
+                                                                  "all-reduce": "RED"}
+    code, out, err = tfq(args + ["--arms", "all-reduce", "--evidence", str(tmp_path / "ev2")], monkeypatch, capsys)
+    assert code == 2 and "run it with --set tp=2" in err
+
+
+def test_chat_at_tp_2_answers_as_one_process(tiny_dirs):
+    def chat(*extra):
+        r = subprocess.run([sys.executable, "-m", "tfq", "chat", "-p", "hello there", "-p", "def f(x):", "--model",
+                            str(tiny_dirs["qwen3"]), "--set", "window=256", "--set", "lanes=2", "--max-tokens", "12",
+                            "--quiet", *extra], capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    assert chat("--set", "tp=2") == chat()
