@@ -114,11 +114,29 @@ def test_column_check_refuses_a_kernel_whose_columns_depend_on_their_neighbours(
         check_columns(matrices, by_width, model.backend)
 
 
-def test_a_hybrid_is_refused_in_one_line(tmp_path):
-    folder = write_tiny_checkpoint(tmp_path / "hybrid", family="qwen3_5")
-    with pytest.raises(TfqError, match="tp: 2 splits attention models") as e:
-        load_model(str(folder), progress=False, tp=2)
-    assert "\n" not in str(e.value)
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_hybrid_split_by_deltanet_key_heads_every_arm(world, tmp_path_factory, tmp_path, monkeypatch, capsys):
+    """A Qwen3.5 hybrid (test_hybrid's model with the real ratios: 1 key/value head, DeltaNet 2 key and 6 value
+    heads) at 2 and 3 ranks: ranks without an attention head, at 3 one without a DeltaNet head too; drafting rolls
+    every rank's state back. Every arm EXACT against one process alone, every control RED."""
+    from test_hybrid import shipped_hybrid_suite
+    from tiny import tiny_model_dir
+
+    folder = tiny_model_dir(tmp_path_factory, "qwen3_5", tie=True, seed=4, layers=8, hidden=192, heads=6,
+                            kv_heads=1, head_dim=64, intermediate=640, linear_heads=(2, 6), linear_dims=(32, 32),
+                            branch_scale=0.3)
+    summary = tmp_path / "summary.json"
+    code, out, err = tfq(["together", "--model", str(folder), "--suite", str(shipped_hybrid_suite()), "--tokens",
+                          "16", "--set", f"tp={world}", "--evidence", str(tmp_path / "ev"), "--json", str(summary)],
+                         monkeypatch, capsys)
+    assert code == 0, out + err
+    arms = {a["arm"]: a for a in json.loads(summary.read_text())["arms"]}
+    controls = {"partial", "paged-partial", "deltanet-chunks", "all-reduce"}
+    assert set(arms) == {"whole", "paged-alone", "paged", "paged-all", "chunked", "preempted", "drafted",
+                         "drafted-model"} | controls
+    for name, arm in arms.items():
+        assert arm["verdict"] == ("RED" if name in controls else "EXACT"), (name, arm["note"])
+    assert arms["preempted"]["preemptions"] > 0
 
 
 def test_plan_lines_count_each_rank(tiny_dirs, monkeypatch, capsys):
@@ -126,9 +144,9 @@ def test_plan_lines_count_each_rank(tiny_dirs, monkeypatch, capsys):
                          monkeypatch, capsys)
     assert code == 0, err
     text = out + err
-    assert "tp: 3 ranks (set by --set)" in text and "(1 + 1 + 0; 1 rank holds no head" in text
+    assert "tp: 3 ranks (set by --set)" in text and "(1 + 1 + 0; 1 rank holds no attention head" in text
     assert "a rank holds: weights" in text and "cache" in text
-    assert "gathered: 768 floats a row and layer" in text  # 128 heads' outputs + 2 x 128 hidden + 256 + ...
+    assert "gathered: 1536 floats a row over the 2 layers" in text  # each: 4 x 64 + 2 x 128 + 256
     code, out, err = tfq(["plan", "--model", str(tiny_dirs["qwen2"]), "--set", "tp=0"], monkeypatch, capsys)
     assert code == 2 and "tp must be a positive integer" in err and len(err.strip().splitlines()) == 1
 

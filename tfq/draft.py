@@ -83,7 +83,7 @@ class ModelDrafter:
                 st = streams[i]
                 self.cached[st.index] = self.cached.get(st.index, 0) + len(feeds[i])
                 if self.cache.state is not None and not guesses[i]:  # caught up with the true tokens
-                    self.cache.state.copy(st.lane, self.lanes + st.lane)
+                    self.model.copy_state(self.cache, st.lane, self.lanes + st.lane)
                     self.checkpoint[st.index] = self.cached[st.index]
                 guesses[i].append(int(logits[-1].argmax()))
                 feeds[i] = guesses[i][-1:]
@@ -92,7 +92,7 @@ class ModelDrafter:
     def settle(self, stream: Stream) -> None:
         held = self.cached.get(stream.index, 0)
         if self.cache.state is not None and held > stream.cached:  # it ran past a rejected guess
-            self.cache.state.copy(self.lanes + stream.lane, stream.lane)
+            self.model.copy_state(self.cache, self.lanes + stream.lane, stream.lane)
             held = self.checkpoint.get(stream.index, 0)
         self.cached[stream.index] = min(held, stream.cached)
 

@@ -118,7 +118,7 @@ class Qwen:
             q = take(a + "q_proj.weight", (q_out * (2 if c.hybrid else 1), c.hidden_size))
             gate = None
             if c.hybrid:  # each head's rows: its queries, then its gate; the gate goes after v (same sums)
-                rows = torch.arange(2 * q_out).reshape(c.num_heads, 2, c.head_dim)
+                rows = torch.arange(q.shape[0]).reshape(-1, 2, c.head_dim)  # a tensor-parallel rank's heads only
                 q, gate = (q.select(r.reshape(-1)) if isinstance(q, Quantized) else q[r.reshape(-1)]
                            for r in rows.unbind(1))
             qkv_w = stack([q, take(a + "k_proj.weight", (kv_out, c.hidden_size)),
@@ -152,7 +152,7 @@ class Qwen:
             layers.update(o=first.o, **({"qkv": first.qkv} if first.qkv is not None else {}))
         if c.deltanet_layers:
             delta = self.layers[c.deltanet_layers[0]]
-            layers.update(in_proj=delta.in_proj, out_proj=delta.out_proj)
+            layers.update(out_proj=delta.out_proj, **({"in_proj": delta.in_proj} if delta.in_proj is not None else {}))
         check_layers(layers, backend)
 
     def make_linear(self, w, b=None) -> LinearFn:
@@ -172,7 +172,7 @@ class Qwen:
         conv = take.conv(a + "conv1d.weight", n.channels, n.conv_kernel)
         mixer = DeltaWeights(conv=conv[:, 0].T.contiguous(), a_log=take(a + "A_log", (n.value_heads,)),
                              dt_bias=take(a + "dt_bias", (n.value_heads,)), norm=take(a + "norm.weight", (n.value_dim,)))
-        return DeltaLayer(in_proj=Linear(in_proj), mixer=mixer, out_proj=Linear(take(a + "out_proj.weight", (h, v))),
+        return DeltaLayer(in_proj=Linear(in_proj) if in_proj.shape[0] else None, mixer=mixer, out_proj=Linear(take(a + "out_proj.weight", (h, v))),
                           **mlp)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,7 +247,7 @@ class Qwen:
         return self.mlp(layer, x, tap)
 
     def joined(self, site: str, t: torch.Tensor) -> torch.Tensor:
-        """What a layer needs whole at `site` (heads, o, mlp, down, head): one process has it all; a tensor-
+        """What a layer needs whole at `site` (heads, values, o, mlp, down, head): one process has it all; a tensor-
         parallel rank gathers it (tfq/parallel/model.py)."""
         return t
 
@@ -272,6 +272,8 @@ class Qwen:
         c, n = self.config, self.config.deltanet
         rows, v = x.shape[0], n.value_heads * n.value_dim
         h = tap("input norm", self.backend.rms_norm(x, layer.input_norm, c.rms_eps))
+        if layer.in_proj is None:  # a tensor-parallel rank holding no DeltaNet head: its share of the rest only
+            return self.mlp(layer, x + self.joined("o", tap("out_proj", layer.out_proj(self.joined("values", x[:, :0])))), tap)
         proj = tap("in_proj", layer.in_proj(h))  # qkv | z | b | a
         mixed, z = proj[:, :n.channels], proj[:, n.channels:n.channels + v]
         b, a = proj[:, n.channels + v:n.channels + v + n.value_heads], proj[:, n.channels + v + n.value_heads:]
@@ -288,7 +290,7 @@ class Qwen:
             tap("recurrent state", state.fingerprint(index, segments, rows))
         o = tap("gated norm", gated_rms_norm(o.reshape(rows * n.value_heads, n.value_dim), layer.mixer.norm,
                                              z.reshape(rows * n.value_heads, n.value_dim), c.rms_eps).reshape(rows, v))
-        x = tap("attention residual", x + tap("out_proj", layer.out_proj(o)))
+        x = tap("attention residual", x + self.joined("o", tap("out_proj", layer.out_proj(self.joined("values", o)))))
         return self.mlp(layer, x, tap)
 
     def roll_back(self, cache, slot: int, rows: int) -> None:
@@ -297,11 +299,17 @@ class Qwen:
         same recurrence (the same bits: a row's arithmetic does not depend on the forward it is in)."""
         state = cache.state
         state.restore(slot)
+        if self.config.deltanet.key_heads == 0:  # a tensor-parallel rank without DeltaNet heads keeps no state
+            return
         segment = torch.tensor([[0, rows, slot, 0, 0]])
         for i in self.config.deltanet_layers:
             index = self.cache_index[i]
             x, a, b = (t[slot, :rows] for t in state.inputs[index])
             deltanet_rows(x, a, b, self.layers[i].mixer, state.conv[index], state.rec[index], segment, self.sizes)
+
+    def copy_state(self, cache, source: int, target: int) -> None:
+        """Slot `source`'s DeltaNet states into slot `target` (a hybrid drafter's checkpoint)."""
+        cache.state.copy(source, target)
 
     @property
     def sizes(self) -> DeltaSizes:

@@ -12,7 +12,7 @@ class Taker:
 
     def __init__(self, weights: dict[str, torch.Tensor], family: str, device: torch.device, offset: bool = False,
                  shard=None):
-        self.weights = {_text_name(k): w for k, w in weights.items()}
+        self.weights = {text_name(k): w for k, w in weights.items()}
         self.family = family
         self.device = device
         self.offset = offset  # norms stored as weight - 1 (Qwen3.5)
@@ -58,7 +58,7 @@ class Taker:
         return self.kept(name, t.float()).contiguous().to(self.device)
 
 
-def _text_name(name: str) -> str:
+def text_name(name: str) -> str:
     """A Qwen3.5 image-and-text checkpoint keeps the text model under model.language_model (transformers) or
     language_model.model and language_model.lm_head (MLX): the names tfq reads."""
     for prefix, to in (("model.language_model.", "model."), ("language_model.model.", "model."),

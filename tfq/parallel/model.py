@@ -19,9 +19,9 @@ import weakref
 
 import torch
 
-from tfq.errors import TfqError
 from tfq.kernels.quant import Quantized
 from tfq.model.qwen import Qwen
+from tfq.model.taker import text_name
 from tfq.parallel.shard import Shard, sizes
 from tfq.proofs.startup_kernels import check_columns
 
@@ -30,24 +30,23 @@ _serials = itertools.count(1)
 
 class ShardedQwen(Qwen):
     def __init__(self, config, weights: dict, backend, shard: Shard, group):
-        if config.hybrid:
-            raise TfqError(f"tp: {shard.world} splits attention models (qwen2, qwen3); a {config.family} hybrid's "
-                           f"DeltaNet layers have no split yet: set tp: 1")
         self.shard, self.group = shard, group
         self.what = None  # the ModelSpec the ranks loaded it by (tfq/parallel/ranks.py)
         self.local = False  # True while the start-up guard proves this rank's ops alone (no collectives)
         self.dropped: list[int] = []  # caches rank 0 no longer holds, for the other ranks to drop
         c = config
         d = c.head_dim
-        self.widths = {"heads": [w * d * c.group for w in sizes(c.num_kv_heads, shard.world)],
+        n = c.deltanet
+        values = [w * n.value_dim * (n.value_heads // n.key_heads) for w in sizes(n.key_heads, shard.world)] if n else []
+        self.widths = {"heads": [w * d * c.group for w in sizes(c.num_kv_heads, shard.world)], "values": values,
                        "o": sizes(c.hidden_size, shard.world), "mlp": sizes(c.intermediate_size, shard.world),
                        "down": sizes(c.hidden_size, shard.world), "head": sizes(c.vocab_size, shard.world)}
         super().__init__(config, weights, backend, shard=shard)
         check_columns(_first_layer(weights, config), self.make_linear, backend)
 
     def joined(self, site: str, t: torch.Tensor) -> torch.Tensor:
-        reduce = self.shard.reduce and site in ("heads", "mlp", "o", "down")
-        if reduce and site in ("heads", "mlp"):
+        reduce = self.shard.reduce and site in ("heads", "values", "mlp", "o", "down")
+        if reduce and site in ("heads", "values", "mlp"):
             return t  # the control's o and down take the rank's own inputs
         if self.local:  # the guard: this rank's columns in place, the others' zeros (no collective)
             if reduce:
@@ -70,27 +69,48 @@ class ShardedQwen(Qwen):
     def runs_in_one_call(self, layer) -> bool:
         return False  # the gathers sit inside the layer
 
+    def roll_back(self, cache, slot: int, rows: int) -> None:
+        if self.shard.rank == 0:
+            self.group.send(("roll_back", self.what, self._serial(cache), (slot, rows)))
+        super().roll_back(cache, slot, rows)
+
+    def copy_state(self, cache, source: int, target: int) -> None:
+        if self.shard.rank == 0:
+            self.group.send(("copy_state", self.what, self._serial(cache), (source, target)))
+        super().copy_state(cache, source, target)
+
+    def _serial(self, cache) -> int:
+        """The number the other ranks know rank 0's `cache` by (given on first use; dropped when it is)."""
+        if not hasattr(cache, "serial"):
+            cache.serial = next(_serials)
+            weakref.finalize(cache, self.dropped.append, cache.serial)
+        return cache.serial
+
     @torch.inference_mode()
     def forward(self, ids, positions, cache, cache_rows, batch, logit_rows, segments=None, chunked=False):
         if self.shard.rank == 0 and not self.local:
-            if not hasattr(cache, "serial"):
-                cache.serial = next(_serials)
-                weakref.finalize(cache, self.dropped.append, cache.serial)
+            serial = self._serial(cache)
             dropped = list(self.dropped)
             self.dropped.clear()
-            self.group.send(("forward", self.what, cache.serial, cache.spec, dropped,
+            self.group.send(("forward", self.what, serial, cache.spec, dropped,
                              (ids, positions, cache_rows, batch, logit_rows, segments, chunked)))
         return super().forward(ids, positions, cache, cache_rows, batch, logit_rows, segments, chunked)
 
 
 def _first_layer(weights: dict, config) -> dict:
-    """The first layer's matrices and the head, whole, as the checkpoint holds them (for check_columns)."""
-    a, m = "model.layers.0.self_attn.", "model.layers.0.mlp."
-    names = {"q_proj": a + "q_proj", "o": a + "o_proj", "gate_proj": m + "gate_proj", "down": m + "down_proj",
+    """The first layer of each kind's matrices, the MLP's and the head, whole, as the checkpoint holds them (for
+    check_columns)."""
+    weights = {text_name(k): w for k, w in weights.items()}
+    names = {"gate_proj": "model.layers.0.mlp.gate_proj", "down": "model.layers.0.mlp.down_proj",
              "head": "model.embed_tokens" if config.tie_embeddings else "lm_head"}
+    if config.attention_layers:
+        a = f"model.layers.{config.attention_layers[0]}.self_attn."
+        names.update(q_proj=a + "q_proj", o=a + "o_proj")
+    if config.deltanet_layers:
+        a = f"model.layers.{config.deltanet_layers[0]}.linear_attn."
+        names.update(in_proj_qkv=a + "in_proj_qkv", out_proj=a + "out_proj")
     out = {}
     for what, name in names.items():
-        w = weights[name + ".weight"]
-        b = weights.get(name + ".bias")
+        w, b = weights[name + ".weight"], weights.get(name + ".bias")
         out[what] = (w if isinstance(w, Quantized) else w.float(), None if b is None else b.float())
     return out

@@ -174,10 +174,14 @@ def _rank_main(rank: int, world: int, port: int, device: str) -> None:
             if loaded is not None:
                 models[message[1]] = loaded.model
             continue
-        _, what, cache, spec, dropped, args = message
-        for serial in dropped:
-            caches.pop(serial, None)
         try:
+            if message[0] != "forward":  # a hybrid's state kept in step with rank 0's: roll_back, copy_state
+                kind, what, cache, args = message
+                getattr(models[what], kind)(caches[cache], *args)
+                continue
+            _, what, cache, spec, dropped, args = message
+            for serial in dropped:
+                caches.pop(serial, None)
             model = models[what]
             if cache not in caches:
                 from tfq.cache import KVCache

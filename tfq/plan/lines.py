@@ -138,18 +138,25 @@ def tp_lines(plan: Plan, config: ModelConfig, lay: Layout) -> list[str]:
     heads = sizes(config.num_kv_heads, n)
     shards = [Shard(config, r, n) for r in range(n)]
     weights = [4 * s.params() for s in shards]
-    cache = [(lay.cache_bytes * k) // config.num_kv_heads for k in heads]
-    per_layer, per_logit = gathered_floats(config)
-    token = 4 * (config.num_layers * per_layer + per_logit)
+    cache = [(lay.cache_bytes - lay.state_bytes) * k // config.num_kv_heads for k in heads]
+    if config.hybrid:  # the states split by DeltaNet key heads
+        keys = config.deltanet.key_heads
+        cache = [c + lay.state_bytes * k // keys for c, k in zip(cache, sizes(keys, n))]
+    per_row, per_logit = gathered_floats(config)
+    token = 4 * (per_row + per_logit)
     idle = heads.count(0)
-    spare = f"; {idle} rank{'s hold' if idle > 1 else ' holds'} no head, only its share of the rest" if idle else ""
+    spare = (f"; {idle} rank{'s hold' if idle > 1 else ' holds'} no attention head, only {'their' if idle > 1 else 'its'}"
+             f" share of the rest" if idle else "")
+    if config.hybrid:
+        spare += f"; DeltaNet by whole key heads ({' + '.join(map(str, sizes(config.deltanet.key_heads, n)))})"
     return [
         f"tp: {n} ranks{t}: rank 0 is this process, tfq starts the others (gloo on the CPU, NCCL on GPUs); every "
         f"matrix split by its outputs and the attention by whole key-value heads ({' + '.join(map(str, heads))}"
         f"{spare}), so no sum is split and the bits are tp: 1's",
         f"a rank holds: weights {' / '.join(human_bytes(w) for w in weights)} (fp32; the embedding and the norms "
         f"whole on every rank), cache {' / '.join(human_bytes(c) for c in cache)}",
-        f"gathered: {per_layer} floats a row and layer (heads, o, SiLU * up, down) and {per_logit} a logits row: "
+        f"gathered: {per_row} floats a row over the {config.num_layers} layers (each: the heads' outputs, o, SiLU * "
+        f"up, down) and {per_logit} a logits row: "
         f"{human_bytes(token)} a decoded token, of which a rank receives all but its own columns",
     ]
 

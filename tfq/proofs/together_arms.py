@@ -99,8 +99,7 @@ ARMS: tuple[Arm, ...] = (
         "blocks, as transformers prefills), decode rows by the recurrence; must differ",
         lambda c: {"kv.pages": 0}, control=True, chunked_deltanet=True, models="hybrid"),
     Arm("all-reduce", True, "control: tensor parallelism split as usual (o and down by their inputs, the ranks' "
-        "partial sums added by an all-reduce); must differ", lambda c: {"kv.pages": 0}, control=True, reduce=True,
-        models="attention"),
+        "partial sums added by an all-reduce); must differ", lambda c: {"kv.pages": 0}, control=True, reduce=True),
 )
 
 
