@@ -134,8 +134,11 @@ def test_a_differing_arm_fails_with_where_it_parts(tiny_models, monkeypatch):
 
 def test_arm_list_names_and_modes():
     assert arm_names() == ["whole", "paged-alone", "paged", "paged-all", "chunked", "preempted", "drafted",
-                           "drafted-model", "prefix", "partial", "paged-partial", "prefix-partial", "deltanet-chunks"]
-    assert [a.name for a in ARMS if a.control] == ["partial", "paged-partial", "prefix-partial", "deltanet-chunks"]
+                           "drafted-model", "prefix", "partial", "paged-partial", "prefix-partial", "deltanet-chunks",
+                           "all-reduce"]
+    assert [a.name for a in ARMS if a.control] == ["partial", "paged-partial", "prefix-partial", "deltanet-chunks",
+                                                   "all-reduce"]
+    assert [a.name for a in ARMS if a.reduce] == ["all-reduce"]
     assert [a.name for a in ARMS if a.models == "attention"] == ["prefix", "prefix-partial"]
     assert [a.name for a in ARMS if a.models == "hybrid"] == ["deltanet-chunks"]
     assert [a.name for a in select_arms(" paged ,whole,paged")] == ["paged", "whole"]

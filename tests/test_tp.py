@@ -1,7 +1,7 @@
 """Tensor parallelism (tfq/parallel): a stream's ids and logits bits on 1, 2 and 3 ranks equal one process's,
 alone, together, paged, chunked, preempted, drafted and from a warm prefix; the usual all-reduce split is RED.
 
-The ranks are real processes on gloo, started by tfq itself (`python -m tfq.parallel.ranks`). The tiny models
+The ranks are real processes on gloo, started by tfq itself (`python -m tfq.parallel.rank_main`). The tiny models
 split unevenly over 3 ranks: 2 key/value heads (1 + 1 + 0: the last rank holds no head), 128 hidden columns
 (43 + 43 + 42), 256 intermediate (86 + 85 + 85) and 512 vocabulary entries (171 + 171 + 170).
 """
@@ -24,8 +24,7 @@ from tfq.model.load import load_model
 from tfq.parallel.shard import Shard, part, sizes
 from tfq.plan import load_plan
 from tfq.proofs.startup_kernels import check_columns
-from tfq.proofs.together import ARMS, EXACT, RED
-from tiny import write_tiny_checkpoint
+from tfq.proofs.together import EXACT, RED
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -175,3 +174,26 @@ def test_chat_at_tp_2_answers_as_one_process(tiny_dirs):
         return r.stdout
 
     assert chat("--set", "tp=2") == chat()
+
+
+def test_serve_at_tp_2_under_load_equals_one_process(tiny_dirs, tiny_models):
+    """`tfq serve`'s engine on a model split over 2 ranks, under test_serve's load (32 calls, streamed and not,
+    n = 2, sampled, preempted): every reply and its digests equal one process's."""
+    import asyncio
+
+    from serve_load import calls, differences, fire
+    from tfq.cli.plan import resolve_plan
+    from tfq.engine import Engine
+    from tfq.serve.background import served_engine, serving
+
+    plan, _, layout = resolve_plan(str(ROOT / "plans" / "tiny.yaml"), str(tiny_dirs["qwen2"]), ["kv.pool=8"], True,
+                                   None)
+    load = calls(seed=0)
+    replies = {}
+    for name, loaded in (("one", tiny_models["qwen2"]),
+                         ("tp2", load_model(str(tiny_dirs["qwen2"]), progress=False, tp=2))):
+        engine = Engine.from_plan(plan, layout, loaded)
+        with serving(served_engine(engine, loaded.tokenizer, "tiny", 64, None)) as base:
+            replies[name] = asyncio.run(fire(base, "tiny", load))
+    assert differences(replies["tp2"], replies["one"], load) == []
+    assert all(r[0]["digests"] for r in replies["tp2"])

@@ -31,7 +31,7 @@ def load_model(spec: str, progress: bool = True, device: str | torch.device = "c
     if tp > 1:
         from tfq.parallel.ranks import ModelSpec, ranks
 
-        return ranks(tp, torch.device(device)).load(ModelSpec(spec, str(device), weights, reduce), progress)
+        return ranks(tp, torch.device(device)).load(ModelSpec(spec, str(device), weights, reduce), load_shard, progress)
     from tfq.model.source import resolve_model
     from tfq.model.tokenizer import Tokenizer
 
@@ -52,6 +52,19 @@ def load_model(spec: str, progress: bool = True, device: str | torch.device = "c
 
     model = ShardedQwen(config, tensors, backend, Shard(config, group.rank, group.world, reduce), group)
     return LoadedModel(folder, config, model, tokenizer, kind)
+
+
+def load_shard(what, group, progress: bool = False):
+    """This rank's shard, or the one line saying why it could not load (every rank must answer)."""
+    try:
+        loaded = load_model(what.spec, progress=progress, device=group.device, weights=what.weights, group=group,
+                            reduce=what.reduce)
+        loaded.model.what = what  # the name rank 0's forwards give it
+        return loaded, ""
+    except TfqError as e:
+        return None, f"rank {group.rank}: {e}" if group.rank else str(e)
+    except Exception as e:  # noqa: BLE001 - a rank's crash must reach rank 0 as a line, not a hang
+        return None, f"rank {group.rank} could not load its shard: {type(e).__name__}: {e}"
 
 
 def weights_kind(choice: str, spec: str, device: str | torch.device = "cpu") -> tuple[str, str]:

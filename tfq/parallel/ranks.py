@@ -1,5 +1,5 @@
 """The ranks of a tensor-parallel run: rank 0 is the process the user started (it schedules, samples, talks to
-the user); tfq starts ranks 1 .. N-1 itself (`python -m tfq.parallel.ranks`), each holding its shard of every model rank 0
+the user); tfq starts ranks 1 .. N-1 itself (`python -m tfq.parallel.rank_main`), each holding its shard of every model rank 0
 loads with `tp: N`, and running every forward rank 0 runs, on its shard, with the same inputs.
 
 Rank 0 sends each rank what to do as one message a time (pickled, broadcast): load a model's shard, run a
@@ -21,9 +21,7 @@ import pickle
 import socket
 import subprocess
 import sys
-import threading
 import time
-import traceback
 from dataclasses import dataclass
 
 import torch
@@ -99,19 +97,20 @@ class Ranks:
 
     def __init__(self, world: int, device: torch.device):
         port = _free_port()
-        # `python -m tfq.parallel.ranks`: a fresh interpreter, whatever script or shell started rank 0
-        self.processes = [subprocess.Popen([sys.executable, "-m", "tfq.parallel.ranks", str(r), str(world), str(port),
-                                            str(device)], stdout=subprocess.DEVNULL) for r in range(1, world)]
-        self.group = Group(0, world, port, _rank_device(device, 0))
+        # `python -m tfq.parallel.rank_main`: a fresh interpreter, whatever script or shell started rank 0
+        self.processes = [subprocess.Popen([sys.executable, "-m", "tfq.parallel.rank_main", str(r), str(world),
+                                            str(port), str(device)], stdout=subprocess.DEVNULL) for r in range(1, world)]
+        self.group = Group(0, world, port, rank_device(device, 0))
         self.loaded: dict[ModelSpec, object] = {}
         self.stopped = False
         atexit.register(self.stop)
 
-    def load(self, what: ModelSpec, progress: bool = True):
-        """Every rank's shard of a model (rank 0's returned: a LoadedModel whose model is a ShardedQwen)."""
+    def load(self, what: ModelSpec, load_shard, progress: bool = True):
+        """Every rank's shard of a model (rank 0's returned: a LoadedModel whose model is a ShardedQwen).
+        load_shard(what, group, progress) -> (LoadedModel or None, the one-line problem or ""): tfq.model.load's."""
         if what not in self.loaded:
             self.group.send(("load", what))
-            loaded, problem = _load_shard(what, self.group, progress)
+            loaded, problem = load_shard(what, self.group, progress)
             problems = [p for p in self.group.agree(problem) if p]
             if problems:
                 raise TfqError(problems[0])
@@ -142,65 +141,14 @@ def ranks(world: int, device: torch.device) -> Ranks:
     return _RANKS[key]
 
 
-def _load_shard(what: ModelSpec, group: Group, progress: bool = False):
-    """This rank's shard, or the one line saying why it could not load (every rank must answer)."""
-    from tfq.model.load import load_model
-
-    try:
-        loaded = load_model(what.spec, progress=progress, device=group.device, weights=what.weights, group=group,
-                            reduce=what.reduce)
-        loaded.model.what = what  # the name rank 0's forwards give it
-        return loaded, ""
-    except TfqError as e:
-        return None, f"rank {group.rank}: {e}" if group.rank else str(e)
-    except Exception as e:  # noqa: BLE001 - a rank's crash must reach rank 0 as a line, not a hang
-        return None, f"rank {group.rank} could not load its shard: {type(e).__name__}: {e}"
-
-
-def _rank_main(rank: int, world: int, port: int, device: str) -> None:
-    """A spawned rank: load what rank 0 loads, run the forwards it runs, until it says stop (or is orphaned)."""
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # the machine's cores shared by the ranks
-    group = Group(rank, world, port, _rank_device(torch.device(device), rank))
-    models: dict[ModelSpec, object] = {}
-    caches: dict[int, object] = {}
-    while True:
-        message = group.receive()
-        if message[0] == "stop":
-            return
-        if message[0] == "load":
-            loaded, problem = _load_shard(message[1], group)
-            group.agree(problem)
-            if loaded is not None:
-                models[message[1]] = loaded.model
-            continue
-        try:
-            if message[0] != "forward":  # a hybrid's state kept in step with rank 0's: roll_back, copy_state
-                kind, what, cache, args = message
-                getattr(models[what], kind)(caches[cache], *args)
-                continue
-            _, what, cache, spec, dropped, args = message
-            for serial in dropped:
-                caches.pop(serial, None)
-            model = models[what]
-            if cache not in caches:
-                from tfq.cache import KVCache
-
-                caches[cache] = KVCache(model.config, backend=model.backend, **spec)
-            model.forward(*args[:2], caches[cache], *args[2:])
-        except Exception:  # noqa: BLE001 - the group cannot go on without this rank: say why, then stop
-            traceback.print_exc()
-            os._exit(1)
-
-
-def _exit_with_parent(parent: int) -> None:
+def exit_with_parent(parent: int) -> None:
     """A rank whose rank 0 died (killed, no stop sent) would wait in a collective for TIMEOUT: leave now."""
     while os.getppid() == parent:
         time.sleep(1)
     os._exit(1)
 
 
-def _rank_device(device: torch.device, rank: int) -> torch.device:
+def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device.type == "cuda" else torch.device("cpu")
 
 
@@ -209,6 +157,3 @@ def _free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
-
-if __name__ == "__main__":
-    _rank_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

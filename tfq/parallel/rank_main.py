@@ -1,0 +1,53 @@
+"""A rank other than 0 (`python -m tfq.parallel.rank_main RANK WORLD PORT DEVICE`, started by rank 0): load the
+shards rank 0 loads, run the forwards it runs, until it says stop (tfq/parallel/ranks.py says how they talk)."""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import traceback
+
+import torch
+
+from tfq.model.load import load_shard
+from tfq.parallel.ranks import Group, ModelSpec, exit_with_parent, rank_device
+
+
+def rank_main(rank: int, world: int, port: int, device: str) -> None:
+    """A spawned rank: load what rank 0 loads, run the forwards it runs, until it says stop (or is orphaned)."""
+    threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # the machine's cores shared by the ranks
+    group = Group(rank, world, port, rank_device(torch.device(device), rank))
+    models: dict[ModelSpec, object] = {}
+    caches: dict[int, object] = {}
+    while True:
+        message = group.receive()
+        if message[0] == "stop":
+            return
+        if message[0] == "load":
+            loaded, problem = load_shard(message[1], group)
+            group.agree(problem)
+            if loaded is not None:
+                models[message[1]] = loaded.model
+            continue
+        try:
+            if message[0] != "forward":  # a hybrid's state kept in step with rank 0's: roll_back, copy_state
+                kind, what, cache, args = message
+                getattr(models[what], kind)(caches[cache], *args)
+                continue
+            _, what, cache, spec, dropped, args = message
+            for serial in dropped:
+                caches.pop(serial, None)
+            model = models[what]
+            if cache not in caches:
+                from tfq.cache import KVCache
+
+                caches[cache] = KVCache(model.config, backend=model.backend, **spec)
+            model.forward(*args[:2], caches[cache], *args[2:])
+        except Exception:  # noqa: BLE001 - the group cannot go on without this rank: say why, then stop
+            traceback.print_exc()
+            os._exit(1)
+
+
+if __name__ == "__main__":
+    rank_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
