@@ -197,3 +197,17 @@ def test_serve_at_tp_2_under_load_equals_one_process(tiny_dirs, tiny_models):
             replies[name] = asyncio.run(fire(base, "tiny", load))
     assert differences(replies["tp2"], replies["one"], load) == []
     assert all(r[0]["digests"] for r in replies["tp2"])
+
+
+def test_every_rank_proves_its_own_shard(tiny_dirs):
+    """The start-up guard runs on every rank (each its own shard, at its own thread count) whenever rank 0's runs,
+    and a rank's refusal reaches rank 0 as its one line: here a rank asked to prove an arithmetic that does not
+    exist refuses by construction."""
+    loaded = load_model(str(tiny_dirs["qwen2"]), progress=False, tp=3)
+    with loaded.model.on_its_own(("fp32", False, 40, 20, 1)) as refused:
+        pass
+    assert refused == []
+    with loaded.model.on_its_own(("no-such-dtype", False, 40, 20, 1)) as refused:
+        pass
+    assert [line.split(":")[0] for line in refused] == ["rank 1", "rank 2"]
+    assert all("start-up guard could not run" in line and "\n" not in line for line in refused)

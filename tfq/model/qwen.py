@@ -251,10 +251,11 @@ class Qwen:
         parallel rank gathers it (tfq/parallel/model.py)."""
         return t
 
-    def on_its_own(self):
+    def on_its_own(self, proof: tuple = ()):
         """A context in which this process computes without its peers (the start-up guard's proofs): nothing to
-        change in one process; a tensor-parallel rank stands its own columns in for the gathers."""
-        return contextlib.nullcontext()
+        change in one process; a tensor-parallel rank stands its own columns in for the gathers, and rank 0 has
+        the other ranks prove `proof` (prove's arguments) meanwhile. It yields the list their refusals land in."""
+        return contextlib.nullcontext([])
 
     def mlp(self, layer: Layer | DeltaLayer, x: torch.Tensor, tap: Tap) -> torch.Tensor:
         """The second half of every layer: post norm, gate_up, SiLU * up, down, residual."""

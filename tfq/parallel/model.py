@@ -59,12 +59,18 @@ class ShardedQwen(Qwen):
         return self.group.all_reduce(t) if reduce else self.group.gather(t, self.widths[site])
 
     @contextlib.contextmanager
-    def on_its_own(self):
+    def on_its_own(self, proof: tuple = ()):
+        asks = bool(proof) and self.shard.rank == 0
+        if asks:  # every rank proves its own shard at the same time (tfq/parallel/rank_main.py)
+            self.group.send(("prove", self.what, None, proof))
+        refused: list[str] = []
         self.local = True
         try:
-            yield
+            yield refused
         finally:
             self.local = False
+            if asks:
+                refused += [p for p in self.group.agree("") if p]
 
     def runs_in_one_call(self, layer) -> bool:
         return False  # the gathers sit inside the layer

@@ -16,7 +16,8 @@ from tfq.parallel.ranks import Group, ModelSpec, exit_with_parent, rank_device
 def rank_main(rank: int, world: int, port: int, device: str) -> None:
     """A spawned rank: load what rank 0 loads, run the forwards it runs, until it says stop (or is orphaned)."""
     threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True).start()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # the machine's cores shared by the ranks
+    fixed = os.environ.get("TFQ_THREADS", "").strip()  # --threads N on rank 0 fixes every rank's count
+    torch.set_num_threads(int(fixed) if fixed.isdigit() else max(1, (os.cpu_count() or 1) // world))
     group = Group(rank, world, port, rank_device(torch.device(device), rank))
     models: dict[ModelSpec, object] = {}
     caches: dict[int, object] = {}
@@ -29,6 +30,9 @@ def rank_main(rank: int, world: int, port: int, device: str) -> None:
             group.agree(problem)
             if loaded is not None:
                 models[message[1]] = loaded.model
+            continue
+        if message[0] == "prove":  # the start-up guard on this rank's shard, at its own thread count
+            group.agree(_proved(models[message[1]], *message[3]))
             continue
         try:
             if message[0] != "forward":  # a hybrid's state kept in step with rank 0's: roll_back, copy_state
@@ -49,5 +53,20 @@ def rank_main(rank: int, world: int, port: int, device: str) -> None:
             os._exit(1)
 
 
+def _proved(model, kv_dtype: str, partial: bool, rows: int, chunk: int, draws: int) -> str:
+    """"" when this rank's shard is proved row-invariant at its thread count, else the guard's one line."""
+    from tfq.errors import TfqError
+    from tfq.proofs.startup import prove
+
+    try:
+        prove(model, kv_dtype, partial, torch.get_num_threads(), rows, chunk, draws)
+        return ""
+    except TfqError as e:
+        return f"rank {model.shard.rank}: {e}"
+    except Exception as e:  # noqa: BLE001 - a guard that breaks refuses too, and rank 0 must hear it
+        return f"rank {model.shard.rank}: the start-up guard could not run: {type(e).__name__}: {e}"
+
+
 if __name__ == "__main__":
     rank_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+

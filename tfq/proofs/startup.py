@@ -111,8 +111,11 @@ class LayerProof:
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            with self.model.on_its_own():  # a tensor-parallel rank proves its own ops (tfq/parallel/model.py)
+            # a tensor-parallel rank proves its own ops, the other ranks theirs meanwhile (tfq/parallel/model.py)
+            with self.model.on_its_own((self.kv_dtype, self.partial, rows, chunk, draws)) as refused:
                 failure = self._prove(threads, rows, chunk, draws)
+            if refused:
+                raise TfqError(refused[0])
         finally:
             torch.set_num_threads(before)
             self.seconds += time.perf_counter() - t0
