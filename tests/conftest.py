@@ -39,10 +39,11 @@ def shared_default(monkeypatch, default_model):
 
     real = load.load_model
 
-    def load_model(spec: str, progress: bool = True, device="cpu", weights: str = "auto"):
-        if spec == "default" and str(device) == "cpu" and load.weights_kind(weights, spec)[0] == default_model.weights:
+    def load_model(spec: str, progress: bool = True, device="cpu", weights: str = "auto", tp: int = 1, **kw):
+        if spec == "default" and str(device) == "cpu" and load.weights_kind(weights, spec)[0] == default_model.weights \
+                and tp == 1 and not kw:
             return default_model
-        return real(spec, progress=progress, device=device, weights=weights)
+        return real(spec, progress=progress, device=device, weights=weights, tp=tp, **kw)
 
     monkeypatch.setattr(load, "load_model", load_model)
     return default_model
