@@ -211,3 +211,22 @@ def test_every_rank_proves_its_own_shard(tiny_dirs):
         pass
     assert [line.split(":")[0] for line in refused] == ["rank 1", "rank 2"]
     assert all("start-up guard could not run" in line and "\n" not in line for line in refused)
+
+
+def test_a_rank_that_dies_is_one_line_not_a_hang(tiny_dirs):
+    """A rank killed mid-run: rank 0's next forward says so in one line (a TfqError), instead of waiting on a
+    collective for ever or printing a traceback."""
+    from tfq.engine import Engine, EngineSettings
+    from tfq.parallel.ranks import ranks
+    from tfq.stream import Request
+
+    loaded = load_model(str(tiny_dirs["qwen2"]), progress=False, tp=4)  # a group of its own: no other test's
+    engine = Engine(loaded.model, EngineSettings(window=128, lanes=2))
+    assert engine.generate([Request(prompt=(1, 2, 3), max_tokens=2)])[0].finish == "length"
+    group = ranks(4, torch.device("cpu"))
+    group.processes[1].kill()
+    group.processes[1].wait()
+    with pytest.raises(TfqError, match="a tensor-parallel rank stopped") as e:
+        engine.generate([Request(prompt=(1, 2, 3), max_tokens=2)])
+    assert "\n" not in str(e.value)
+    group.stop()

@@ -48,6 +48,7 @@ class Group:
         self.rank, self.world, self.device = rank, world, device
         store = torch.distributed.TCPStore("127.0.0.1", port, world, rank == 0, timeout=TIMEOUT)
         if device.type == "cuda":
+            torch.cuda.set_device(device)  # NCCL's communicator binds to the current device
             self.pg = torch.distributed.ProcessGroupNCCL(store, rank, world)
         else:
             self.pg = torch.distributed.ProcessGroupGloo(store, rank, world, TIMEOUT)
@@ -59,27 +60,27 @@ class Group:
         if t.shape[1] < wide:
             t = torch.nn.functional.pad(t, (0, wide - t.shape[1]))
         parts = [torch.empty_like(t) for _ in widths]
-        self.pg.allgather([parts], [t.contiguous()]).wait()
+        _wait(self.pg.allgather([parts], [t.contiguous()]))
         return torch.cat([p[:, :w] for p, w in zip(parts, widths)], 1)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """The sum over ranks (the control's split sums)."""
         t = t.contiguous()
-        self.pg.allreduce([t]).wait()
+        _wait(self.pg.allreduce([t]))
         return t
 
     def send(self, message) -> None:
         """Rank 0: one message to every other rank."""
         data = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8).to(self.device)
-        self.pg.broadcast(torch.tensor([data.numel()], device=self.device), 0).wait()
-        self.pg.broadcast(data, 0).wait()
+        _wait(self.pg.broadcast(torch.tensor([data.numel()], device=self.device), 0))
+        _wait(self.pg.broadcast(data, 0))
 
     def receive(self):
         """Ranks 1 ..: the next message rank 0 sends."""
         size = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self.pg.broadcast(size, 0).wait()
+        _wait(self.pg.broadcast(size, 0))
         data = torch.empty(int(size), dtype=torch.uint8, device=self.device)
-        self.pg.broadcast(data, 0).wait()
+        _wait(self.pg.broadcast(data, 0))
         return pickle.loads(data.cpu().numpy().tobytes())
 
     def agree(self, problem: str) -> list[str]:
@@ -88,7 +89,7 @@ class Group:
         mine = torch.zeros(4096, dtype=torch.uint8, device=self.device)
         mine[:len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
         parts = [torch.empty_like(mine) for _ in range(self.world)]
-        self.pg.allgather([parts], [mine]).wait()
+        _wait(self.pg.allgather([parts], [mine]))
         return [bytes(p.cpu().tolist()).rstrip(b"\0").decode(errors="replace") for p in parts]
 
 
@@ -139,6 +140,15 @@ def ranks(world: int, device: torch.device) -> Ranks:
     if key not in _RANKS or _RANKS[key].stopped:
         _RANKS[key] = Ranks(world, device)
     return _RANKS[key]
+
+
+def _wait(work) -> None:
+    """A collective's end; a peer that stopped (its own error printed above by it) becomes one line here."""
+    try:
+        work.wait()
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TfqError(f"a tensor-parallel rank stopped ({first}); its own error, if any, is printed above") from None
 
 
 def exit_with_parent(parent: int) -> None:
