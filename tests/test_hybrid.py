@@ -372,3 +372,17 @@ def test_plan_refuses_the_prefix_cache_for_a_hybrid(hybrid_dir, hybrid):
     plan = load_plan(None, {}, ["kv.pages=64", "kv.prefix_cache=on"]).replace(model=str(hybrid_dir))
     with pytest.raises(TfqError, match="kv.prefix_cache: on .*does not work for a hybrid model"):
         plan.layout(hybrid.config)
+
+
+def test_a_hybrid_of_deltanet_layers_only_is_proved_and_exact(tmp_path):
+    """transformers' default layer types give a 2-layer qwen3_5 no attention layer at all: the guard proves the
+    one kind it has, and streams together equal their runs alone."""
+    folder = write_tiny_checkpoint(tmp_path / "deltanet-only", "qwen3_5", layers=2)
+    loaded = load_model(str(folder), progress=False)
+    assert loaded.config.attention_layers == []
+    requests = [Request(prompt=tuple(range(3 + i, 40 + 9 * i)), max_tokens=6) for i in range(3)]
+    settings = EngineSettings(window=256, lanes=3)
+    together = Engine(loaded.model, settings).generate(requests)
+    for request, got in zip(requests, together):
+        alone = Engine(loaded.model, settings).generate([request])[0]
+        assert got.ids == alone.ids and got.digests == alone.digests

@@ -221,11 +221,11 @@ class _Bench:
         pages = sum(pages_for(s.start + s.count, KEY_TILE) for s in paged)
         c = model.config
         # one layer of each kind the model has: a hybrid's first attention layer and first DeltaNet layer
-        self.layers = [(model.layers[i], f"{kind}: " if c.hybrid else "")
-                       for kind, i in (("attention", (c.attention_layers or [None])[0]),
-                                       ("deltanet", (c.deltanet_layers or [None])[0])) if i is not None]
-        config = replace(c, num_layers=len(self.layers), layer_types=("full_attention", "linear_attention")[
-            :len(self.layers)] if c.hybrid else ())
+        firsts = [(kind, layers[0]) for kind, layers in (("full_attention", c.attention_layers),
+                                                         ("linear_attention", c.deltanet_layers)) if layers]
+        self.layers = [(model.layers[i], f"{'attention' if kind == 'full_attention' else 'deltanet'}: "
+                        if c.hybrid else "") for kind, i in firsts]
+        config = replace(c, num_layers=len(firsts), layer_types=tuple(k for k, _ in firsts) if c.hybrid else ())
         streams = list(PROBES) + self.fillers
         self.cache = KVCache(config, lanes=2, window=LANE_WINDOW, page_rows=KEY_TILE, pool_pages=pages,
                              dtype=kv_dtype, page_order_seed=11, backend=model.backend, slots=len(streams),
@@ -244,7 +244,8 @@ class _Bench:
             g = torch.Generator().manual_seed(2024 + i)  # the same in every bench, whatever its pool
             n = st.start + st.count
             k, v = (torch.randn(n, c.num_kv_heads, c.head_dim, generator=g).to(dev) for _ in range(2))
-            self.cache.write(0, self.cache.rows(self.places[st.name], 0, n), k, v)
+            if self.cache.k:  # a hybrid may have no attention layer
+                self.cache.write(0, self.cache.rows(self.places[st.name], 0, n), k, v)
             if state is not None:
                 state.conv[0][i] = torch.randn(state.conv[0][i].shape, generator=g)
                 state.rec[0][i] = 0.1 * torch.randn(state.rec[0][i].shape, generator=g)
