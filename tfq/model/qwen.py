@@ -172,7 +172,8 @@ class Qwen:
         conv = take.conv(a + "conv1d.weight", n.channels, n.conv_kernel)
         mixer = DeltaWeights(conv=conv[:, 0].T.contiguous(), a_log=take(a + "A_log", (n.value_heads,)),
                              dt_bias=take(a + "dt_bias", (n.value_heads,)), norm=take(a + "norm.weight", (n.value_dim,)))
-        return DeltaLayer(in_proj=Linear(in_proj) if in_proj.shape[0] else None, mixer=mixer, out_proj=Linear(take(a + "out_proj.weight", (h, v))),
+        return DeltaLayer(in_proj=Linear(in_proj) if in_proj.shape[0] else None, mixer=mixer,  # None: a rank without
+                          out_proj=Linear(take(a + "out_proj.weight", (h, v))),  # DeltaNet heads (tp)
                           **mlp)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,7 +275,8 @@ class Qwen:
         rows, v = x.shape[0], n.value_heads * n.value_dim
         h = tap("input norm", self.backend.rms_norm(x, layer.input_norm, c.rms_eps))
         if layer.in_proj is None:  # a tensor-parallel rank holding no DeltaNet head: its share of the rest only
-            return self.mlp(layer, x + self.joined("o", tap("out_proj", layer.out_proj(self.joined("values", x[:, :0])))), tap)
+            o = layer.out_proj(self.joined("values", x[:, :0]))
+            return self.mlp(layer, x + self.joined("o", tap("out_proj", o)), tap)
         proj = tap("in_proj", layer.in_proj(h))  # qkv | z | b | a
         mixed, z = proj[:, :n.channels], proj[:, n.channels:n.channels + v]
         b, a = proj[:, n.channels + v:n.channels + v + n.value_heads], proj[:, n.channels + v + n.value_heads:]

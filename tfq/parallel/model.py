@@ -37,7 +37,8 @@ class ShardedQwen(Qwen):
         c = config
         d = c.head_dim
         n = c.deltanet
-        values = [w * n.value_dim * (n.value_heads // n.key_heads) for w in sizes(n.key_heads, shard.world)] if n else []
+        values = [k * n.value_dim * (n.value_heads // n.key_heads) for k in sizes(n.key_heads, shard.world)] \
+            if n else []  # a hybrid's DeltaNet heads' outputs
         self.widths = {"heads": [w * d * c.group for w in sizes(c.num_kv_heads, shard.world)], "values": values,
                        "o": sizes(c.hidden_size, shard.world), "mlp": sizes(c.intermediate_size, shard.world),
                        "down": sizes(c.hidden_size, shard.world), "head": sizes(c.vocab_size, shard.world)}

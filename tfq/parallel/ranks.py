@@ -1,6 +1,7 @@
 """The ranks of a tensor-parallel run: rank 0 is the process the user started (it schedules, samples, talks to
-the user); tfq starts ranks 1 .. N-1 itself (`python -m tfq.parallel.rank_main`), each holding its shard of every model rank 0
-loads with `tp: N`, and running every forward rank 0 runs, on its shard, with the same inputs.
+the user); tfq starts ranks 1 .. N-1 itself (`python -m tfq.parallel.rank_main`), each holding its shard of
+every model rank 0 loads with `tp: N`, and running every forward rank 0 runs, on its shard, with the same
+inputs.
 
 Rank 0 sends each rank what to do as one message a time (pickled, broadcast): load a model's shard, run a
 forward of a given cache, stop. A forward's inputs are the step's tensors (tfq/batch.py); the page pool and the
