@@ -8,6 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as hst
 
 from tfq.engine import Engine, EngineSettings
 from tfq.sampling import choice_seed, log_softmax, logprob
@@ -116,3 +118,89 @@ def test_streamed_pieces_join_to_the_reply_with_a_stop_string(tiny_models):
                               on_token=lambda _, __, piece: pieces.append(piece))[0]
     assert stopped.finish == "stop" and stopped.text == free.text[:free.text.index(stop)]
     assert "".join(pieces) == stopped.text
+
+
+def test_prompt_scores_from_a_warm_prefix_equal_cold(model):
+    """A stream that scores its prompt computes every prompt row, even where the prefix cache holds its pages (a
+    mapped page brings keys and values, not the logits that score the next token); its choices (n = 2) too. A
+    stream that only draws maps them: the cache was warm, so a scoring stream that mapped would show None."""
+    g = torch.Generator().manual_seed(5)
+    prompt = tuple(torch.randint(0, 500, (200,), generator=g).tolist())  # three full 64-row pages
+    scored = Request(prompt, max_tokens=6, prompt_logprobs=2, logprobs=1)
+    cold_run = Engine(model, EngineSettings(window=512, lanes=1)).generate([scored])[0]
+    engine = Engine(model, EngineSettings(window=512, lanes=2, page_rows=64, paged_all=True, pool_pages=16,
+                                          prefix_cache=True))
+    warm = Request(prompt, max_tokens=6)
+    first = engine.generate([warm])[0]
+    drawing, *scoring = engine.generate([warm, scored, scored])
+    assert first.reused == 0 and drawing.reused == 3 * 64
+    assert all(r.reused == 0 for r in scoring)
+    assert scores(scoring) == scores([cold_run, cold_run])
+    assert all(all(s is not None for s in r.prompt_logprobs[1:]) for r in scoring)
+
+
+def forwards_logits_rows(engine: Engine) -> list[int]:
+    """Record the logits rows of every forward the engine runs."""
+    seen: list[int] = []
+    run = engine.runner.run
+
+    def counting(feeds):
+        seen.append(sum(f.logits for f in feeds))
+        return run(feeds)
+
+    engine.runner.run = counting
+    return seen
+
+
+def test_scored_prompts_take_their_logits_rows_in_chunks_within_the_bound(model):
+    """Two streams scoring 150-token prompts beside a decoding one, under logits_rows 24: no forward holds more
+    than 24 logits rows, and every score and digest is the run alone's. The control, unbounded, holds more."""
+    g = torch.Generator().manual_seed(8)
+    requests = [Request(tuple(torch.randint(0, 500, (n,), generator=g).tolist()), max_tokens=12, prompt_logprobs=1,
+                        logprobs=0) for n in (150, 150)] + [Request((1, 2, 3), max_tokens=40, logprobs=0)]
+    alone = [Engine(model, EngineSettings(window=512, lanes=1)).generate([r])[0] for r in requests]
+    for bound, within in ((24, True), (0, False)):
+        engine = Engine(model, EngineSettings(window=512, lanes=3, prefill_chunk=128, logits_rows=bound or 10_000))
+        seen = forwards_logits_rows(engine)
+        together = engine.generate(requests)
+        assert (max(seen) <= 24) is within, (bound, max(seen))
+        assert [r.digests for r in together] == [r.digests for r in alone]
+        assert scores(together[:2]) == scores(alone[:2])
+
+
+def test_logits_rows_below_every_lane_drawing_is_refused(model):
+    from tfq.errors import TfqError
+
+    with pytest.raises(TfqError, match=r"logits_rows 3 is fewer than the rows every lane draws from at once \(4 lanes"):
+        Engine(model, EngineSettings(window=512, lanes=4, logits_rows=3))
+
+
+def test_the_stop_that_begins_first_in_the_text_wins(tiny_models):
+    """With several stop strings the reply ends before the earliest in its text, whatever the list's order."""
+    loaded = tiny_models["qwen2"]
+    tok = loaded.tokenizer
+    engine = Engine(loaded.model, EngineSettings(window=512, lanes=1), tok)
+    prompt = tuple(tok.encode("def fibonacci(n):"))
+    free = engine.generate([Request(prompt, max_tokens=24)])[0]
+    early, late = free.text[2:5], free.text[9:13]
+    assert early not in free.text[:2] and late not in free.text[:9]
+    stopped = engine.generate([Request(prompt, max_tokens=24, stop=(late, early))])[0]
+    assert stopped.finish == "stop" and stopped.text == free.text[:2]
+
+
+@given(text=hst.text("ab", max_size=14), stops=hst.lists(hst.text("ab", min_size=1, max_size=9), min_size=1,
+                                                          max_size=4))
+def test_held_back_is_the_longest_end_that_begins_a_stop(text, stops):
+    want = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+    assert held_back(text, tuple(stops)) == want
+
+
+def test_a_tiny_temperature_draws_the_most_likely_token_not_nan():
+    """logits / 1e-40 overflows fp32; scaled from the row's max instead, the draw is the argmax (before: the
+    probabilities were NaN and the draw the last id)."""
+    from tfq.sampling import sample
+
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(1))
+    logits[7] = 12.0
+    assert [sample(logits, t, 1.0, s, 3) for t in (1e-40, 1e-38, 1e-30) for s in (0, 1)] == [7] * 6
+    assert not torch.isfinite(logits / 1e-40).all()  # the case is the overflow, by construction

@@ -137,13 +137,15 @@ def test_cache_bytes_are_the_allocated_rows(kv, lanes, contiguous, paged, pool, 
     assert lay.rows_total == rows
     assert lay.cache_bytes == rows * TINY_ROW
     assert lay.weights_bytes == tiny.param_count() * 4
-    assert lay.total_bytes == lay.weights_bytes + lay.cache_bytes
+    assert lay.total_bytes == lay.weights_bytes + lay.cache_bytes + lay.logits_bytes
+    assert lay.logits_bytes == lay.logits_rows * tiny.vocab_size * 4
 
 
 def test_auto_pool_takes_what_the_budget_leaves(tiny):
     weights = tiny.param_count() * 4
     page = 256 * TINY_ROW
-    budget = weights + 4096 * TINY_ROW + 40 * page + page // 2  # room for 40 pages and a half
+    logits = 512 * tiny.vocab_size * 4  # logits_rows: auto, a 512-row prompt chunk
+    budget = weights + logits + 4096 * TINY_ROW + 40 * page + page // 2  # room for 40 pages and a half
     lay = Plan(lanes=8, kv=KVPlan(pages=256), budget=budget).layout(tiny)
     assert lay.pool_pages == 40 and lay.fits and lay.pool_full == 112
     lines = plan_lines(Plan(lanes=8, kv=KVPlan(pages=256), budget=budget), tiny, lay)
@@ -286,6 +288,9 @@ BAD_OVERRIDES = [
     ({}, ["lanes=3.5"], "--set lanes=3.5: lanes must be a positive integer"),
     ({"TFQ_DEVICE": "tpu"}, [], "TFQ_DEVICE=tpu: device must be auto, cpu, cuda or cuda:N"),
     ({}, ["device=cuda:99"], "device cuda:99 (set by --set): this machine sees"),
+    ({"TFQ_LOGITS_ROWS": "none"}, [], "TFQ_LOGITS_ROWS=none: logits_rows must be auto or a positive number of rows"),
+    ({}, ["logits_rows=7", "draft=ngram:3"], "logits_rows 7 (set by --set) is fewer than the rows every lane draws "
+                                             "from at once (8 lanes x 4); set logits_rows to 32 or more, or auto"),
 ]
 
 
@@ -357,3 +362,16 @@ def test_random_documents_and_overrides_never_trace_back(doc, env, sets, tiny, t
        env=_envs)
 def test_random_yaml_text_never_traces_back(text, env, tiny, tmp_path):
     _only_tfq_errors(text, env, [], tiny, tmp_path)
+
+
+@pytest.mark.parametrize("sets,rows", [([], 512), (["prefill_chunk=16"], 16), (["prefill_chunk=16", "draft=ngram:3"], 32),
+                                       (["logits_rows=100"], 100)])
+def test_logits_rows_are_counted_in_the_total(sets, rows, tiny):
+    plan = Plan(window=4096, lanes=8, budget="1GiB")
+    for s in sets:
+        plan = plan.set(*s.split("="))
+    lay = plan.layout(tiny)
+    assert lay.logits_rows == rows and lay.logits_bytes == rows * tiny.vocab_size * 4
+    line = next(ln for ln in plan_lines(plan, tiny, lay) if ln.startswith("logits:"))
+    assert line.startswith(f"logits: at most {rows} rows a forward, ")
+    assert ("(set by --set)" in line) is ("logits_rows=100" in sets)

@@ -9,6 +9,7 @@ The batch's shape never chooses the arithmetic: only the plan does (or the check
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -19,14 +20,24 @@ from tfq.cache import KVCache
 from tfq.errors import TfqError
 from tfq.model.qwen import Qwen
 from tfq.prefix import PrefixCache, root_key
-from tfq.plan.layout import PREFIX_ON_HYBRID, lane_split
+from tfq.plan.layout import PREFIX_ON_HYBRID, auto_logits_rows, lane_split
 from tfq.proofs.startup import prove
 from tfq.runner import AttentionPolicy, Runner, plan_arithmetic
 from tfq.sampling import TokenLogprob, digest, logprob, sample
 from tfq.scheduler import Scheduler
 from tfq.stream import Request, Result, Status, Stream
 
+log = logging.getLogger(__name__)
+
 OnToken = Callable[[int, int, str], None]  # (request index, token id, newly completed text)
+
+
+class ForwardFault(RuntimeError):
+    """A step's forward raised: the streams in it (`ids`) have failed and given back their lanes and pages."""
+
+    def __init__(self, message: str, ids: list[int]):
+        super().__init__(message)
+        self.ids = ids
 
 
 @dataclass(frozen=True)
@@ -54,6 +65,7 @@ class EngineSettings:
     pool_pages: int = 0
     partial: bool = False
     prefix_cache: bool = False  # full pages found again by their tokens (tfq/prefix.py)
+    logits_rows: int = 0  # logits rows one forward may hold; 0: auto (tfq.plan.layout.auto_logits_rows)
 
     @property
     def contiguous_lanes(self) -> int:
@@ -64,7 +76,8 @@ class EngineSettings:
         """The plan's arithmetic and the layout's rows and pages (computed once, in tfq.plan.layout)."""
         return cls(window=layout.window, lanes=layout.lanes, prefill_chunk=plan.prefill_chunk, kv_dtype=plan.kv.dtype,
                    page_rows=layout.page_rows, paged_all=plan.kv.paged == "all", pool_pages=layout.pool_pages,
-                   partial=plan.attention == "partial", prefix_cache=plan.kv.prefix_cache == "on")
+                   partial=plan.attention == "partial", prefix_cache=plan.kv.prefix_cache == "on",
+                   logits_rows=layout.logits_rows)
 
 
 class Engine:
@@ -88,7 +101,12 @@ class Engine:
                              backend=model.backend, prefix=prefix, slots=s.lanes,
                              verify_rows=self.drawing_rows if drafter is not None else 0)
         self.pages = self.cache.pages
-        self.scheduler = Scheduler(s.lanes, s.contiguous_lanes, s.prefill_chunk, s.window, self.pages, drafter)
+        least = s.lanes * self.drawing_rows
+        if s.logits_rows and s.logits_rows < least:
+            raise TfqError(f"logits_rows {s.logits_rows} is fewer than the rows every lane draws from at once "
+                           f"({s.lanes} lanes x {self.drawing_rows}); set logits_rows to {least} or more")
+        self.scheduler = Scheduler(s.lanes, s.contiguous_lanes, s.prefill_chunk, s.window, self.pages, drafter,
+                                   s.logits_rows or auto_logits_rows(s.lanes, s.prefill_chunk, self.drawing_rows))
         self.runner = Runner(model, self.cache, attention or plan_arithmetic(s.partial), chunked_deltanet)
         self.streams: dict[int, Stream] = {}
         self._next_id = 0
@@ -150,13 +168,31 @@ class Engine:
         if step.feeds:
             if self.threads is not None:
                 self.threads.step(self._proved)
-            for st, feed, rows in zip(step.streams, step.feeds, self.runner.run(step.feeds)):
-                outputs += self._apply(st, feed, rows)
-                self.pages.publish(st.placement, st.tokens, st.cached)  # its full pages, for later streams
+            for st, feed, rows in zip(step.streams, step.feeds, self._forward(step)):
+                try:
+                    outputs += self._apply(st, feed, rows)
+                    self.pages.publish(st.placement, st.tokens, st.cached)  # its full pages, for later streams
+                except Exception as e:  # this stream's own work (draw, detokenize, stops): it alone fails
+                    log.exception("stream %d failed applying its logits", st.index)
+                    st.fail(f"the stream failed while drawing its token: {type(e).__name__}: {e}")
+                    outputs.append(Output(st.index, -1, "", True))
         for st in self.scheduler.running():
             if st.finish is not None:
                 self.scheduler.finish(st)
         return outputs
+
+    def _forward(self, step) -> list[torch.Tensor]:
+        """The step's forward; when it raises, the streams in it fail (their lanes and pages go back, the rest
+        wait on) and ForwardFault says which."""
+        try:
+            return self.runner.run(step.feeds)
+        except Exception as e:
+            message = f"the forward failed: {type(e).__name__}: {e}"
+            log.exception("the forward of %d streams failed", len(step.streams))
+            for st in step.streams:
+                st.fail(message)
+                self.scheduler.finish(st)
+            raise ForwardFault(message, [st.index for st in step.streams]) from e
 
     def abort(self, id: int) -> None:
         """End a stream now, wherever it is; its lane and pages go back at once."""
@@ -191,7 +227,10 @@ class Engine:
             if self.threads is not None:
                 self.threads.restore()
         total = time.perf_counter() - start
-        return [self.streams[id_].result(self.keep_logits, total) for id_ in ids]
+        results = [self.streams[id_].result(self.keep_logits, total) for id_ in ids]
+        for id_ in ids:  # a caller looping over generate keeps nothing of finished streams
+            self.forget(id_)
+        return results
 
     # -- applying a forward ---------------------------------------------------------------------------------
     def _apply(self, st: Stream, feed, rows: torch.Tensor) -> list[Output]:
@@ -222,6 +261,8 @@ class Engine:
 
     def _draw(self, st: Stream, logits: torch.Tensor) -> Output:
         req = st.request
+        if not bool(torch.isfinite(logits).all()):
+            raise FloatingPointError(f"the logits row at position {len(st.tokens)} is not finite")
         st.digests.append(digest(logits))
         if self.keep_logits:
             st.logits.append(logits.clone())

@@ -28,7 +28,10 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, seed: int, po
     """logits: [vocab] fp32. position: where the drawn token will sit in the stream."""
     if temperature <= 0:  # numpy's argmax (the first of equal maxima) is 25x faster here than torch's
         return int(logits.numpy().argmax())
-    probs = torch.softmax(logits / temperature, -1)
+    scaled = logits / temperature
+    if not bool(torch.isfinite(scaled).all()):  # T so small that logits / T overflows: scale from the max,
+        scaled = (logits - logits.max()) / temperature  # which stays 0 (the rest -inf), not inf - inf = NaN
+    probs = torch.softmax(scaled, -1)
     order = torch.argsort(probs, descending=True, stable=True)
     sorted_probs = probs[order]
     cum = torch.cumsum(sorted_probs, 0)

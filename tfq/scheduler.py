@@ -9,12 +9,15 @@ cache when readmitted (its reply is unchanged: every row is computed the same wa
 """
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
 from tfq.batch import Feed
 from tfq.pages import PagePool
 from tfq.stream import Status, Stream
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -28,13 +31,16 @@ class Step:
 
 class Scheduler:
     def __init__(self, lanes: int, contiguous_lanes: int, prefill_chunk: int, window: int, pages: PagePool,
-                 drafter=None):
+                 drafter=None, logits_rows: int = 0):
         self.lanes: list[Stream | None] = [None] * lanes
         self.contiguous_lanes = contiguous_lanes  # lanes below this index are contiguous, the rest take pages
         self.prefill_chunk = prefill_chunk
         self.window = window
         self.pages = pages
         self.drafter = drafter  # tfq.draft.Drafter or None
+        # logits rows one forward may hold (0: no bound); streams scoring their prompts share what drawing leaves
+        self.logits_rows = logits_rows
+        self._chunks: dict[int, int] = {}  # this step's prompt rows for each stream scoring its prompt
         self.waiting: deque[Stream] = deque()
         self.admitted = 0
         self.preemptions = 0  # streams sent back to the queue, in all (the server's metrics)
@@ -54,9 +60,10 @@ class Scheduler:
         self._admit()
         running = self.running()
         self._propose(running)
+        self._chunks = self._share_logits(running)
         step = Step()
-        for st in self._reserve(running, step):
-            n = min(st.pending, self.prefill_chunk)
+        for st in self._reserve([st for st in running if self._chunk(st)], step):
+            n = self._chunk(st)
             done = st.cached + n == len(st.tokens)
             logits = (1 + len(st.drafts)) if done else 0
             if st.request.prompt_logprobs is not None and st.cached < len(st.request.prompt):
@@ -72,17 +79,22 @@ class Scheduler:
                 st = self._next(paged=i >= self.contiguous_lanes)
                 if st is None:
                     continue
-                st.lane, st.order, st.status = i, self.admitted, Status.RUNNING
-                self.admitted += 1
+                st.lane, st.status = i, Status.RUNNING
+                if st.order is None:
+                    st.order = self.admitted
+                    self.admitted += 1
                 st.placement = self.pages.lane(i) if i < self.contiguous_lanes else self.pages.paged(i)
-                st.cached = self.pages.adopt(st.placement, st.tokens)  # cached pages of its prefix, if any
+                if not st.wants_prompt_scores:  # cached pages of its prefix, if any
+                    st.cached = self.pages.adopt(st.placement, st.tokens)
                 st.reused += st.cached
                 self.lanes[i] = st
+                log.debug("stream %d admitted to lane %d (%s): %d tokens, %d rows from the prefix cache", st.index, i,
+                          "paged" if st.placement.paged else "contiguous", len(st.tokens), st.cached)
 
     def _next(self, paged: bool) -> Stream | None:
         """The oldest waiting stream, passing over those a running stream is about to compute the pages for."""
         for st in self.waiting:
-            if not (paged and self._sibling_prefilling(st)):
+            if not (paged and not st.wants_prompt_scores and self._sibling_prefilling(st)):
                 self.waiting.remove(st)
                 return st
         return None
@@ -115,8 +127,26 @@ class Scheduler:
             st.drafts = list(guess)
             st.proposed += len(st.drafts)
 
+    def _share_logits(self, running: list[Stream]) -> dict[int, int]:
+        """Prompt rows for each stream scoring its prompt, oldest first, within the forward's logits rows once
+        every other stream's drawing rows are counted (0: it sits this step out). The plan keeps logits_rows at
+        least lanes x drawing rows, so the oldest always gets a row. Chunking changes no bits (the rule)."""
+        scoring = sorted((st for st in running if st.scoring), key=lambda s: s.order)
+        if not self.logits_rows:
+            return {st.index: min(st.pending, self.prefill_chunk) for st in scoring}
+        left = self.logits_rows - sum(1 + len(st.drafts) for st in running if not st.scoring)
+        chunks = {}
+        for st in scoring:
+            chunks[st.index] = max(0, min(st.pending, self.prefill_chunk, left - len(st.drafts)))
+            left -= chunks[st.index]
+        return chunks
+
+    def _chunk(self, st: Stream) -> int:
+        """Rows of its own tokens a stream feeds this step (its guesses come after them)."""
+        return self._chunks.get(st.index, min(st.pending, self.prefill_chunk))
+
     def _rows(self, st: Stream) -> int:
-        return min(st.pending, self.prefill_chunk) + len(st.drafts)
+        return self._chunk(st) + len(st.drafts)
 
     def _reserve(self, running: list[Stream], step: Step) -> list[Stream]:
         """Room for each stream's rows, oldest first; when the pool is dry, preempt the newest."""
@@ -148,6 +178,7 @@ class Scheduler:
     # -- leaving ------------------------------------------------------------------------------------------
     def preempt(self, st: Stream) -> None:
         """Free a stream's lane and pages and requeue it first; it recomputes its cache when readmitted."""
+        log.info("stream %d preempted for lack of pages, %d cached rows to recompute", st.index, st.cached)
         self._vacate(st)
         st.preempted += 1
         self.preemptions += 1
@@ -161,6 +192,9 @@ class Scheduler:
             self.waiting.remove(st)
         self._vacate(st)
         st.status = Status.FINISHED
+        level = logging.WARNING if st.finish == "error" else logging.INFO
+        log.log(level, "stream %d finished (%s): %d tokens drawn, preempted %d times%s", st.index, st.finish,
+                len(st.digests), st.preempted, f": {st.error}" if st.error else "")
 
     def _vacate(self, st: Stream) -> None:
         if self.drafter is not None:

@@ -79,8 +79,29 @@ class Result:
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:
-    """Characters at the end of `text` that begin some stop string (and so may not be shown yet)."""
-    return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+    """Characters at the end of `text` that begin some stop string (and so may not be shown yet). Only the
+    places where a stop's first character stands are tried, longest first: linear in the stop's length for
+    ordinary text, and bounded by its square (the server caps a stop's length) for text made to match."""
+    most = 0
+    for s in stops:
+        tail = text[max(0, len(text) - len(s) + 1):] if len(s) > 1 else ""
+        i = tail.find(s[0]) if tail else -1
+        while i >= 0 and len(tail) - i > most:
+            if s.startswith(tail[i:]):
+                most = len(tail) - i
+                break
+            i = tail.find(s[0], i + 1)
+    return most
+
+
+def first_stop(text: str, stops: tuple[str, ...], start: int = 0) -> tuple[int, str] | None:
+    """The stop string that begins earliest in `text` at or after `start` (on a tie, the first listed), and
+    where it begins; None when none does."""
+    found = [(i, k) for k, s in enumerate(stops) if (i := text.find(s, start)) >= 0]
+    if not found:
+        return None
+    i, k = min(found)
+    return i, stops[k]
 
 
 @dataclass
@@ -89,7 +110,8 @@ class Stream:
     request: Request
     tokens: list[int]  # prompt, then every token drawn so far
     status: Status = Status.WAITING
-    order: int = 0  # admission order: the newest is preempted first
+    order: int | None = None  # first admission's order: the newest is preempted first (kept when readmitted,
+    # so a preempted stream is not the first victim again)
     lane: int | None = None
     placement: Placement | None = None
     cached: int = 0  # positions whose keys and values are in the cache
@@ -117,6 +139,17 @@ class Stream:
         return self.tokens[len(self.request.prompt):]
 
     @property
+    def scoring(self) -> bool:
+        """Whether it still feeds prompt rows whose logits score the prompt (every such row is a logits row)."""
+        return self.request.prompt_logprobs is not None and self.cached < len(self.request.prompt)
+
+    @property
+    def wants_prompt_scores(self) -> bool:
+        """Whether some prompt token still lacks its score: such a stream computes every prompt row, since a
+        row mapped from the prefix cache brings its key and value, not the logits that score the next token."""
+        return self.request.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.request.prompt) - 1
+
+    @property
     def pending(self) -> int:
         """Tokens not yet in the cache (the whole prompt at first, then the last drawn token)."""
         return len(self.tokens) - self.cached
@@ -131,12 +164,15 @@ class Stream:
         if token in eos_ids:
             self.finish = "eos"
         elif self.decoder is not None:
+            before = len(self.text)
             self.text += self.decoder.feed(token)
-        stop = next((s for s in req.stop if s in self.text), None)
-        if stop is not None:
-            self.text = self.text[:self.text.index(stop)]
-            self.finish = "stop"
-        elif self.finish is None and len(self.digests) >= req.max_tokens:
+            # a stop can only end in the new text: look from where the longest could begin
+            longest = max(map(len, req.stop), default=0)
+            hit = first_stop(self.text, req.stop, max(0, before - longest + 1)) if req.stop else None
+            if hit is not None:
+                self.text = self.text[:hit[0]]
+                self.finish = "stop"
+        if self.finish is None and len(self.digests) >= req.max_tokens:
             self.finish = "length"
         elif self.finish is None and len(self.tokens) >= window:
             self.finish = "window"

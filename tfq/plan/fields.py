@@ -102,13 +102,19 @@ def pages(value: Any) -> int:
     return n
 
 
-def pool(value: Any) -> int | str:
-    if isinstance(value, str) and value.strip().lower() == "auto":
-        return "auto"
-    n = as_int(value)
-    if n is None or n <= 0 or n > MAX_INT:
-        raise Bad(f"kv.pool must be auto or a positive number of pages, not {value!r}")
-    return n
+def auto_or_positive(name: str, what: str) -> Check:
+    def check(value: Any) -> int | str:
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        n = as_int(value)
+        if n is None or n <= 0 or n > MAX_INT:
+            raise Bad(f"{name} must be auto or a positive number of {what}, not {value!r}")
+        return n
+    return check
+
+
+pool = auto_or_positive("kv.pool", "pages")
+logits_rows = auto_or_positive("logits_rows", "rows")
 
 
 _UNITS = {

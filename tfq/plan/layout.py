@@ -78,6 +78,8 @@ class Layout:
     state_bytes: int = 0  # a hybrid's DeltaNet states, every lane (in cache_bytes too)
     verify_rows: int = 0  # drafting on a hybrid: each lane keeps its state from before a verify, and the
     # inputs of this many verify rows, to roll rejected guesses back
+    logits_rows: int = 0  # logits rows one forward may hold: every lane's drawing rows, and prompt rows scored
+    logits_bytes: int = 0  # those rows in fp32 (in total_bytes)
 
     @property
     def fits(self) -> bool:
@@ -165,6 +167,24 @@ def state_bytes(config: ModelConfig, lanes: int, draft: str) -> tuple[int, int]:
     return lanes * (2 * config.state_bytes + inputs), rows
 
 
+def auto_logits_rows(lanes: int, prefill_chunk: int, drawing_rows: int) -> int:
+    """logits_rows: auto: a prompt chunk scored whole, and never fewer than every lane's drawing rows."""
+    return max(prefill_chunk, lanes * drawing_rows)
+
+
+def logits_rows(plan: PlanView) -> int:
+    """Logits rows one forward may hold; a TfqError when fewer than every lane drawing at once."""
+    drawing = max(1, verify_rows(getattr(plan, "draft", "none")))
+    least = plan.lanes * drawing
+    chosen = getattr(plan, "logits_rows", "auto")
+    if chosen == "auto":
+        return auto_logits_rows(plan.lanes, getattr(plan, "prefill_chunk", 1), drawing)
+    if chosen < least:
+        raise fail(f"logits_rows {chosen}{tag(plan, 'logits_rows')} is fewer than the rows every lane draws from at "
+                   f"once ({plan.lanes} lanes x {drawing}); set logits_rows to {least} or more, or auto")
+    return int(chosen)
+
+
 def compute_layout(plan: PlanView, config: ModelConfig) -> Layout:
     """The plan's bytes for `config`, whether or not they fit the budget."""
     if plan.window > config.max_positions:
@@ -184,13 +204,15 @@ def compute_layout(plan: PlanView, config: ModelConfig) -> Layout:
         budget = int(available * AUTO_BUDGET_SHARE)
     else:
         budget = int(plan.budget)
+    scored = logits_rows(plan)
+    logits = scored * config.vocab_size * 4
     pages = plan.kv.pages
     contiguous, paged = lane_split(plan.lanes, pages, plan.kv.paged)
     pool = 0
     if pages:
         per_stream = pages_for(plan.window, pages)
         if plan.kv.pool == "auto":
-            left = budget - weights - state - contiguous * plan.window * row
+            left = budget - weights - logits - state - contiguous * plan.window * row
             pool = min(paged * per_stream, max(0, left // (pages * row)))
             if paged and pool < per_stream:
                 pool = per_stream  # the least that lets one paged stream reach the window; it will not fit
@@ -208,7 +230,8 @@ def compute_layout(plan: PlanView, config: ModelConfig) -> Layout:
         total_bytes=0, available_bytes=available, device=device, state_bytes=state, verify_rows=rows,
     )
     cache = lay.rows_total * row + state  # the bytes are the rows the engine allocates, counted in one place
-    return dataclasses.replace(lay, cache_bytes=cache, total_bytes=weights + cache)
+    return dataclasses.replace(lay, cache_bytes=cache, logits_rows=scored, logits_bytes=logits,
+                               total_bytes=weights + cache + logits)
 
 
 def budget_words(plan: PlanView, lay: Layout) -> str:
@@ -241,6 +264,7 @@ def over_budget(plan: PlanView, lay: Layout) -> str:
         what = f"{lay.lanes} streams x {lay.window} rows"
     return (
         f"plan over budget by {human_bytes(over)}: it needs {human_bytes(lay.total_bytes)} (weights "
-        f"{human_bytes(lay.weights_bytes)} + cache {human_bytes(lay.cache_bytes)}, {what}) but {budget}; "
+        f"{human_bytes(lay.weights_bytes)} + cache {human_bytes(lay.cache_bytes)}, {what} + logits "
+        f"{human_bytes(lay.logits_bytes)}) but {budget}; "
         f"use {cut}{smaller}or a larger budget (budget: {need_gib}GiB)"
     )

@@ -30,6 +30,8 @@ def plan_lines(plan: Plan, config: ModelConfig, layout: Layout) -> list[str]:
         f"window: {plan.window} rows a stream may hold, prompt and reply together{t('window')}",
         f"lanes: {plan.lanes} stream{'s' * (plan.lanes > 1)} in one forward at most{t('lanes')}",
         f"prefill: prompts go in chunks of {plan.prefill_chunk} rows{t('prefill_chunk')}",
+        f"logits: at most {lay.logits_rows} rows a forward, {human_bytes(lay.logits_bytes)} in fp32{t('logits_rows')}: "
+        f"every lane's drawing rows, and the prompt rows of streams that score their prompts, in chunks within it",
         f"cached row: {human_bytes(lay.row_bytes)} a row in {dtype}{t('kv.dtype')} ({len(config.attention_layers)} "
         f"{'attention ' * config.hybrid}layers x key and value x {config.num_kv_heads} heads x {config.head_dim} dims "
         f"x {DTYPE_BYTES[dtype]} bytes)",
@@ -88,7 +90,7 @@ def plan_lines(plan: Plan, config: ModelConfig, layout: Layout) -> list[str]:
     verdict = f"fits, {human_bytes(spare)} to spare" if lay.fits else f"does not fit, over by {human_bytes(-spare)}"
     lines.append(
         f"total: {human_bytes(lay.total_bytes)} (weights {human_bytes(lay.weights_bytes)} + cache "
-        f"{human_bytes(lay.cache_bytes)}) of a {human_bytes(lay.budget_bytes)} budget{budget_words(plan, lay)}: "
+        f"{human_bytes(lay.cache_bytes)} + logits {human_bytes(lay.logits_bytes)}) of a {human_bytes(lay.budget_bytes)} budget{budget_words(plan, lay)}: "
         f"{verdict}"
     )
     return [one_line(line) for line in lines]
@@ -253,7 +255,7 @@ def plan_json(plan: Plan, config: ModelConfig, layout: Layout) -> dict:
     """The same facts as plan_lines, as JSON-ready data."""
     values = {
         "model": plan.model, "weights": plan.weights, "window": plan.window, "lanes": plan.lanes,
-        "prefill_chunk": plan.prefill_chunk,
+        "prefill_chunk": plan.prefill_chunk, "logits_rows": plan.logits_rows,
         "kv": dataclasses.asdict(plan.kv), "attention": plan.attention, "budget": plan.budget,
         "draft": plan.draft, "device": plan.device, "tp": plan.tp,
     }

@@ -9,8 +9,8 @@ from typing import Any, Mapping
 
 from tfq.model.config import ModelConfig
 from tfq.plan.fields import (
-    ATTENTION, DTYPE_ALIASES, DTYPE_BYTES, PAGED, WEIGHTS, Bad, Check, budget, choice, device, draft, model, pages,
-    pool, positive, switch,
+    ATTENTION, DTYPE_ALIASES, DTYPE_BYTES, PAGED, WEIGHTS, Bad, Check, budget, choice, device, draft, logits_rows,
+    model, pages, pool, positive, switch,
 )
 from tfq.plan.layout import Layout, compute_layout, over_budget
 from tfq.plan.words import fail
@@ -29,6 +29,7 @@ SCHEMA: dict[str, Check] = {
     "window": positive("window"),
     "lanes": positive("lanes"),
     "prefill_chunk": positive("prefill_chunk"),
+    "logits_rows": logits_rows,
     "kv.dtype": choice("kv.dtype", tuple(DTYPE_BYTES), DTYPE_ALIASES),
     "kv.pages": pages,
     "kv.paged": choice("kv.paged", PAGED),
@@ -44,6 +45,7 @@ SCHEMA: dict[str, Check] = {
 # Environment variables that set one key from their text.
 ENV_VALUES = {
     "TFQ_MODEL": "model", "TFQ_WEIGHTS": "weights", "TFQ_WINDOW": "window", "TFQ_LANES": "lanes", "TFQ_PREFILL_CHUNK": "prefill_chunk",
+    "TFQ_LOGITS_ROWS": "logits_rows",
     "TFQ_KV_DTYPE": "kv.dtype", "TFQ_KV_PAGES": "kv.pages", "TFQ_KV_POOL": "kv.pool",
     "TFQ_KV_PREFIX_CACHE": "kv.prefix_cache",
     "TFQ_BUDGET": "budget", "TFQ_DRAFT": "draft", "TFQ_DEVICE": "device",
@@ -85,6 +87,7 @@ class Plan:
     window: int = DEFAULT_WINDOW
     lanes: int = DEFAULT_LANES
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    logits_rows: int | str = "auto"  # logits rows one forward may hold; auto: tfq.plan.layout.auto_logits_rows
     kv: KVPlan = field(default_factory=KVPlan)
     attention: str = "rows"
     budget: int | str = "auto"
@@ -94,7 +97,8 @@ class Plan:
     sources: tuple[tuple[str, str], ...] = ()  # (dotted key, what set it: "TFQ_X", "--set", "--model")
 
     def __post_init__(self) -> None:
-        for name in ("model", "weights", "window", "lanes", "prefill_chunk", "attention", "budget", "draft", "device", "tp"):
+        for name in ("model", "weights", "window", "lanes", "prefill_chunk", "logits_rows", "attention", "budget", "draft",
+                     "device", "tp"):
             object.__setattr__(self, name, checked(name, getattr(self, name)))
         if not isinstance(self.kv, KVPlan):
             raise fail(f"kv must be a KVPlan, not {self.kv!r}")
