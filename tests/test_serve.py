@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -46,14 +47,19 @@ def metrics(base: str) -> dict[str, float]:
     return {m[0]: float(m[1]) for m in re.findall(r"^(tfq_[a-z_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", text, re.M)}
 
 
-def idle(base: str, timeout_s: float = 20) -> dict[str, float]:
-    """Metrics once no stream is left (aborts land at the engine's next step)."""
+def until(base: str, state, timeout_s: float = 60) -> dict[str, float]:
+    """Metrics once `state(metrics)` holds (or the time is up: the caller's asserts then say what is wrong)."""
     deadline = time.monotonic() + timeout_s
     while True:
         m = metrics(base)
-        if m["tfq_streams"] == 0 or time.monotonic() > deadline:
+        if state(m) or time.monotonic() > deadline:
             return m
-        time.sleep(0.05)
+        time.sleep(0.02)  # between looks at the state, not instead of one
+
+
+def idle(base: str, timeout_s: float = 20) -> dict[str, float]:
+    """Metrics once no stream is left (aborts land at the engine's next step)."""
+    return until(base, lambda m: m["tfq_streams"] == 0, timeout_s)
 
 
 @pytest.fixture(scope="module")
@@ -215,8 +221,9 @@ def test_hostile_requests_get_their_status_and_the_server_keeps_serving(tiny):
             assert status == want, (path, body[:80], reply[:200])
             error = json.loads(reply)["error"]
             assert error["message"] and "\n" not in error["message"] and "Traceback" not in error["message"]
-        status, _, reply = raw(base, "GET", "/v1/nothing", None)
+        status, _, reply = raw(base, "GET", "/v1/nothing", None, {"Authorization": "Bearer sesame"})
         assert status == 404 and json.loads(reply)["error"]["message"]
+        assert raw(base, "GET", "/v1/nothing", None)[0] == 401  # without the key, no route is told apart
         status, _, reply = raw(base, "POST", "/v1/completions",
                                json.dumps({"model": NAME, "prompt": "hi", "max_tokens": 3}).encode(),
                                {"Authorization": "Bearer sesame"})
@@ -254,19 +261,35 @@ def test_a_burst_over_the_queue_gets_429_with_retry_after(tiny):
     assert m["tfq_pages_free"] == POOL and m["tfq_streams"] == 0
 
 
+def held_after_a_token(served):
+    """(drawn, release): the engine stops after the first step that draws a token, until the test releases it,
+    so a client can leave while its request is surely running."""
+    engine, drawn, release = served.loop.engine, threading.Event(), threading.Event()
+    real = engine.step
+
+    def step():
+        out = real()
+        if any(o.token >= 0 for o in out):
+            drawn.set()
+            release.wait(120)
+        return out
+
+    engine.step = step
+    return drawn, release
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_goes_away_aborts_its_streams(tiny, stream):
-    with serving(server(tiny)) as base:
+    served = server(tiny)
+    drawn, release = held_after_a_token(served)
+    with serving(served) as base:
         conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=60)
         body = {"model": NAME, "prompt": "x " * 40, "max_tokens": 400, "temperature": 0, "stream": stream}
         conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
-        if stream:
-            r = conn.getresponse()
-            assert r.status == 200 and r.readline().startswith(b"data: ")
-            r.close()
-        else:
-            time.sleep(0.5)
+        assert drawn.wait(60)
         conn.close()  # gone mid-reply
+        until(base, lambda m: m['tfq_requests_total{outcome="aborted"}'] == 1)  # the server saw it go
+        release.set()
         m = idle(base)
         assert m["tfq_streams"] == 0 and m["tfq_pages_free"] == POOL and m["tfq_lanes_busy"] == 0
         assert m['tfq_requests_total{outcome="aborted"}'] == 1
@@ -285,8 +308,7 @@ def test_sigterm_finishes_what_is_in_flight_and_exits_0(tiny_dirs):
         while "serving" not in line:
             line = proc.stderr.readline()
             assert line or proc.poll() is None, "the server ended before serving"
-        base = re.search(r"(http://[0-9.:]+)/v1", line).group(1)
-        time.sleep(0.5)
+        base = re.search(r"(http://[0-9.:]+)/v1", line).group(1)  # listening already: connections wait in its backlog
         conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=60)
         conn.request("POST", "/v1/completions", body=json.dumps({"model": NAME, "prompt": "hi", "max_tokens": 60,
                                                                  "stream": True, "temperature": 0}),

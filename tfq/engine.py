@@ -174,7 +174,7 @@ class Engine:
                     self.pages.publish(st.placement, st.tokens, st.cached)  # its full pages, for later streams
                 except Exception as e:  # this stream's own work (draw, detokenize, stops): it alone fails
                     log.exception("stream %d failed applying its logits", st.index)
-                    st.fail(f"the stream failed while drawing its token: {type(e).__name__}: {e}")
+                    st.fail(f"the stream failed while drawing its token: {type(e).__name__}: {e}", fault=True)
                     outputs.append(Output(st.index, -1, "", True))
         for st in self.scheduler.running():
             if st.finish is not None:
@@ -190,7 +190,7 @@ class Engine:
             message = f"the forward failed: {type(e).__name__}: {e}"
             log.exception("the forward of %d streams failed", len(step.streams))
             for st in step.streams:
-                st.fail(message)
+                st.fail(message, fault=True)
                 self.scheduler.finish(st)
             raise ForwardFault(message, [st.index for st in step.streams]) from e
 

@@ -64,6 +64,7 @@ class Result:
     digests: list[str]  # per reply step: hash of the fp32 logits that chose the token
     finish: str  # eos | length | stop | window | error | abort
     error: str | None = None
+    fault: bool = False  # the error is tfq's (a fault while computing), not the request's (it cannot fit)
     prompt_tokens: int = 0
     first_token_s: float = 0.0
     total_s: float = 0.0
@@ -122,6 +123,7 @@ class Stream:
     shown: int = 0  # characters of text returned by append so far
     finish: str | None = None
     error: str | None = None
+    fault: bool = False
     added_s: float = field(default_factory=time.perf_counter)
     first_token_s: float = 0.0
     preempted: int = 0
@@ -184,12 +186,12 @@ class Stream:
         self.shown = max(self.shown, visible)
         return piece
 
-    def fail(self, message: str) -> None:
-        self.finish, self.error = "error", message
+    def fail(self, message: str, fault: bool = False) -> None:
+        self.finish, self.error, self.fault = "error", message, fault
 
     def result(self, keep_logits: bool, total_s: float | None = None) -> Result:
         return Result(label=self.request.label, ids=self.reply, text=self.text, digests=self.digests,
-                      finish=self.finish or "error", error=self.error, prompt_tokens=len(self.request.prompt),
+                      finish=self.finish or "error", error=self.error, fault=self.fault, prompt_tokens=len(self.request.prompt),
                       first_token_s=self.first_token_s,
                       total_s=time.perf_counter() - self.added_s if total_s is None else total_s,
                       preempted=self.preempted, recomputed=self.recomputed, reused=self.reused,

@@ -11,6 +11,7 @@ from rich.console import Console
 
 from tfq.cli.app import app
 from tfq.errors import TfqError
+from tfq.serve.guard import Limits, allowed_hosts
 from tfq.threads import fix_threads
 
 
@@ -34,42 +35,79 @@ def serve(
     threads: Optional[int] = typer.Option(None, "--threads", help="Exactly N torch threads (default: follow the "
                                           "free cores)."),
     quiet: bool = typer.Option(False, "--quiet", help="Hide the plan lines."),
+    max_body_bytes: int = typer.Option(Limits.body_bytes, "--max-body-bytes", help="Refuse a request body over this "
+                                       "many bytes (413), before reading or parsing it."),
+    max_prompt_tokens: int = typer.Option(0, "--max-prompt-tokens", help="Refuse a prompt over this many tokens "
+                                          "(400); 0: what the window leaves for a reply."),
+    max_stop_chars: int = typer.Option(Limits.stop_chars, "--max-stop-chars", help="Refuse a stop string over this "
+                                       "many characters (400)."),
+    extra_hosts: List[str] = typer.Option([], "--allowed-host", help="A Host name to answer besides the defaults "
+                                            "(a loopback --host answers only localhost, 127.0.0.1 and ::1)."),
+    stuck_after: Optional[float] = typer.Option(None, "--stuck-after", help="Seconds one engine step may run before "
+                                                "the server calls the engine stuck: /health says 503 and the server "
+                                                "exits 1 (default 300)."),
+    log_level: str = typer.Option("warning", "--log-level", help="debug (every admission), info (finishes, "
+                                  "preemptions, aborts, refusals), warning (failed streams), error (faults)."),
+    log_prompts: bool = typer.Option(False, "--log-prompts", help="Log each request's prompt text (at info)."),
 ) -> None:
     """Serve the model over OpenAI's API (chat completions, completions, models) with /health and /metrics.
     Every reply is the one its request gets alone."""
-    import uvicorn
-
     from tfq.cli.plan import resolve_plan
     from tfq.engine import Engine
     from tfq.model.load import load_model
-    from tfq.serve.app import Served, build_app
-    from tfq.serve.loop import EngineLoop
-    from tfq.serve.metrics import Metrics
+    from tfq.serve.background import served_engine, uvicorn_server
+    from tfq.serve.loop import STUCK_AFTER_S
 
     err = Console(stderr=True)
     if queue < 0:
         raise TfqError(f"--queue {queue}: give 0 or more streams")
+    for flag, value in (("--max-body-bytes", max_body_bytes), ("--max-stop-chars", max_stop_chars),
+                        ("--stuck-after", 1 if stuck_after is None else stuck_after)):
+        if value <= 0:
+            raise TfqError(f"{flag} {value}: give a positive number")
+    if max_prompt_tokens < 0:
+        raise TfqError(f"--max-prompt-tokens {max_prompt_tokens}: give 0 (the window) or a positive number")
+    start_logging(log_level)
     fix_threads(threads)
     sock = listening_socket(host, port)  # before the model loads: a taken port fails at once
     the_plan, config, layout = resolve_plan(plan, model, sets, quiet, err)
     with err.status("loading the model"):
         loaded = load_model(the_plan.model, device=layout.device, weights=the_plan.weights, tp=the_plan.tp)
     engine = Engine.from_plan(the_plan, layout, loaded)
-    metrics = Metrics(layout.lanes, layout.pool_pages)
-    served = Served(EngineLoop(engine, queue, metrics), loaded.tokenizer, name or served_name(the_plan.model),
-                    layout.window, loaded.tokenizer.vocab_size, metrics, api_key or None)
+    limits = Limits(max_body_bytes, max_prompt_tokens, max_stop_chars)
+    served = served_engine(engine, loaded.tokenizer, name or served_name(the_plan.model), queue, api_key or None,
+                           limits, allowed_hosts(host, tuple(extra_hosts)), log_prompts, stuck_after or STUCK_AFTER_S)
     bound = sock.getsockname()[1]
     err.print(f"serving {served.model!r} at http://{host}:{bound}/v1 (OpenAI's API; /openapi.json, /health, /metrics)"
               + ("; API key required" if served.api_key else ""))
     # SIGTERM or Ctrl-C: uvicorn stops taking requests and lets those in flight finish (30 s at most);
     # the engine loop then aborts what is left, and the command exits 0
-    server = uvicorn.Server(uvicorn.Config(build_app(served), log_level="warning", timeout_graceful_shutdown=30))
+    server = uvicorn_server(served, graceful_s=30)
     for sig in (signal.SIGINT, signal.SIGTERM):
         # uvicorn handles the signal while it runs and sends it again once stopped, to the handler found at
         # its start: with this one, that second delivery does nothing and the command exits 0
         signal.signal(sig, lambda *_: None)
     server.run(sockets=[sock])
+    if served.loop.dead:  # never serve "ok" with a dead engine: a supervisor sees the exit and restarts
+        err.print(f"tfq serve: the engine stopped ({served.loop.dead}); exiting")
+        raise typer.Exit(1)
     err.print("stopped")
+
+
+def start_logging(level: str) -> None:
+    """tfq's loggers (one a layer: tfq.scheduler, tfq.engine, tfq.serve.*) to stderr, one line an event."""
+    import logging
+
+    name = level.strip().upper()
+    if name not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise TfqError(f"--log-level {level}: give debug, info, warning or error")
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("tfq")
+    root.handlers[:] = [handler]
+    root.setLevel(name)
+    root.propagate = False
+
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

@@ -9,23 +9,26 @@ from __future__ import annotations
 
 import asyncio
 import json
-import secrets
+import logging
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from fastapi import APIRouter, Depends, FastAPI, Request as HttpRequest
+from fastapi import APIRouter, FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from tfq.errors import TfqError
-from tfq.serve.loop import Busy, Done, EngineLoop, Ticket, Token
+from tfq.serve.guard import Guard, Limits
+from tfq.serve.loop import Busy, Dead, Done, EngineLoop, Ticket, Token
 from tfq.serve.metrics import Metrics
 from tfq.serve.protocol import ChatBody, CompletionBody, Sampling
 from tfq.serve.replies import (Shape, chat_choice, chat_logprobs, extensions, finish_reason, text_choice,
                                text_logprobs, usage)
 from tfq.stream import Request, Result
+
+log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
 DISCONNECT_POLL_S = 0.25
@@ -53,6 +56,14 @@ class Served:
     vocab: int
     metrics: Metrics
     api_key: str | None = None
+    limits: Limits = Limits()
+    hosts: frozenset[str] | None = None  # Host names answered (tfq.serve.guard.allowed_hosts); None: any
+    log_prompts: bool = False  # log each request's prompt text (off: logs never hold what users wrote)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The most tokens a prompt may have: the limit, and room for one reply token in the window."""
+        return min(self.limits.prompt_tokens or self.window - 1, self.window - 1)
 
 
 def build_app(served: Served) -> FastAPI:
@@ -69,11 +80,14 @@ def build_app(served: Served) -> FastAPI:
     app = FastAPI(title="tfq", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Exact inference, OpenAI-compatible: a reply does not depend on what else is in flight.")
     metrics = served.metrics
+    app.add_middleware(Guard, limits=served.limits, api_key=served.api_key, hosts=served.hosts,
+                       outcome=metrics.outcome)
 
     # -- errors ------------------------------------------------------------------------------------------
     @app.exception_handler(ApiError)
     async def api_error(_: HttpRequest, e: ApiError):
         metrics.outcome(e.outcome)
+        log.info("refused %d%s: %s", e.status, f" ({e.param})" if e.param else "", e.message)
         headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else None
         return JSONResponse(error_body(e.message, e.kind, e.param), status_code=e.status, headers=headers)
 
@@ -81,26 +95,33 @@ def build_app(served: Served) -> FastAPI:
     async def invalid(_: HttpRequest, e: RequestValidationError):
         metrics.outcome("invalid")
         message, param = validation_message(e.errors())
+        log.info("refused 400: %s", message)
         return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
 
     @app.exception_handler(HTTPException)
     async def http_error(_: HttpRequest, e: HTTPException):
         return JSONResponse(error_body(str(e.detail), "invalid_request_error"), status_code=e.status_code)
 
-    async def authenticate(request: HttpRequest) -> None:
-        # a dependency, not a middleware: Starlette's middlewares hide a client's disconnect from the routes
-        if served.api_key is not None:
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {served.api_key}".encode()):
-                raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY' with the server's "
-                               "--api-key", kind="authentication_error", outcome="unauthorized")
+    @app.exception_handler(RecursionError)
+    async def too_deep(_: HttpRequest, e: RecursionError):
+        metrics.outcome("invalid")
+        return JSONResponse(error_body("the body nests deeper than this server parses; send a flatter JSON body",
+                                       "invalid_request_error"), status_code=400)
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])
+    @app.exception_handler(Exception)
+    async def fault(http: HttpRequest, e: Exception):  # a bug of ours: one line for the client, the trace in the log
+        log.exception("%s %s failed", http.method, http.url.path)
+        metrics.outcome("failed")
+        return JSONResponse(error_body(f"the server failed on this request: {type(e).__name__}", "server_error"),
+                            status_code=500)
+
+    v1 = APIRouter(prefix="/v1")  # the key is checked before the body is read (tfq.serve.guard)
 
     # -- routes ------------------------------------------------------------------------------------------
     @app.get("/health")
     async def health():
-        return {"status": "ok"}
+        ok, state = served.loop.health()
+        return JSONResponse({"status": "ok" if ok else "unavailable", **state}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def prometheus():
@@ -114,6 +135,7 @@ def build_app(served: Served) -> FastAPI:
     @v1.post("/completions")
     async def completions(body: CompletionBody, http: HttpRequest):
         check_model(served, body)
+        check_stops(served, body)
         prompts = await asyncio.to_thread(text_prompts, served, body.prompt)
         if body.stream and body.echo and body.logprobs is not None:
             raise ApiError(400, "echo with logprobs is returned whole; set stream to false", "stream")
@@ -132,6 +154,7 @@ def build_app(served: Served) -> FastAPI:
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatBody, http: HttpRequest):
         check_model(served, body)
+        check_stops(served, body)
         prompt = await asyncio.to_thread(chat_prompt, served, body)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         requests = body.requests([prompt], served.window, body.reply_tokens, logprobs)
@@ -151,6 +174,8 @@ def build_app(served: Served) -> FastAPI:
 def validation_message(errors) -> tuple[str, str | None]:
     """pydantic's first complaint as one line naming the field."""
     first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    if first.get("type") == "surrogate":  # its message names the field already
+        return first["msg"], None
     if first.get("type") == "json_invalid":
         return f"the body is not valid JSON ({first.get('ctx', {}).get('error', first['msg'])})", None
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
@@ -167,6 +192,14 @@ def check_model(served: Served, body: Sampling) -> None:
     if body.model != served.model:
         raise ApiError(400, f"model {body.model!r} is not served here; this server serves {served.model!r} "
                        f"(GET /v1/models)", "model")
+
+
+def check_stops(served: Served, body: Sampling) -> None:
+    most = served.limits.stop_chars
+    for s in body.stops:
+        if len(s) > most:
+            raise ApiError(400, f"stop: a stop string of {len(s)} characters is over this server's limit of {most}; "
+                           f"shorten it (the operator sets --max-stop-chars)", "stop")
 
 
 def text_prompts(served: Served, prompt) -> list[list[int]]:
@@ -201,6 +234,9 @@ def fits(served: Served, tokens: int, param: str) -> None:
     if tokens >= served.window:
         raise ApiError(400, f"{param}: {tokens} tokens leave no room for a reply in the window of {served.window}; "
                        f"shorten it, or serve a plan with a larger window (TFQ_WINDOW)", param)
+    if tokens > served.prompt_tokens:
+        raise ApiError(400, f"{param}: {tokens} tokens are over this server's limit of {served.prompt_tokens} prompt "
+                       f"tokens; shorten it (the operator sets --max-prompt-tokens)", param)
 
 
 def submit(served: Served, requests: list[Request]) -> Ticket:
@@ -217,7 +253,13 @@ def submit(served: Served, requests: list[Request]) -> Ticket:
     except Busy as e:
         raise ApiError(429, f"the server is busy: {e}; retry after {RETRY_AFTER_S} s", None, "rate_limit_error",
                        outcome="busy") from None
+    except Dead as e:
+        raise ApiError(503, f"the engine has stopped ({e}); the server is going down", None, "server_error",
+                       outcome="failed") from None
     served.metrics.prompt_tokens.inc(sum(len(r.prompt) for r in requests))
+    if served.log_prompts:
+        for r in requests:
+            log.info("prompt of %d tokens: %r", len(r.prompt), served.tokenizer.decode(list(r.prompt)))
     return ticket
 
 
@@ -298,8 +340,8 @@ def _ended(served: Served, shape: Shape, results: list[Result], usage_of: int | 
 
 def _check(result: Result) -> Result:
     if result.finish == "error":
-        raise ApiError(400 if "raise" in (result.error or "") else 500, result.error or "the stream failed",
-                       outcome="failed")
+        raise ApiError(500 if result.fault else 400, result.error or "the stream failed",
+                       kind="server_error" if result.fault else "invalid_request_error", outcome="failed")
     return result
 
 

@@ -1,4 +1,4 @@
-"""A server in a thread of this process, on a free port: what the tests and `tfq bench serve` talk to."""
+"""Building a server around an engine, and running it: what `tfq serve`, the tests and `tfq bench serve` share."""
 from __future__ import annotations
 
 import socket
@@ -9,25 +9,36 @@ from typing import Iterator
 
 from tfq.engine import Engine
 from tfq.serve.app import Served, build_app
-from tfq.serve.loop import EngineLoop
+from tfq.serve.guard import Limits
+from tfq.serve.loop import STUCK_AFTER_S, EngineLoop
 from tfq.serve.metrics import Metrics
 
 
-def served_engine(engine: Engine, tokenizer, name: str, queue: int = 64, api_key: str | None = None) -> Served:
+def served_engine(engine: Engine, tokenizer, name: str, queue: int = 64, api_key: str | None = None,
+                  limits: Limits = Limits(), hosts: frozenset[str] | None = None, log_prompts: bool = False,
+                  stuck_after_s: float = STUCK_AFTER_S) -> Served:
     """What `tfq serve` builds around an engine."""
     metrics = Metrics(engine.settings.lanes, engine.settings.pool_pages)
-    return Served(EngineLoop(engine, queue, metrics), tokenizer, name, engine.settings.window,
-                  tokenizer.vocab_size, metrics, api_key)
+    return Served(EngineLoop(engine, queue, metrics, stuck_after_s), tokenizer, name, engine.settings.window,
+                  tokenizer.vocab_size, metrics, api_key, limits, hosts, log_prompts)
+
+
+def uvicorn_server(served: Served, graceful_s: float):
+    """uvicorn around the app; an engine that cannot serve any more stops it (the caller then exits non-zero)."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(build_app(served), log_level="warning",
+                                           timeout_graceful_shutdown=graceful_s))
+    served.loop.on_dead = lambda _: setattr(server, "should_exit", True)
+    return server
 
 
 @contextmanager
 def serving(served: Served, timeout_s: float = 30.0) -> Iterator[str]:
     """Run the app on 127.0.0.1 (a free port) in a thread; yields the base URL (`http://127.0.0.1:PORT`)."""
-    import uvicorn
-
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(build_app(served), log_level="warning", timeout_graceful_shutdown=5))
+    server = uvicorn_server(served, graceful_s=5)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout_s

@@ -10,14 +10,18 @@ fails finishes alone.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
-from tfq.engine import Engine, Output
+from tfq.engine import Engine, ForwardFault, Output
 from tfq.stream import Request, Result
+
+log = logging.getLogger(__name__)
 
 
 class Busy(Exception):
@@ -54,19 +58,35 @@ class Ticket:
             pass
 
 
+FORWARD_FAULTS = 3  # forwards failing in a row that mean the engine cannot serve: the server goes down
+STUCK_AFTER_S = 300.0  # one step longer than this: the engine is stuck (a 27B prefill chunk on 2 cores fits)
+
+
+class Dead(Exception):
+    """The engine cannot serve any more (its thread ended, a step is stuck, or forwards keep failing): the
+    caller answers 503, /health says so, and the server exits non-zero."""
+
+
 class EngineLoop:
-    def __init__(self, engine: Engine, queue: int, metrics=None):
+    def __init__(self, engine: Engine, queue: int, metrics=None, stuck_after_s: float = STUCK_AFTER_S):
         self.engine = engine
         self.queue = queue  # streams that may wait for a lane beyond those running
         self.metrics = metrics  # tfq.serve.metrics.Metrics or None
+        self.stuck_after_s = stuck_after_s
+        self.on_dead: Callable[[str], None] | None = None  # told once, from whichever thread found it dead
         self.threads = torch.get_num_threads()  # the count the engine's guard proved at construction
         self._cond = threading.Condition()
         self._adds: list[Ticket] = []
         self._aborts: list[Ticket] = []
         self._owner: dict[int, tuple[Ticket, int]] = {}  # engine stream id -> (ticket, choice)
+        self._live: dict[int, Ticket] = {}  # by id(): tickets with a choice unfinished (what a death answers)
         self._in_flight = 0  # streams submitted and not yet finished
         self._stopping = False
+        self._faults = 0  # forwards failed in a row
+        self._step_since: float | None = None  # when the step running now began (None between steps)
+        self.dead: str | None = None  # why the engine cannot serve, once it cannot
         self._thread = threading.Thread(target=self._run, name="tfq-engine", daemon=True)
+        self._watchdog = threading.Thread(target=self._watch, name="tfq-watchdog", daemon=True)
 
     @property
     def capacity(self) -> int:
@@ -78,41 +98,98 @@ class EngineLoop:
 
     def start(self) -> None:
         self._thread.start()
+        self._watchdog.start()
 
     def stop(self) -> None:
-        """Abort what is left and end the thread."""
+        """Abort what is left and end the thread (a stuck one is left behind: it is a daemon)."""
         with self._cond:
             self._stopping = True
-            self._cond.notify()
-        self._thread.join()
+            self._cond.notify_all()
+        if self.dead is None:
+            self._thread.join()
+
+    def health(self) -> tuple[bool, dict]:
+        """(serving, what /health says): the engine thread's state, and how long the step now running has run."""
+        step_s = None if self._step_since is None else time.perf_counter() - self._step_since
+        state = {"engine": "dead" if self.dead else ("stepping" if step_s is not None else "idle"),
+                 "streams": self._in_flight}
+        if step_s is not None:
+            state["step_s"] = round(step_s, 3)
+        if self.dead:
+            state["reason"] = self.dead
+        return self.dead is None, state
 
     def submit(self, requests: list[Request]) -> Ticket:
-        """Queue one HTTP request's streams (from the event loop's thread); Busy when the queue is full."""
+        """Queue one HTTP request's streams (from the event loop's thread); Busy when the queue is full, Dead
+        when the engine cannot serve."""
         ticket = Ticket(requests, asyncio.Queue(), asyncio.get_running_loop())
         with self._cond:
+            if self.dead:
+                raise Dead(self.dead)
             if self._stopping:
                 raise Busy("the server is shutting down")
             if self._in_flight + len(requests) > self.capacity:
                 raise Busy(f"{self._in_flight} streams are running or waiting, the most this server queues is "
                            f"{self.capacity}")
             self._in_flight += len(requests)
+            self._live[id(ticket)] = ticket
             self._adds.append(ticket)
-            self._cond.notify()
+            self._cond.notify_all()
         return ticket
 
     def abort(self, ticket: Ticket) -> None:
         """The client went away: its streams end at the next step and give their lane and pages back."""
         with self._cond:
             self._aborts.append(ticket)
-            self._cond.notify()
+            self._cond.notify_all()
+
+    def die(self, reason: str) -> None:
+        """The engine cannot serve: every request still waiting gets its error now, new ones get 503, and
+        on_dead is told (the server then exits non-zero). Called once, from any thread."""
+        with self._cond:
+            if self.dead is not None:
+                return
+            self.dead = reason
+            tickets, self._live = list(self._live.values()), {}
+            self._cond.notify_all()
+        log.error("the engine cannot serve: %s", reason)
+        for ticket in tickets:
+            for choice, request in enumerate(ticket.requests):
+                ticket.post(Done(choice, Result(request.label, [], "", [], "error",
+                                                error=f"the engine stopped: {reason}", fault=True)))
+        if self.on_dead is not None:
+            self.on_dead(reason)
+
+    # -- the watchdog ---------------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        """A step running past stuck_after_s means the engine is stuck: it is declared dead."""
+        with self._cond:
+            while not (self._stopping or self.dead):
+                since = self._step_since
+                if since is not None and time.perf_counter() - since > self.stuck_after_s:
+                    break
+                wait = self.stuck_after_s if since is None else since + self.stuck_after_s - time.perf_counter()
+                self._cond.wait(max(wait, 0.0) + 0.01)
+            else:
+                return
+        self.die(f"one step has run for over {self.stuck_after_s:g} s")
 
     # -- the engine thread --------------------------------------------------------------------------------
     def _run(self) -> None:
         torch.set_num_threads(self.threads)  # torch's count is per thread: start this one where the guard proved
+        try:
+            self._loop()
+        except Exception as e:  # a fault outside any one stream: the engine's state is unknown, so it stops
+            log.exception("the engine loop failed")
+            self.die(f"the engine loop failed: {type(e).__name__}: {e}")
+
+    def _loop(self) -> None:
         while True:
             with self._cond:
-                while not (self._adds or self._aborts or self._stopping or self.engine.has_work()):
+                while not (self._adds or self._aborts or self._stopping or self.dead or self.engine.has_work()):
                     self._cond.wait()
+                if self.dead:
+                    return
                 adds, aborts, stopping = self._adds, self._aborts, self._stopping
                 self._adds, self._aborts = [], []
             for ticket in adds:
@@ -123,14 +200,34 @@ class EngineLoop:
                 self._observe()
                 return
             if self.engine.has_work():
-                try:
-                    outputs = self.engine.step()
-                except Exception as e:  # a fault in the engine itself: every stream in flight fails, the loop goes on
-                    self._fail_all(f"the engine failed: {e}")
-                    outputs = []
+                outputs = self._step()
+                if self.dead:  # a step that outlived the watchdog: its requests were answered already
+                    return
                 for out in outputs:
                     self._dispatch(out)
             self._observe()
+
+    def _step(self) -> list[Output]:
+        """One engine step, timed for the watchdog; a forward that fails fails its own streams, and several in a
+        row mean the engine cannot serve."""
+        with self._cond:
+            self._step_since = time.perf_counter()
+            self._cond.notify_all()
+        try:
+            outputs = self.engine.step()
+            self._faults = 0
+            return outputs
+        except ForwardFault as e:
+            self._faults += 1
+            for id_ in e.ids:
+                if id_ in self._owner:
+                    self._finish(id_)
+            if self._faults >= FORWARD_FAULTS:
+                raise RuntimeError(f"{self._faults} forwards failed in a row, the last: {e}") from e
+            return []
+        finally:
+            with self._cond:
+                self._step_since = None
 
     def _add(self, ticket: Ticket) -> None:
         for choice, request in enumerate(ticket.requests):
@@ -145,12 +242,6 @@ class EngineLoop:
             if id_ in self._owner:
                 self.engine.abort(id_)
                 self._finish(id_)
-
-    def _fail_all(self, message: str) -> None:
-        for id_ in list(self._owner):
-            self.engine.streams[id_].fail(message)
-            self.engine.abort(id_)
-            self._finish(id_)
 
     def _dispatch(self, out: Output) -> None:
         if out.id not in self._owner:
@@ -170,6 +261,8 @@ class EngineLoop:
         result = self.engine.result(id_)
         with self._cond:
             self._in_flight -= 1
+            if all(i not in self._owner for i in ticket.ids) and len(ticket.ids) == len(ticket.requests):
+                self._live.pop(id(ticket), None)
         self.engine.forget(id_)  # a long-running server keeps nothing of finished streams
         ticket.post(Done(choice, result))
 

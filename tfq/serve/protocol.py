@@ -12,11 +12,30 @@ from dataclasses import replace
 from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from tfq.stream import MOST_TOP_LOGPROBS, Request, choices
 
 MOST_CHOICES = 16
 MOST_STOPS = 4
+
+
+def lone_surrogate(value, path: str = "") -> str | None:
+    """The path of the first string holding a lone surrogate (key or value), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(key, str) and lone_surrogate(key) is not None:
+            return f"{path}.{key!r}" if path else repr(key)
+        where = lone_surrogate(item, f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key)
+        if where is not None:
+            return where
+    return None
 
 
 class StreamOptions(BaseModel):
@@ -45,6 +64,16 @@ class Sampling(BaseModel):
     # tfq's own: each choice's token ids, and the digest of the logits each token was drawn from
     return_token_ids: bool = False
     return_digests: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_is_unicode(cls, raw):
+        """JSON may carry a lone surrogate (`"\\ud800"`): valid JSON, but no text a tokenizer can take."""
+        where = lone_surrogate(raw)
+        if where is not None:
+            raise PydanticCustomError("surrogate", f"{where or 'body'}: a lone UTF-16 surrogate is not text; send "
+                                      f"whole characters (a surrogate pair, or the character itself)")
+        return raw
 
     @field_validator("temperature", "top_p", "presence_penalty", "frequency_penalty")
     @classmethod

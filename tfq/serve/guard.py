@@ -1,0 +1,143 @@
+"""What a request must pass before any of it is parsed: the Host it names, its key, its Content-Type and its
+body's size. An ASGI layer under FastAPI, so a refusal costs neither the body's bytes nor a JSON parse.
+
+It is a plain ASGI wrapper, not Starlette's BaseHTTPMiddleware, which would hide a client's disconnect from the
+routes. The body is read here (at most `Limits.body_bytes`) and handed on whole; after it, `receive` is the
+client's own, so the routes still see a disconnect.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+log = logging.getLogger(__name__)
+
+Scope = dict
+Receive = Callable[[], Awaitable[dict]]
+Send = Callable[[dict], Awaitable[None]]
+
+LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Request limits a server operator sets (`tfq serve --max-...`); docs/serve.md states each."""
+
+    body_bytes: int = 8 * 2**20  # a request body, checked before it is parsed
+    prompt_tokens: int = 0  # a prompt's tokens; 0: what the window leaves for one reply token
+    stop_chars: int = 1000  # one stop string's characters: held-back text costs up to this squared a token
+
+
+@dataclass(frozen=True)
+class Refusal:
+    status: int
+    message: str
+    kind: str = "invalid_request_error"
+    outcome: str = "invalid"
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+
+    def body(self) -> bytes:
+        return json.dumps({"error": {"message": self.message, "type": self.kind, "param": None,
+                                     "code": None}}).encode()
+
+
+def allowed_hosts(bound: str, extra: tuple[str, ...] = ()) -> frozenset[str] | None:
+    """The Host names a server answers: a loopback server only its loopback names (so a web page cannot reach it
+    through a rebound DNS name), plus any given; None (any name) for a server bound to other addresses, unless
+    names are given."""
+    if bound.strip("[]") in LOOPBACK:
+        return LOOPBACK | {bound.strip("[]")} | set(extra)
+    return frozenset(extra) or None
+
+
+def host_name(header: str) -> str:
+    """`example.com:8000` -> `example.com`; `[::1]:8000` -> `::1`."""
+    if header.startswith("["):
+        return header[1:header.find("]")] if "]" in header else header
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+class Guard:
+    def __init__(self, app, limits: Limits, api_key: str | None, hosts: frozenset[str] | None,
+                 outcome: Callable[[str], None]):
+        self.app, self.limits, self.api_key, self.hosts, self.outcome = app, limits, api_key, hosts, outcome
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        refusal = self.check(scope, headers)
+        if refusal is None and scope["method"] in ("POST", "PUT", "PATCH"):
+            body, refusal = await self.read_body(receive, headers)
+            if refusal is None:
+                receive = replay(body, receive)
+        if refusal is not None:
+            log.info("refused %d %s %s: %s", refusal.status, scope["method"], scope["path"], refusal.message)
+            self.outcome(refusal.outcome)
+            return await respond(send, refusal)
+        await self.app(scope, receive, send)
+
+    def check(self, scope: Scope, headers: dict[str, str]) -> Refusal | None:
+        """Everything decided by the request line and headers alone."""
+        host = host_name(headers.get("host", ""))
+        if self.hosts is not None and host not in self.hosts:
+            return Refusal(421, f"Host {host!r} is not a name this server answers to ({', '.join(sorted(self.hosts))}); "
+                           f"start it with --allowed-host {host or 'NAME'} to serve that name")
+        if not scope["path"].startswith("/v1/"):
+            return None
+        if self.api_key is not None:
+            given = headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                return Refusal(401, "missing or wrong API key: send 'Authorization: Bearer KEY' with the server's "
+                               "--api-key", kind="authentication_error", outcome="unauthorized")
+        if scope["method"] == "POST":
+            kind = headers.get("content-type", "").split(";")[0].strip().lower()
+            if kind != "application/json":
+                return Refusal(415, f"Content-Type {kind or 'missing'}: send the body as application/json")
+        return None
+
+    async def read_body(self, receive: Receive, headers: dict[str, str]) -> tuple[bytes, Refusal | None]:
+        """The whole body, or a refusal as soon as it is known to be over the limit (unread past it)."""
+        most = self.limits.body_bytes
+        too_big = Refusal(413, f"the body is over this server's limit of {most} bytes; send less, or start the "
+                          f"server with a larger --max-body-bytes", headers=((b"connection", b"close"),))
+        declared = headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > most):
+            return b"", too_big if declared.isdigit() else Refusal(400, "Content-Length is not a number of bytes")
+        parts, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return b"", Refusal(499, "the client closed the request", outcome="aborted")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > most:
+                return b"", too_big
+            parts.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(parts), None
+
+
+def replay(body: bytes, receive: Receive) -> Receive:
+    """A receive that gives the body already read, then the client's own messages (a disconnect)."""
+    sent = False
+
+    async def again() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return again
+
+
+async def respond(send: Send, refusal: Refusal) -> None:
+    body = refusal.body()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               *refusal.headers]
+    await send({"type": "http.response.start", "status": refusal.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
