@@ -27,12 +27,13 @@ def corpus_text(rng: random.Random, chars: int, start: int | None = None) -> str
 
 
 def calls(seed: int = 0, count: int = 32, long_chars: int = 900, max_tokens: int = 40,
-          shared: bool = False) -> list[Call]:
+          shared: bool = False, echo: bool = False) -> list[Call]:
     """Greedy and seeded sampled, mixed prompt and reply lengths, every fifth with n = 2, every third streamed;
     the first three are long prompts fired at once (the first two greedy), so at least one of them runs on pages
     (the control needs it), and two do: in the tests' small pool they cannot both hold their rows, so a stream
     is preempted whatever the machine's speed.
-    `shared`: every long prompt starts at the same place, so they share their first pages (the prefix cache)."""
+    `shared`: every long prompt starts at the same place, so they share their first pages (the prefix cache).
+    `echo`: completions not streamed echo their prompts with scores (compared like the reply's)."""
     rng = random.Random(seed)
     out = []
     for i in range(count):
@@ -46,7 +47,7 @@ def calls(seed: int = 0, count: int = 32, long_chars: int = 900, max_tokens: int
         if chat:
             body.update(messages=[{"role": "user", "content": text}], logprobs=True, top_logprobs=2)
         else:
-            body.update(prompt=text, logprobs=2)
+            body.update(prompt=text, logprobs=2, echo=echo and i % 3 != 2)
         out.append(Call(f"c{i:02d}", chat, i % 3 == 2, 0.0 if i < 3 else rng.uniform(0, 2.0), body))
     return out
 

@@ -12,54 +12,18 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-from pathlib import Path
 
 import pytest
 
 from serve_load import calls, differences, fire
-from tfq.cli.plan import resolve_plan
 from tfq.engine import Engine
 from tfq.runner import paged_partial
+from served import NAME, POOL, TINY_PLAN, idle, raw, server, tiny_served, until
 from tfq.serve.background import served_engine, serving
-
-TINY_PLAN = str(Path(__file__).parent.parent / "plans" / "tiny.yaml")
-POOL = 8  # pages of 64 rows: four streams with long prompts cannot all hold theirs, so some are preempted
-NAME = "tiny"
-
 
 @pytest.fixture(scope="module")
 def tiny(tiny_dirs, tiny_models):
-    plan, _, layout = resolve_plan(TINY_PLAN, str(tiny_dirs["qwen2"]), [f"kv.pool={POOL}"], True, None)
-    return plan, layout, tiny_models["qwen2"]
-
-
-def server(tiny, queue: int = 64, api_key: str | None = None, **engine_kw):
-    """A fresh engine behind a fresh app (the weights are shared; nothing else is)."""
-    plan, layout, loaded = tiny
-    return served_engine(Engine.from_plan(plan, layout, loaded, **engine_kw), loaded.tokenizer, NAME, queue, api_key)
-
-
-def metrics(base: str) -> dict[str, float]:
-    conn = http.client.HTTPConnection(base.removeprefix("http://"))
-    conn.request("GET", "/metrics")
-    text = conn.getresponse().read().decode()
-    return {m[0]: float(m[1]) for m in re.findall(r"^(tfq_[a-z_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", text, re.M)}
-
-
-def until(base: str, state, timeout_s: float = 60) -> dict[str, float]:
-    """Metrics once `state(metrics)` holds (or the time is up: the caller's asserts then say what is wrong)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        m = metrics(base)
-        if state(m) or time.monotonic() > deadline:
-            return m
-        time.sleep(0.02)  # between looks at the state, not instead of one
-
-
-def idle(base: str, timeout_s: float = 20) -> dict[str, float]:
-    """Metrics once no stream is left (aborts land at the engine's next step)."""
-    return until(base, lambda m: m["tfq_streams"] == 0, timeout_s)
+    return tiny_served(tiny_dirs, tiny_models)
 
 
 @pytest.fixture(scope="module")
@@ -100,9 +64,11 @@ def test_under_load_every_reply_equals_its_run_alone(tiny, load, alone):
 
 def test_under_load_with_the_prefix_cache(tiny):
     """The same kind of load with the prefix cache on: long prompts share their first pages, and every reply
-    still equals its run alone on a fresh server without the cache."""
+    still equals its run alone on a fresh server without the cache, the prompt scores of echoed completions too
+    (their n = 2 choices and warm prompts compute every prompt row)."""
     plan, layout, loaded = tiny
-    load = calls(seed=5, shared=True)
+    load = calls(seed=5, shared=True, echo=True)
+    assert any(c.body.get("echo") and c.body["n"] == 2 for c in load)
     on = plan.set("kv.prefix_cache", "on", "test")
     alone = []
     for call in load:
@@ -114,6 +80,8 @@ def test_under_load_with_the_prefix_cache(tiny):
         after = idle(base)
     assert differences(under, alone, load) == []
     assert after["tfq_prefix_cache_reused_rows_total"] > 0 and after["tfq_pages_free"] == POOL
+    echoed = [r for r, c in zip(under, load) if c.body.get("echo")]
+    assert echoed and all(len(ch["logprobs"]) > len(ch["ids"]) for r in echoed for ch in r)  # prompts' scores too
 
 
 def test_control_paged_partial_under_load_comes_out_red(tiny, load, alone):
@@ -162,13 +130,6 @@ def test_echo_returns_the_prompts_log_probabilities(tiny):
 
 
 # -- faults ----------------------------------------------------------------------------------------------
-def raw(base: str, method: str, path: str, body: bytes | None, headers: dict | None = None):
-    conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=120)
-    conn.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
-    r = conn.getresponse()
-    return r.status, dict(r.getheaders()), r.read()
-
-
 def hostile_requests() -> list[tuple[str, bytes, dict, int]]:
     """(path, body, headers, expected status): 200 of them, malformed or hostile."""
     ok_chat = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

@@ -1,0 +1,58 @@
+"""A tiny model behind `tfq serve`'s app, and how the server tests talk to it and watch its state."""
+from __future__ import annotations
+
+import http.client
+import re
+import time
+from pathlib import Path
+
+from tfq.cli.plan import resolve_plan
+from tfq.engine import Engine
+from tfq.serve.background import served_engine
+
+TINY_PLAN = str(Path(__file__).parent.parent / "plans" / "tiny.yaml")
+POOL = 8  # pages of 64 rows: four streams with long prompts cannot all hold theirs, so some are preempted
+NAME = "tiny"
+
+
+def tiny_served(tiny_dirs, tiny_models, sets=()):
+    """(plan, layout, loaded): the tiny plan on the tiny qwen2 model, with a pool small enough to preempt."""
+    plan, _, layout = resolve_plan(TINY_PLAN, str(tiny_dirs["qwen2"]), [f"kv.pool={POOL}", *sets], True, None)
+    return plan, layout, tiny_models["qwen2"]
+
+
+def server(tiny, queue: int = 64, api_key: str | None = None, served: dict | None = None, **engine_kw):
+    """A fresh engine behind a fresh app (the weights are shared; nothing else is); `served`: served_engine's
+    keywords (limits, hosts, stuck_after_s)."""
+    plan, layout, loaded = tiny
+    return served_engine(Engine.from_plan(plan, layout, loaded, **engine_kw), loaded.tokenizer, NAME, queue, api_key,
+                         **(served or {}))
+
+
+def metrics(base: str) -> dict[str, float]:
+    conn = http.client.HTTPConnection(base.removeprefix("http://"))
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    return {m[0]: float(m[1]) for m in re.findall(r"^(tfq_[a-z_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", text, re.M)}
+
+
+def until(base: str, state, timeout_s: float = 60) -> dict[str, float]:
+    """Metrics once `state(metrics)` holds (or the time is up: the caller's asserts then say what is wrong)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = metrics(base)
+        if state(m) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.02)  # between looks at the state, not instead of one
+
+
+def idle(base: str, timeout_s: float = 20) -> dict[str, float]:
+    """Metrics once no stream is left (aborts land at the engine's next step)."""
+    return until(base, lambda m: m["tfq_streams"] == 0, timeout_s)
+
+
+def raw(base: str, method: str, path: str, body: bytes | None, headers: dict | None = None):
+    conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=120)
+    conn.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
+    r = conn.getresponse()
+    return r.status, dict(r.getheaders()), r.read()
