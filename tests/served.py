@@ -36,14 +36,27 @@ def metrics(base: str) -> dict[str, float]:
     return {m[0]: float(m[1]) for m in re.findall(r"^(tfq_[a-z_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", text, re.M)}
 
 
-def until(base: str, state, timeout_s: float = 60) -> dict[str, float]:
-    """Metrics once `state(metrics)` holds (or the time is up: the caller's asserts then say what is wrong)."""
+def eventually(check, timeout_s: float = 60):
+    """check()'s first truthy value, looking again until the time is up (then its last value: the caller's asserts
+    say what is wrong)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        m = metrics(base)
-        if state(m) or time.monotonic() > deadline:
-            return m
+        got = check()
+        if got or time.monotonic() > deadline:
+            return got
         time.sleep(0.02)  # between looks at the state, not instead of one
+
+
+def until(base: str, state, timeout_s: float = 60) -> dict[str, float]:
+    """Metrics once `state(metrics)` holds (or the time is up: the caller's asserts then say what is wrong)."""
+    last: dict[str, float] = {}
+
+    def look():
+        last.update(metrics(base))
+        return state(last)
+
+    eventually(look, timeout_s)
+    return last
 
 
 def idle(base: str, timeout_s: float = 20) -> dict[str, float]:

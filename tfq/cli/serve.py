@@ -89,7 +89,7 @@ def serve(
         signal.signal(sig, lambda *_: None)
     server.run(sockets=[sock])
     if served.loop.dead:  # never serve "ok" with a dead engine: a supervisor sees the exit and restarts
-        err.print(f"tfq serve: the engine stopped ({served.loop.dead}); exiting")
+        typer.echo(f"tfq serve: the engine stopped ({served.loop.dead}); exiting", err=True)
         raise typer.Exit(1)
     err.print("stopped")
 

@@ -182,6 +182,22 @@ class EngineLoop:
         except Exception as e:  # a fault outside any one stream: the engine's state is unknown, so it stops
             log.exception("the engine loop failed")
             self.die(f"the engine loop failed: {type(e).__name__}: {e}")
+            self._give_back()
+
+    def _give_back(self) -> None:
+        """After a death on this thread: every stream's lane and pages back, as far as the engine still can."""
+        for id_ in list(self._owner):
+            try:
+                self.engine.abort(id_)
+            except Exception:  # the engine's state is what failed: what cannot be given back stays
+                log.exception("stream %d could not be aborted", id_)
+        self._owner.clear()
+        with self._cond:
+            self._in_flight = 0
+        try:
+            self._observe()
+        except Exception:
+            log.exception("the metrics could not be updated")
 
     def _loop(self) -> None:
         while True:

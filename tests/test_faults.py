@@ -1,0 +1,280 @@
+"""Faults inside a running server: a request whose own processing raises fails alone (500 naming the fault) while
+the others go on; a failed forward fails its own streams; forwards failing in a row, a loop thread that dies and
+a step that never ends make /health say 503 and the server exit (non-zero for `tfq serve`), never a hang. After
+each: every page back, no lane held, /health truthful.
+
+Faults are put in by the tests, at seams of the engine (its sampler, its stop search, a stream's decoder, the
+forward's logits), not by flags of the product."""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+import tfq.engine
+import tfq.stream
+from served import NAME, POOL, TINY_PLAN, eventually, idle, raw, server, tiny_served
+from tfq.serve.background import serving
+
+POISON = 666  # the seed of the request a fault is put in
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dirs, tiny_models):
+    return tiny_served(tiny_dirs, tiny_models)
+
+
+def completion(base: str, seed: int, max_tokens: int = 24) -> tuple[int, dict]:
+    status, _, body = raw(base, "POST", "/v1/completions", json.dumps(
+        {"model": NAME, "prompt": "def fibonacci(n):", "max_tokens": max_tokens, "temperature": 0.7, "seed": seed,
+         "return_digests": True}).encode())
+    return status, json.loads(body)
+
+
+def health(base: str) -> tuple[int, dict]:
+    status, _, body = raw(base, "GET", "/health", None)
+    return status, json.loads(body)
+
+
+def settled(base: str) -> dict:
+    """After a fault the server keeps serving: nothing held, every page back, /health ok."""
+    m = idle(base)
+    assert m["tfq_pages_free"] == POOL and m["tfq_lanes_busy"] == 0 and m["tfq_streams"] == 0
+    assert health(base) == (200, {"status": "ok", "engine": "idle", "streams": 0})
+    return m
+
+
+# -- a request's own fault -----------------------------------------------------------------------------------
+class Exploding:
+    """A stream decoder that fails on its first token."""
+
+    def feed(self, token: int) -> str:
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "a decoder fault put in by the test")
+
+    def flush(self) -> str:
+        return ""
+
+
+def sampler(monkeypatch, engine):
+    real = tfq.engine.sample
+
+    def sample(logits, temperature, top_p, seed, position):
+        if seed == POISON:
+            raise RuntimeError("a sampler fault put in by the test")
+        return real(logits, temperature, top_p, seed, position)
+
+    monkeypatch.setattr(tfq.engine, "sample", sample)
+    return "RuntimeError: a sampler fault"
+
+
+def stops(monkeypatch, engine):
+    real = tfq.stream.first_stop
+
+    def first_stop(text, stops, start=0):
+        if "never" in stops:
+            raise IndexError("a stop-search fault put in by the test")
+        return real(text, stops, start)
+
+    monkeypatch.setattr(tfq.stream, "first_stop", first_stop)
+    return "IndexError: a stop-search fault"
+
+
+def decoder(monkeypatch, engine):
+    real = engine.add
+
+    def add(request):
+        id_ = real(request)
+        if request.seed == POISON:
+            engine.streams[id_].decoder = Exploding()
+        return id_
+
+    monkeypatch.setattr(engine, "add", add)
+    return "UnicodeDecodeError"
+
+
+def logits_row(monkeypatch, engine):
+    real = engine.runner.run
+
+    def run(feeds):
+        rows = real(feeds)
+        poisoned = {id(st.placement) for st in engine.streams.values() if st.request.seed == POISON}
+        return [r.clone().fill_(float("nan")) if id(f.placement) in poisoned else r for f, r in zip(feeds, rows)]
+
+    monkeypatch.setattr(engine.runner, "run", run)
+    return "FloatingPointError: the logits row at position"
+
+
+@pytest.mark.parametrize("fault", [sampler, stops, decoder, logits_row])
+def test_a_requests_own_fault_fails_it_alone(tiny, monkeypatch, fault):
+    """The poisoned request gets a 500 naming its fault; the ones beside it equal their runs alone."""
+    with serving(server(tiny)) as base:
+        alone = [completion(base, seed) for seed in (1, 2)]
+    served = server(tiny)
+    words = fault(monkeypatch, served.loop.engine)
+    with serving(served) as base:
+        poisoned = {"model": NAME, "prompt": "def fibonacci(n):", "max_tokens": 24, "seed": POISON}
+        if fault is stops:
+            poisoned["stop"] = ["never"]
+        with ThreadPoolExecutor(3) as pool:
+            bad = pool.submit(raw, base, "POST", "/v1/completions", json.dumps(poisoned).encode())
+            good = [pool.submit(completion, base, seed) for seed in (1, 2)]
+            status, _, body = bad.result()
+            beside = [g.result() for g in good]
+        error = json.loads(body)["error"]
+        assert status == 500 and words in error["message"] and error["type"] == "server_error"
+        assert "\n" not in error["message"]
+        assert [(s, b["choices"][0]["digests"]) for s, b in beside] == [(s, b["choices"][0]["digests"])
+                                                                         for s, b in alone]
+        m = settled(base)
+        assert m['tfq_requests_total{outcome="failed"}'] == 1 and m['tfq_requests_total{outcome="finished"}'] == 2
+
+
+# -- the forward's faults ------------------------------------------------------------------------------------
+def failing_forwards(engine, times: int) -> threading.Event:
+    """The next `times` forwards raise (then they run again); the event is set at the first."""
+    real, left, hit = engine.runner.run, [times], threading.Event()
+
+    def run(feeds):
+        if left[0] > 0:
+            left[0] -= 1
+            hit.set()
+            raise RuntimeError("a forward fault put in by the test")
+        return real(feeds)
+
+    engine.runner.run = run
+    return hit
+
+
+def test_one_failed_forward_fails_its_streams_and_the_server_goes_on(tiny):
+    served = server(tiny)
+    failing_forwards(served.loop.engine, 1)
+    with serving(served) as base:
+        status, body = completion(base, 1)
+        assert status == 500 and "the forward failed: RuntimeError: a forward fault" in body["error"]["message"]
+        settled(base)
+        status, body = completion(base, 1)
+        assert status == 200 and len(body["choices"][0]["digests"]) == 24
+
+
+def gone(base: str) -> bool:
+    """Whether nothing answers at `base` any more (the server stopped)."""
+    try:
+        conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=5)
+        conn.request("GET", "/health")
+        conn.getresponse().read()
+        return False
+    except OSError:
+        return True
+
+
+def dead_server(served, base: str, reason: str) -> None:
+    """The engine is dead: /health 503 with the reason, a new request 503, then the server stops by itself."""
+    status, state = health(base)
+    assert status == 503 and state["status"] == "unavailable" and reason in state["reason"]
+    status, body = completion(base, 3)
+    assert status == 503 and "the engine has stopped" in body["error"]["message"]
+    assert eventually(lambda: gone(base))
+    assert served.loop.dead and reason in served.loop.dead
+
+
+def test_forwards_failing_in_a_row_stop_the_server(tiny):
+    served = server(tiny)
+    failing_forwards(served.loop.engine, 10)
+    with serving(served) as base:
+        for _ in range(3):
+            status, body = completion(base, 1)
+            assert status == 500
+        assert eventually(lambda: served.loop.dead)  # the third failure ends the engine
+        m = idle(base)
+        assert m["tfq_pages_free"] == POOL and m["tfq_lanes_busy"] == 0
+        dead_server(served, base, "3 forwards failed in a row")
+
+
+def test_a_loop_thread_that_dies_answers_its_requests_and_stops_the_server(tiny):
+    served = server(tiny)
+    loop = served.loop
+    real = loop._observe
+
+    def observe():
+        if loop.engine.has_work() and any(st.digests for st in loop.engine.streams.values()):
+            raise KeyError("a loop fault put in by the test")
+        real()
+
+    loop._observe = observe
+    with serving(served) as base:
+        status, body = completion(base, 1, max_tokens=40)
+        assert status == 500 and "the engine loop failed: KeyError" in body["error"]["message"]
+        assert eventually(lambda: not loop._thread.is_alive())
+        engine = loop.engine
+        assert engine.pages.unheld == POOL and all(lane is None for lane in engine.scheduler.lanes)
+        dead_server(served, base, "the engine loop failed")
+
+
+def test_a_stuck_step_is_caught_by_the_watchdog(tiny):
+    served = server(tiny, served={"stuck_after_s": 0.5})
+    engine, release, entered = served.loop.engine, threading.Event(), threading.Event()
+    real = engine.step
+
+    def step():
+        if any(st.digests for st in engine.streams.values()):
+            entered.set()
+            release.wait(120)  # stuck until the test lets go
+        return real()
+
+    engine.step = step
+    try:
+        with serving(served) as base:
+            status, body = completion(base, 1)
+            assert entered.is_set()
+            assert status == 500 and "one step has run for over 0.5 s" in body["error"]["message"]
+            dead_server(served, base, "one step has run for over 0.5 s")
+    finally:
+        release.set()
+
+
+def test_the_control_a_healthy_server_is_not_dead(tiny):
+    """The health check's control: the same requests on a server without a fault leave it healthy and serving."""
+    served = server(tiny, served={"stuck_after_s": 0.5})
+    with serving(served) as base:
+        for seed in (1, 2, 3):
+            assert completion(base, seed)[0] == 200
+        settled(base)
+        assert not gone(base) and served.loop.dead is None
+
+
+SERVE_WITH_A_DEAD_ENGINE = """
+import sys
+import tfq.engine
+def step(self):
+    raise RuntimeError("an engine fault put in by the test")
+tfq.engine.Engine.step = step
+from tfq.cli import main
+sys.argv = ["tfq", "serve", *sys.argv[1:]]
+main()
+"""
+
+
+def test_tfq_serve_exits_non_zero_when_its_engine_dies(tiny_dirs):
+    proc = subprocess.Popen([sys.executable, "-c", SERVE_WITH_A_DEAD_ENGINE, "--model", str(tiny_dirs["qwen2"]),
+                             "--plan", TINY_PLAN, "--port", "0", "--quiet", "--name", NAME, "--log-level", "error"],
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        line = ""
+        while "serving" not in line:
+            line = proc.stderr.readline()
+            assert line or proc.poll() is None, "the server ended before serving"
+        base = "http://" + line.split("http://")[1].split("/v1")[0]
+        status, body = completion(base, 1)
+        assert status == 500 and "the engine loop failed: RuntimeError" in body["error"]["message"]
+        assert proc.wait(60) == 1
+        err = proc.stderr.read()
+        assert "the engine stopped (the engine loop failed: RuntimeError: an engine fault" in err
+        assert "ERROR tfq.serve.loop: the engine cannot serve" in err  # the log line, at --log-level error
+    finally:
+        proc.kill()
