@@ -74,3 +74,41 @@ def test_abort_a_waiting_stream(tiny_models):
     while engine.has_work():
         engine.step()
     assert same(engine.result(first), alone(model, reqs[0]))
+
+
+def test_a_preempted_stream_keeps_its_age_and_newer_ones_go_first(tiny_models):
+    """Preemption takes the newest stream holding pages; a stream sent back keeps its first admission's order when
+    readmitted (made the newest again, a long request would be the next victim every time, and could starve)."""
+    model = tiny_models["qwen2"].model
+    reqs = requests(model.config.vocab_size)
+    engine = Engine(model, EngineSettings(window=WINDOW, lanes=3, prefill_chunk=29, page_rows=KEY_TILE, paged_all=True,
+                                          pool_pages=4), eos_ids=(), keep_logits=True)
+    victims: list[tuple[int, int]] = []  # (the victim's order, the newest order holding pages then)
+    real = engine.scheduler.preempt
+
+    def preempt(st):
+        held = [s.order for s in engine.scheduler.running() if s.placement.pages or s is st]  # or it waits
+        victims.append((st.order, max(held)))
+        real(st)
+
+    engine.scheduler.preempt = preempt
+    ids = [engine.add(r) for r in reqs]
+    first: dict[int, int] = {}
+    back = set()  # streams seen running again after a preemption
+    while engine.has_work():
+        engine.step()
+        for st in engine.scheduler.running():
+            assert first.setdefault(st.index, st.order) == st.order
+            if st.preempted:
+                back.add(st.index)
+    assert victims and all(order == newest for order, newest in victims) and back
+    for i, req in zip(ids, reqs):
+        assert same(engine.result(i), alone(model, req)), req.label
+
+
+def test_generate_keeps_nothing_of_finished_streams(tiny_models):
+    model = tiny_models["qwen2"].model
+    engine = Engine(model, EngineSettings(window=WINDOW, lanes=2))
+    for _ in range(3):
+        engine.generate(requests(model.config.vocab_size)[:2])
+    assert engine.streams == {}

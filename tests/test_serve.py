@@ -288,6 +288,9 @@ def test_sigterm_finishes_what_is_in_flight_and_exits_0(tiny_dirs):
     (["--port", "70000"], "not a TCP port"),
     (["--queue", "-1"], "--queue"),
     (["--host", "no.such.host.invalid"], "--host"),
+    (["--log-level", "loud"], "--log-level loud: give debug, info, warning or error"),
+    (["--max-body-bytes", "0"], "--max-body-bytes 0: give a positive number"),
+    (["--max-prompt-tokens", "-1"], "--max-prompt-tokens -1"),
 ])
 def test_serve_bad_options_are_one_line_exit_2(tiny_dirs, args, words):
     r = subprocess.run([sys.executable, "-m", "tfq", "serve", "--model", str(tiny_dirs["qwen2"]), *args],
