@@ -103,6 +103,8 @@ def cases() -> list[Case]:
         Case("one of two prompts over the limit", 400, path="/v1/completions",
              body=js({**TEXT, "prompt": [[5] * 10, [6] * 400]})),
         Case("a text prompt over the token limit", 400, path="/v1/completions", body=js({**TEXT, "prompt": "a b " * 400})),
+        Case("60 KB of prompt is refused by its length, untokenized", 400, path="/v1/completions",
+             body=js({**TEXT, "prompt": "x" * 60_000})),
         Case("a chat over the token limit", 400, body=js({**CHAT, "messages": [{"role": "user", "content": "a b " * 400}]})),
         Case("a thousand tiny messages", 400, body=js({**CHAT, "messages": [{"role": "user", "content": "a"}] * 1000})),
         Case("a prompt as long as the window", 400, path="/v1/completions", body=js({**TEXT, "prompt": [5] * 512})),

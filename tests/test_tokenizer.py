@@ -221,3 +221,38 @@ def test_default_ids_equal_transformers(default_tok, default_gguf):
                 messages, tokenize=False, add_generation_prompt=gen
             )
             assert default_tok.chat_ids(messages, gen) == hf_chat_ids(from_folder, messages, gen)
+
+
+def longest_pause_while(work) -> float:
+    """The longest another thread waits for the GIL (a 1 ms ticker's longest gap) while work() runs."""
+    import threading
+    import time
+
+    gaps, done = [0.0], threading.Event()
+
+    def tick():
+        last = time.perf_counter()
+        while not done.wait(0.001):
+            now = time.perf_counter()
+            gaps[0], last = max(gaps[0], now - last), now
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        work()
+    finally:
+        done.set()
+        ticker.join()
+    return gaps[0]
+
+
+def test_encoding_a_long_text_does_not_hold_the_other_threads(tiny_tok):
+    """A server tokenizes a prompt on a worker thread while the engine thread steps: encode lets go of the GIL,
+    and gives the ids encode_batch's C path and plain encode give. The control, the backend's encode, holds it."""
+    text = "def fibonacci(n): return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n" * 20_000  # 1.6 MB
+    ids: list[int] = []
+    ours = longest_pause_while(lambda: ids.extend(tiny_tok.encode(text)))
+    held = longest_pause_while(lambda: ids.__eq__(tiny_tok.backend.encode(text, add_special_tokens=False).ids))
+    assert ids == tiny_tok.backend.encode(text, add_special_tokens=False).ids
+    assert ours < 0.25 < held, (ours, held)
+    assert len(text) / tiny_tok.longest_token <= len(ids)  # the bound a server checks before tokenizing

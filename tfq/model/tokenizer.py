@@ -48,6 +48,7 @@ class Tokenizer:
         self._template = None
         self._byte_of: dict[str, int] | None = None  # GPT-2's byte alphabet, reversed (token_bytes)
         self._added: set[int] = set()
+        self._longest: int | None = None
 
     @classmethod
     def from_folder(cls, folder: Path) -> "Tokenizer":
@@ -81,8 +82,17 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        """Ids of `text`, special tokens written in it recognized, none added."""
-        return self.backend.encode(text, add_special_tokens=False).ids
+        """Ids of `text`, special tokens written in it recognized, none added. Through encode_batch, which lets go
+        of the GIL while it works (encode holds it: a megabyte of text stalled every other thread for a second)."""
+        return self.backend.encode_batch([text], add_special_tokens=False)[0].ids
+
+    @property
+    def longest_token(self) -> int:
+        """At least the characters any one token stands for (its byte-level piece has a symbol per byte), so a
+        text of C characters has at least C / longest_token tokens: a bound known before tokenizing."""
+        if self._longest is None:
+            self._longest = max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1)
+        return self._longest
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for: a byte-level piece may be part of a character; added tokens as UTF-8."""

@@ -205,9 +205,9 @@ def check_stops(served: Served, body: Sampling) -> None:
 def text_prompts(served: Served, prompt) -> list[list[int]]:
     """Completions' prompt forms: a string, strings, token ids, or lists of token ids."""
     if isinstance(prompt, str):
-        prompts = [served.tokenizer.encode(prompt)]
+        prompts = [encode(served, prompt, "prompt")]
     elif all(isinstance(p, str) for p in prompt):
-        prompts = [served.tokenizer.encode(p) for p in prompt]
+        prompts = [encode(served, p, "prompt") for p in prompt]
     elif all(isinstance(p, int) for p in prompt):
         prompts = [list(prompt)]
     else:
@@ -223,11 +223,22 @@ def text_prompts(served: Served, prompt) -> list[list[int]]:
 
 def chat_prompt(served: Served, body: ChatBody) -> list[int]:
     try:
-        prompt = served.tokenizer.chat_ids(body.chat())
+        text = served.tokenizer.render_chat(body.chat())
     except TfqError as e:
         raise ApiError(400, f"messages: {e}", "messages") from None
+    prompt = encode(served, text, "messages")
     fits(served, len(prompt), "messages")
     return prompt
+
+
+def encode(served: Served, text: str, param: str) -> list[int]:
+    """A prompt's ids; a text too long for the limit by its length alone is refused before tokenizing."""
+    longest = served.tokenizer.longest_token
+    if len(text) > served.prompt_tokens * longest:
+        raise ApiError(400, f"{param}: {len(text)} characters are more than this server's limit of "
+                       f"{served.prompt_tokens} prompt tokens can hold (a token here is at most {longest} "
+                       f"characters); shorten it", param)
+    return served.tokenizer.encode(text)
 
 
 def fits(served: Served, tokens: int, param: str) -> None:
