@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import struct
 import sys
 from pathlib import Path
 
@@ -17,6 +18,9 @@ from tfq.errors import TfqError
 from tfq.plan import ENV_FLAGS, ENV_VALUES, Plan, load_plan
 from tfq.suite import load_suite, parse_suite
 from tfq.proofs.together import ARMS, EXACT, FAIL, RED, Check, arm_names, select_arms
+from tfq.proofs.together_arms import compare, judge
+from tfq.sampling import TokenLogprob
+from tfq.stream import Result
 from tiny import CORPUS
 
 WORDS = CORPUS.split()
@@ -66,11 +70,16 @@ def random_plan(rng: random.Random) -> tuple[Plan, int]:
 
 
 def check_for(loaded, chats: list[dict], plan: Plan, group: int, tokens: int, evidence: Path | None,
-              arms=None) -> Check:
+              arms=None, **kw) -> Check:
     parsed = parse_suite(chats, "suite")
     requests = [dataclasses.replace(r, max_tokens=min(r.max_tokens, tokens))
                 for r in requests_for(parsed, loaded.tokenizer, tokens, 0.0, 1.0, 0)]
-    return Check(plan, loaded.config, loaded, parsed, requests, arms or list(ARMS), group, evidence)
+    return Check(plan, loaded.config, loaded, parsed, requests, arms or list(ARMS), group, evidence, **kw)
+
+
+def verdicts_wrong(check: Check) -> dict:
+    """Arms whose verdict is not what they must come out: EXACT, or RED for a control."""
+    return {r.arm.name: (r.verdict, r.note) for r in check.arms if r.verdict != (RED if r.arm.control else EXACT)}
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -80,7 +89,7 @@ def test_every_arm_exact_and_controls_red_on_random_suites_and_plans(seed, tiny_
     plan, group = random_plan(rng)
     suite = random_suite(rng, loaded.tokenizer)
     check = check_for(loaded, suite, plan, group, tokens=rng.randint(3, 8), evidence=tmp_path).run()
-    wrong = {r.arm.name: (r.verdict, r.note) for r in check.arms if r.verdict != (RED if r.arm.control else EXACT)}
+    wrong = verdicts_wrong(check)
     assert not wrong, wrong
     assert check.exit_code == 0 and check.complete
     preempted = next(r for r in check.arms if r.arm.name == "preempted")
@@ -130,6 +139,157 @@ def test_a_differing_arm_fails_with_where_it_parts(tiny_models, monkeypatch):
         if c.token is not None:
             ref = check.reference.results[[r.label for r in check.requests].index(c.chat)]
             assert c.token <= len(ref.ids) and c.step <= c.token
+
+
+# ------------------------------------------------------------------------- plans the arms derive (issue 28)
+
+@pytest.mark.parametrize("sets", [
+    ["window=600", "kv.pages=128", "kv.pool=5"],  # the issue's shape: 5 pages of 128 hold the window, 5 of 64 do not
+    ["window=512", "kv.pages=0", "kv.pool=2"],  # no pages: the pool is unused, and 2 pages of 64 hold no window
+])
+def test_a_plan_with_an_explicit_pool_that_fits_runs_every_arm(sets, tiny_models, tmp_path):
+    loaded = tiny_models["qwen2"]
+    plan = load_plan(None, env={}, sets=[*sets, "lanes=4", "budget=1GiB"])
+    check = check_for(loaded, random_suite(random.Random(28), loaded.tokenizer), plan, 3, 8, tmp_path).run()
+    assert not verdicts_wrong(check), verdicts_wrong(check)
+    by = {r.arm.name: r for r in check.arms}
+    assert by["preempted"].preemptions > 0
+    control = by["prefix-partial"]
+    assert control.layout.page_rows == 64 and control.plan.source("kv.pool") == "arm prefix-partial"
+    if plan.kv.pages:  # the plan's rows, on pages of 64
+        assert control.layout.pool_pages * 64 == plan.kv.pool * plan.kv.pages
+
+
+def same_prompts_then_a_long_one(loaded) -> list[dict]:
+    """Two equal short chats first (they end in the same step), then a long one that runs alone after them: in
+    the suite's order no stream ever waits for a page, whatever the pool."""
+    rng = random.Random(7)
+    short = [{"role": "user", "content": words(rng, 6)}]
+    return [{"name": "a", "messages": short}, {"name": "b", "messages": short},
+            {"name": "long", "messages": [{"role": "user", "content": long_text(rng, loaded.tokenizer, 300)}]}]
+
+
+@pytest.mark.parametrize("chunk", [512, 64])
+def test_the_preempted_arm_preempts_whatever_the_plans_pool(chunk, tiny_models):
+    """Whole prompts at once: the long prompt's pages and a short one's overflow a pool of one window at the first
+    step, on the plan's 64-row pages. 64-row chunks never hold pages past one window at once, on pages of up to
+    256 rows: a page of a whole window, a pool of one."""
+    loaded = tiny_models["qwen3"]
+    plan = load_plan(None, env={}, sets=["window=512", "lanes=2", "kv.pages=64", "kv.pool=40",
+                                         f"prefill_chunk={chunk}", "budget=1GiB"])
+    check = check_for(loaded, same_prompts_then_a_long_one(loaded), plan, 2, 4, None,
+                      arms=select_arms("preempted")).run()
+    run = check.arms[0]
+    assert run.verdict == EXACT and run.preemptions > 0, run.note
+    need = max(len(r.prompt) + r.max_tokens for r in check.requests)
+    rows, pool = run.layout.page_rows, run.layout.pool_pages
+    assert (rows, pool) == ((64, -(-need // 64)) if chunk == 512 else (-(-need // 64) * 64, 1))
+    assert check.requests[check.context.longest_first[0]].label == "long"
+
+
+def tight_budget_sets(config) -> list[str]:
+    """A paged plan (one lane contiguous, 8 pages of 64) with room for 256 rows more: 4 whole lanes do not fit."""
+    sets = ["window=512", "lanes=4", "kv.pages=64", "kv.pool=8"]
+    fits = load_plan(None, env={}, sets=sets + ["budget=1GiB"]).layout(config)
+    return sets + [f"budget={fits.total_bytes + 256 * fits.row_bytes}"]
+
+
+def test_an_arm_whose_plan_cannot_be_made_is_named(tiny_models):
+    loaded = tiny_models["qwen2"]
+    plan = load_plan(None, env={}, sets=tight_budget_sets(loaded.config))
+    chats = [{"messages": [{"role": "user", "content": "hello"}]}] * 4
+    with pytest.raises(TfqError, match=r"^arm whole: plan over budget by .*; or leave arm whole out of --arms$"):
+        check_for(loaded, chats, plan, 4, 3, None, arms=select_arms("whole,paged"), named=True)
+    check = check_for(loaded, chats, plan, 4, 3, None)  # not named: the arms off pages are left out, saying why
+    whole = ["whole", "chunked", "drafted-model", "partial"]
+    assert [line.split(" ")[1] for line in check.left_out] == whole
+    assert all(line.startswith(f"arm {name} left out: plan over budget by ")
+               for line, name in zip(check.left_out, whole))
+    assert [r.arm.name for r in check.arms] == [a.name for a in ARMS if a.name not in whole and a.models != "hybrid"
+                                                 and not a.reduce]
+
+
+# ------------------------------------------------------------------------ prompt scores, warm and alone
+
+def flipped(x: float) -> float:
+    """x with the last bit of its float64 flipped."""
+    return struct.unpack("<d", struct.pack("<q", struct.unpack("<q", struct.pack("<d", x))[0] ^ 1))[0]
+
+
+def scored_result(scores: list | None) -> Result:
+    return Result("chat", [1, 2], "ab", ["d1", "d2"], "length", prompt_tokens=3, prompt_logprobs=scores)
+
+
+def test_prompt_scores_are_compared_bit_for_bit():
+    ref = [None, TokenLogprob(5, -1.25, ((5, -1.25), (7, -2.5))), TokenLogprob(9, -0.5, ((4, -0.25), (9, -0.5)))]
+    changed = {
+        "a score missing": [ref[0], ref[1], None],
+        "a log-probability's last bit": [ref[0], TokenLogprob(5, flipped(-1.25), ref[1].top), ref[2]],
+        "a top token's last bit": [ref[0], ref[1], TokenLogprob(9, -0.5, ((4, flipped(-0.25)), (9, -0.5)))],
+        "no scores at all": None,
+    }
+    same = compare(scored_result(ref), scored_result(list(ref)), scores=True)
+    assert same.equal and same.scores_equal is True and same.score_at is None
+    for what, scores in changed.items():
+        c = compare(scored_result(ref), scored_result(scores), scores=True)
+        assert not c.equal and c.scores_equal is False and c.ids_equal and c.logits_equal, what
+        assert c.score_at == (2 if what in ("a score missing", "a top token's last bit") else 1), what
+        assert c.where() == f"chat: prompt score @ prompt token {c.score_at}", what
+        assert compare(scored_result(ref), scored_result(scores)).scores_equal is None  # not asked: not compared
+    by = {a.name: a for a in ARMS}
+    missing = compare(scored_result(ref), scored_result(changed["a score missing"]), scores=True)
+    verdict, note = judge(by["prefix"], [same, missing], 0, 10, reused=64)
+    assert verdict == FAIL and note.startswith("1 of 2 prompt scores of the replies differ from their runs alone")
+    assert judge(by["prefix"], [same], 0, 10, cold=[missing], reused=64)[0] == FAIL
+    assert judge(by["prefix"], [same, same], 0, 10, reused=64) == (
+        EXACT, "64 rows from the prefix cache, cold and warm replies exact, 2 prompt scores equal bit for bit")
+    verdict, note = judge(by["prefix-partial"], [same], 0, 10, cold=[missing], reused=64)  # logits all equal
+    assert verdict == RED and note == "0 of 1 replies' logits, 1 of 2 prompt scores differ, as they must"
+
+
+def test_the_prefix_arm_catches_a_warm_stream_without_its_prompt_scores(tiny_models, monkeypatch):
+    """Before the scheduler's fix a stream scoring its prompt mapped cached pages, and their rows had no score:
+    with that back, the prefix arm is FAIL where the scores part, and every other check still holds."""
+    from tfq.stream import Stream
+
+    monkeypatch.setattr(Stream, "wants_prompt_scores", property(lambda self: False))
+    loaded = tiny_models["qwen2"]
+    plan = load_plan(None, env={}, sets=["window=512", "lanes=4", "kv.pages=64", "budget=1GiB"])
+    check = check_for(loaded, random_suite(random.Random(3), loaded.tokenizer), plan, 3, 4, None,
+                      arms=select_arms("prefix")).run()
+    run = check.arms[0]
+    assert run.verdict == FAIL and "prompt scores of the replies differ" in run.note, run.note
+    assert run.equal_ids == run.equal_logits == len(check.requests)
+    missing = [c for c in run.comparisons if c.scores_equal is False]
+    assert [c.score_at for c in missing] == [1]  # the first scored token's row was mapped, not computed
+    assert all(c.scores_equal for c in run.cold_comparisons if c.scores_equal is not None)  # cold: nothing mapped
+
+
+def test_scored_prompts_leave_the_reference_as_it_was(tiny_models, tmp_path):
+    """The reference scores the prompts the warm arms compare; its ids and logits bits are those of a reference
+    that scores none; the prefix arm's scores equal it, cold and warm; the prefix control's differ."""
+    loaded = tiny_models["qwen3"]
+    suite = random_suite(random.Random(9), loaded.tokenizer)
+    plan = load_plan(None, env={}, sets=["window=512", "lanes=4", "prefill_chunk=100", "budget=1GiB"])
+    check = check_for(loaded, suite, plan, 3, 5, tmp_path, arms=select_arms("prefix,prefix-partial")).run()
+    plain = check_for(loaded, suite, plan, 3, 5, None, arms=select_arms("whole")).run()
+    n = len(check.requests)
+    assert not plain.scored and len(check.scored) == n // 2
+    for i, (a, b) in enumerate(zip(check.reference.results, plain.reference.results)):
+        assert (a.ids, a.digests) == (b.ids, b.digests)
+        assert (a.prompt_logprobs is not None) == (i in check.scored) and b.prompt_logprobs is None
+    prefix, control = check.arms
+    cold_scored = len(check.scored & set(prefix.cold))
+    assert prefix.verdict == EXACT and prefix.reused > 0 and prefix.scores == (n // 2 + cold_scored,) * 2
+    assert control.verdict == RED and control.scores[0] < control.scores[1]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [(a["prompt_scores_equal"], a["prompt_scores_compared"]) for a in summary["arms"]] == [
+        prefix.scores, control.scores]
+    assert summary["scored_chats"] == [check.requests[i].label for i in sorted(check.scored)]
+    evidence = json.loads((tmp_path / "prefix.json").read_text())
+    assert [("prompt_scores" in c) for c in evidence["chats"]] == [i in check.scored for i in range(n)]
+    assert len(evidence["cold"]) == len(prefix.cold) and all(c["compared"]["scores_equal"] is not False
+                                                             for c in evidence["chats"] + evidence["cold"])
 
 
 def test_arm_list_names_and_modes():
@@ -185,15 +345,16 @@ def base_args(tiny_dirs, suite_file, tmp_path) -> list[str]:
 
 
 def test_command_passes_and_writes_json(tiny_dirs, suite_file, tmp_path, monkeypatch, capsys):
-    code, out, err = tfq(base_args(tiny_dirs, suite_file, tmp_path) + ["--tokens", "6", "--arms", "paged,partial",
-                                                                       "--json", str(tmp_path / "s.json")],
-                         monkeypatch, capsys)
+    code, out, err = tfq(base_args(tiny_dirs, suite_file, tmp_path) + ["--tokens", "6", "--arms",
+                                                                       "paged,partial,prefix", "--json",
+                                                                       str(tmp_path / "s.json")], monkeypatch, capsys)
     assert code == 0, out + err
-    assert "EXACT" in out and "RED" in out and "plan, paged" in out
+    assert "EXACT" in out and "RED" in out and "plan, paged" in out and "prompt scores equal" in out
     summary = json.loads((tmp_path / "s.json").read_text())
-    assert summary["passed"] and [a["verdict"] for a in summary["arms"]] == [EXACT, RED]
-    assert sorted(p.name for p in (tmp_path / "ev").iterdir()) == ["paged.json", "partial.json", "reference.json",
-                                                                   "suite.yaml", "summary.json"]
+    assert summary["passed"] and [a["verdict"] for a in summary["arms"]] == [EXACT, RED, EXACT]
+    assert summary["arms"][2]["prompt_scores_compared"] > 0 and summary["arms"][0]["prompt_scores_compared"] == 0
+    assert sorted(p.name for p in (tmp_path / "ev").iterdir()) == ["paged.json", "partial.json", "prefix.json",
+                                                                   "reference.json", "suite.yaml", "summary.json"]
 
 
 def test_ctrl_c_leaves_evidence_marked_incomplete(tiny_dirs, suite_file, tmp_path, monkeypatch, capsys):
@@ -243,6 +404,19 @@ def test_bad_input_is_one_line_and_exit_2(extra, suite_text, message, tiny_dirs,
     assert code == 2
     assert err.startswith("tfq: ") and err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "ev").exists()
+
+
+def test_command_names_the_arm_whose_plan_cannot_be_made(tiny_dirs, tiny_models, suite_file, tmp_path,
+                                                         monkeypatch, capsys):
+    sets = [x for s in tight_budget_sets(tiny_models["qwen2"].config) for x in ("--set", s)]
+    args = ["together", "--suite", str(suite_file), "--model", str(tiny_dirs["qwen2"]), *sets, "--tokens", "3",
+            "--evidence", str(tmp_path / "ev")]
+    code, out, err = tfq(args + ["--arms", "paged,chunked"], monkeypatch, capsys)
+    assert code == 2 and err.startswith("tfq: arm chunked: plan over budget by ") and err.count("\n") == 1, err
+    code, out, err = tfq(args + ["--arms", "paged"] + ["--evidence", str(tmp_path / "ev2")], monkeypatch, capsys)
+    assert code == 0, out + err
+    code, out, err = tfq(args[:-1] + [str(tmp_path / "ev3"), "--quiet"], monkeypatch, capsys)
+    assert "arm chunked left out: plan over budget by " in out, out
 
 
 @pytest.mark.slow

@@ -93,7 +93,7 @@ def together(
     requests = [dataclasses.replace(r, max_tokens=min(r.max_tokens, tokens))
                 for r in requests_for(chats, loaded.tokenizer, tokens, 0.0, 1.0, 0)]
     check = Check(the_plan, config, loaded, chats, requests, chosen, group, folder, suite_path=suite_path,
-                  tokens=tokens)
+                  tokens=tokens, named=bool(arms and arms.strip()))
     previous = signal.signal(signal.SIGTERM, _terminate)  # a kill leaves evidence too, marked incomplete
     try:
         if quiet:
@@ -115,6 +115,8 @@ def together(
     for run in check.arms:
         if run.note:
             out.print(f"[bold]{run.arm.name}[/]: {run.note}", highlight=False)
+    for line in check.left_out:  # arms on their own page rows that could not be planned
+        out.print(line, markup=False, highlight=False, soft_wrap=True)
     if not quiet:
         _print_plans(out, check)
     out.print(_build_line(check.versions["build"]), highlight=False, soft_wrap=True)
@@ -137,24 +139,27 @@ def _terminate(signum, frame) -> None:
 def _table(check: Check) -> Table:
     n = len(check.requests)
     table = Table(title=f"tfq together: {n} chats, {check.tokens} tokens, K = {check.group}")
-    for name in ("arm", "mode", "equal ids", "equal logits", "where replies part", "verdict", "time"):
+    for name in ("arm", "mode", "equal ids", "equal logits", "prompt scores equal", "where replies part", "verdict",
+                 "time"):
         table.add_column(name, justify="right" if name == "time" else "left")
     ref = check.reference
     ref_state = "reference" if ref.complete else "[yellow]incomplete[/]"
-    table.add_row("reference", "alone", "", "", "", ref_state, f"{ref.seconds:.0f} s")
+    table.add_row("reference", "alone", "", "", "", "", ref_state, f"{ref.seconds:.0f} s")
     for run in check.arms:
         if not run.complete:
-            table.add_row(run.arm.name, run.arm.mode(check.group), "", "", "", "[yellow]not run[/]", "")
+            table.add_row(run.arm.name, run.arm.mode(check.group), "", "", "", "", "[yellow]not run[/]", "")
             continue
         color = {EXACT: "green", RED: "red"}.get(run.verdict, "bold magenta")
-        parts = [c.where() for c in run.comparisons if not c.equal]
+        equal, compared = run.scores
+        parts = run.partings
         where = "; ".join(parts[:SHOWN_PARTINGS])
         if len(parts) > SHOWN_PARTINGS:
             where += f"; +{len(parts) - SHOWN_PARTINGS} more"
         mode = run.arm.mode(check.group) + (f", {run.preemptions} preempted" if run.preemptions else "")
         mode += f", {run.reused} rows reused" if run.arm.warm else ""  # the prefix cache's hits
         table.add_row(run.arm.name + (" (control)" if run.arm.control else ""), mode, f"{run.equal_ids}/{n}",
-                      f"{run.equal_logits}/{n}", where or "-", f"[{color}]{run.verdict}[/]", f"{run.seconds:.0f} s")
+                      f"{run.equal_logits}/{n}", f"{equal}/{compared}" if compared else "", where or "-",
+                      f"[{color}]{run.verdict}[/]", f"{run.seconds:.0f} s")
     return table
 
 

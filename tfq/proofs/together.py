@@ -5,7 +5,8 @@ same suite under other settings (K together, pages, chunked prefill, preemption)
 by changing a few keys, and must equal the reference in token ids and in the bits of every step's logits. Two
 controls change the arithmetic on purpose (`partial`, and the field report's paged/partial split); they must
 come out RED, or the check could not have seen a fault. Evidence (one JSON per arm, summary.json) is written
-as arms finish, so an interrupted run leaves what it has.
+as arms finish, so an interrupted run leaves what it has. An arm whose plan cannot be made is refused, naming
+it; one on other page rows than the plan's is left out instead, with a line saying why, unless it was named.
 
 The arms and their verdicts are tfq/proofs/together_arms.py; the evidence's records together_evidence.py.
 """
@@ -21,7 +22,7 @@ from tfq.errors import TfqError
 from tfq.plan import Layout, Plan, plan_json, plan_lines
 from tfq.proofs.together_arms import (
     ARMS, EXACT, FAIL, RED, REFERENCE, Arm, ChatComparison, Context, arm_names, arm_plan, arms_for, check_options,
-    compare, context_for, judge, reach, select_arms,
+    compare, context_for, judge, reach, scored_chats, scores_tally, select_arms,
 )
 from tfq.proofs.together_evidence import chat_record, suite_facts, versions, write_json
 from tfq.stream import Request, Result
@@ -48,6 +49,7 @@ class ArmRun:
     complete: bool = False
 
     cold: dict[int, Result] = field(default_factory=dict)  # a warm arm's first pass, by chat index
+    cold_comparisons: list[ChatComparison] = field(default_factory=list)  # the first pass's, in cold's order
 
     @property
     def preemptions(self) -> int:
@@ -71,6 +73,16 @@ class ArmRun:
     def equal_logits(self) -> int:
         return sum(c.logits_equal and c.error is None for c in self.comparisons)
 
+    @property
+    def scores(self) -> tuple[int, int]:
+        """(prompt scores equal, compared), both passes."""
+        return scores_tally([*self.comparisons, *self.cold_comparisons])
+
+    @property
+    def partings(self) -> list[str]:
+        cold = [f"cold: {c.where()}" for c in self.cold_comparisons if not c.equal]
+        return [c.where() for c in self.comparisons if not c.equal] + cold
+
 
 class Listener:
     """Progress hooks; the command shows them with rich, tests leave them silent."""
@@ -87,7 +99,8 @@ class Check:
 
     def __init__(self, base: Plan, config, loaded, chats, requests: Sequence[Request], arms: Sequence[Arm],
                  group: int, evidence: Path | None, listener: Listener | None = None,
-                 suite_path: Path | None = None, tokens: int | None = None):
+                 suite_path: Path | None = None, tokens: int | None = None, named: bool = False):
+        """`named`: the user chose the arms (--arms), so one whose plan cannot be made is refused, not left out."""
         self.config, self.loaded, self.chats = config, loaded, list(chats)
         self.requests = list(requests)
         self.group = group
@@ -102,7 +115,10 @@ class Check:
         self.context = context_for(base, self.requests, group)
         arms = [a for a in arms if a.applies(config, base.tp)]  # a hybrid has no prefix arms, only a hybrid its control
         # Every arm's plan and layout first: a plan that does not fit fails before anything runs.
-        self.runs = [self._prepare(arm, base) for arm in (REFERENCE, *arms)]
+        self.left_out: list[str] = []  # a line for each arm left out, saying why
+        prepared = [self._prepare(arm, base, named) for arm in (REFERENCE, *arms)]
+        self.runs = [run for run in prepared if run is not None]
+        self.scored = scored_chats(self.requests) if any(r.arm.scores for r in self.arms) else frozenset()
         self.started = time.time()
         self.seconds = self.cpu_seconds = 0.0  # wall, and CPU time of this process (other load shows as a gap)
         self.complete = False
@@ -122,9 +138,28 @@ class Check:
                                          weights=self.loaded.weights, tp=run.plan.tp, reduce=run.arm.reduce)
         return self.split[key]
 
-    def _prepare(self, arm: Arm, base: Plan) -> ArmRun:
+    def _prepare(self, arm: Arm, base: Plan, named: bool) -> ArmRun | None:
+        """The arm's run, or None when it is left out (its own page rows, not the plan's, cannot be planned)."""
         plan = arm_plan(arm, base, self.context)
-        return ArmRun(arm, plan, plan.layout(self.config), [None] * len(self.requests))
+        try:
+            return ArmRun(arm, plan, plan.layout(self.config), [None] * len(self.requests))
+        except TfqError as e:
+            if arm is REFERENCE:
+                raise TfqError(f"the reference (each chat alone, no pages): {e}") from None
+            if named or plan.kv.pages == base.kv.pages:
+                raise TfqError(f"arm {arm.name}: {e}; or leave arm {arm.name} out of --arms") from None
+            self.left_out.append(f"arm {arm.name} left out: {e}")
+            return None
+
+    def _requests(self, run: ArmRun) -> list[Request]:
+        """The suite as this run asks it: the reference and the warm arms score the prompts of the scored chats."""
+        if run is not self.reference and not run.arm.scores:
+            return self.requests
+        return [dataclasses.replace(r, prompt_logprobs=0) if i in self.scored and r.prompt_logprobs is None else r
+                for i, r in enumerate(self.requests)]
+
+    def _compare(self, run: ArmRun, i: int, result: Result) -> ChatComparison:
+        return compare(self.reference.results[i], result, scores=run.arm.scores and i in self.scored)
 
     @property
     def reference(self) -> ArmRun:
@@ -165,42 +200,43 @@ class Check:
         engine = Engine.from_plan(run.plan, run.layout, self._loaded(run), attention=policy,
                                   chunked_deltanet=run.arm.chunked_deltanet)
         t0 = time.perf_counter()
-        order = list(range(len(self.requests)))  # the order the streams are added in
+        requests = self._requests(run)
+        order = list(self.context.longest_first) if run.arm.longest_first else list(range(len(requests)))
         if run.arm.warm:
-            order = self._warm_up(run, engine, policy)
+            order = self._warm_up(run, engine, policy, requests)
         if run.arm.together:
             on_token = lambda k, token, _: self.listener.token(run, order[k], token)  # noqa: E731
-            results = engine.generate([self.requests[i] for i in order], on_token)
+            results = engine.generate([requests[i] for i in order], on_token)
             for i, result in zip(order, results):
                 run.results[i] = result
         else:
-            for i, request in enumerate(self.requests):
+            for i, request in enumerate(requests):
                 self.listener.chat_started(run, i)
                 on_token = lambda _, token, __, i=i: self.listener.token(run, i, token)  # noqa: E731
                 run.results[i] = engine.generate([request], on_token)[0]
         run.seconds = time.perf_counter() - t0
         if run is not self.reference:
-            run.comparisons = [compare(a, b) for a, b in zip(self.reference.results, run.results)]
-            cold = [compare(self.reference.results[i], r) for i, r in run.cold.items()]
+            run.comparisons = [self._compare(run, i, r) for i, r in enumerate(run.results)]
+            run.cold_comparisons = [self._compare(run, i, r) for i, r in run.cold.items()]
             run.verdict, run.note = judge(run.arm, run.comparisons, run.preemptions, reach(self.reference.results),
-                                          run.drafted, cold, run.reused)
+                                          run.drafted, run.cold_comparisons, run.reused)
         run.complete = True
         self._write_arm(run)
         self.listener.arm_finished(run)
 
-    def _warm_up(self, run: ArmRun, engine, policy) -> list[int]:
+    def _warm_up(self, run: ArmRun, engine, policy, requests: list[Request]) -> list[int]:
         """A warm arm's first pass: the longest half of the suite, cold, longest last (so its pages are the last
         to be evicted). Returns the second pass's order: that half warm, longest first, each followed by a chat
         of the other half, so warm and cold streams share forwards."""
-        by_length = sorted(range(len(self.requests)), key=lambda i: len(self.requests[i].prompt))
-        first = by_length[len(self.requests) // 2:]
+        by_length = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt))
+        first = by_length[len(requests) // 2:]
         self.listener.pass_started(run, "cold")
         on_token = lambda k, token, _: self.listener.token(run, first[k], token)  # noqa: E731
-        run.cold = dict(zip(first, engine.generate([self.requests[i] for i in first], on_token)))
+        run.cold = dict(zip(first, engine.generate([requests[i] for i in first], on_token)))
         if hasattr(policy, "warm"):
             policy.warm()
         self.listener.pass_started(run, "warm")
-        warm, others = first[::-1], [i for i in range(len(self.requests)) if i not in run.cold]
+        warm, others = first[::-1], [i for i in range(len(requests)) if i not in run.cold]
         return [i for pair in zip(warm, others + [None] * len(warm)) for i in pair if i is not None]
 
     # -- results --------------------------------------------------------------------------------------
@@ -230,6 +266,8 @@ class Check:
             "longest_context": reach([r for r in self.reference.results if r is not None]),
             "versions": self.versions,
             "reference": {"seconds": round(self.reference.seconds, 2), "complete": self.reference.complete},
+            "scored_chats": [self.requests[i].label for i in sorted(self.scored)],
+            "left_out": self.left_out,
             "arms": [_arm_summary(r) for r in self.arms],
         }
 
@@ -240,6 +278,7 @@ class Check:
     def _write_arm(self, run: ArmRun) -> None:
         if self.evidence is None:
             return
+        requests = self._requests(run)
         doc = {
             "arm": run.arm.name, "mode": run.arm.mode(self.group), "about": run.arm.about,
             "control": run.arm.control, "complete": run.complete, "verdict": run.verdict or None,
@@ -247,9 +286,12 @@ class Check:
             "reused_rows": run.reused,
             "plan": plan_json(run.plan, self.config, run.layout), "versions": self.versions,
             "chats": [chat_record(req, res, cmp)
-                      for req, res, cmp in zip(self.requests, run.results, run.comparisons or [None] * len(run.results))
+                      for req, res, cmp in zip(requests, run.results, run.comparisons or [None] * len(run.results))
                       if res is not None],
         }
+        if run.cold:  # a warm arm's first pass
+            cold = dict(zip(run.cold, run.cold_comparisons or [None] * len(run.cold)))
+            doc["cold"] = [chat_record(requests[i], res, cold[i]) for i, res in run.cold.items()]
         write_json(self.evidence / f"{run.arm.name}.json", doc)
 
     def plan_lines(self, run: ArmRun) -> list[str]:
@@ -260,7 +302,8 @@ def _arm_summary(run: ArmRun) -> dict:
     return {
         "arm": run.arm.name, "control": run.arm.control, "complete": run.complete, "verdict": run.verdict or None,
         "note": run.note, "equal_ids": run.equal_ids, "equal_logits": run.equal_logits,
+        "prompt_scores_equal": run.scores[0], "prompt_scores_compared": run.scores[1],
         "chats": len(run.results), "preemptions": run.preemptions, "reused_rows": run.reused,
         "seconds": round(run.seconds, 2),
-        "partings": [c.where() for c in run.comparisons if not c.equal],
+        "partings": run.partings,
     }

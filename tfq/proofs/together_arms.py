@@ -2,10 +2,13 @@
 
 Every arm's plan is the user's plan with a few keys changed (tfq.plan.derive, each tagged "arm NAME"); its
 replies are compared with the reference's, chat by chat, in token ids and in the bits of every step's
-logits. A control changes the arithmetic on purpose and must come out RED.
+logits. A control changes the arithmetic on purpose and must come out RED. The warm arms also ask for prompt
+scores on every other chat and compare them, every float's bits, with the same chat's scores alone.
 """
 from __future__ import annotations
 
+import hashlib
+import struct
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -13,6 +16,7 @@ from tfq.errors import TfqError
 from tfq.kernels.contract import KEY_TILE, SPLIT_ROWS
 from tfq.runner import AttentionPolicy, ColdPartial, paged_partial
 from tfq.plan import Plan, derive, pages_for
+from tfq.sampling import TokenLogprob
 from tfq.stream import Request, Result
 
 EXACT, RED, FAIL = "EXACT", "RED", "FAIL"
@@ -30,8 +34,10 @@ class Context:
     group: int
     page_rows: int
     chunk: int
+    preempt_page_rows: int  # the plan's page rows, or a multiple of them where those cannot overflow its pool
     preempt_window: int  # rows the longest chat needs, rounded up to pages (at most the plan's window)
     preempt_pool: int  # pages for one such window: too few for the group, so streams are preempted
+    longest_first: tuple[int, ...] = ()  # chats by prompt length, longest first: the preempted arm's order
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,8 @@ class Arm:
     must_preempt: bool = False
     must_draft: bool = False
     warm: bool = False  # the suite in two passes through one engine: a first half cold, then all of it, mixed
+    scores: bool = False  # every other chat asks for prompt scores, compared bit for bit with its scores alone
+    longest_first: bool = False  # the chats go in longest prompt first, not in the suite's order
     chunked_deltanet: bool = False  # a hybrid's prompt chunks in the chunked DeltaNet arithmetic (a control)
     models: str = "all"  # the models it applies to: all | hybrid (Qwen3.5) | attention (no DeltaNet layers)
     reduce: bool = False  # tensor parallelism's usual split (o and down summed across ranks): plans with tp > 1
@@ -73,17 +81,18 @@ ARMS: tuple[Arm, ...] = (
         lambda c: {"kv.pages": c.page_rows, "kv.paged": "all"}),
     Arm("chunked", True, "K together, prompts fed in small odd-sized chunks",
         lambda c: {"kv.pages": 0, "prefill_chunk": c.chunk}),
-    Arm("preempted", True, "K together on pages, a pool too small for all: streams evicted and recomputed",
-        lambda c: {"kv.pages": c.page_rows, "kv.paged": "all", "window": c.preempt_window,
-                   "kv.pool": c.preempt_pool},
-        must_preempt=True),
+    Arm("preempted", True, "K together on pages, longest prompts first, a pool of one window (whatever the plan's): "
+        "the first K prompts overflow it, so streams are evicted and recomputed",
+        lambda c: {"kv.pages": c.preempt_page_rows, "kv.paged": "all", "window": c.preempt_window,
+                   "kv.pool": c.preempt_pool, "kv.prefix_cache": "off"},
+        must_preempt=True, longest_first=True),
     Arm("drafted", True, "K together on pages, drafting by prompt lookup (ngram:4), guesses verified in the batch",
         lambda c: {"kv.pages": c.page_rows, "kv.paged": "more", "draft": "ngram:4"}, must_draft=True),
     Arm("drafted-model", True, "K together, the model drafting for itself (4 guesses a verify)",
         lambda c: {"kv.pages": 0, "draft": "self"}, must_draft=True),
     Arm("prefix", True, "K together on pages with the prefix cache: half the suite cold, then all of it (that "
-        "half warm, mixed with the others) through the same cache",
-        lambda c: {"kv.pages": c.page_rows, "kv.paged": "all", "kv.prefix_cache": "on"}, warm=True,
+        "half warm, mixed with the others) through the same cache; every other chat scores its prompt",
+        lambda c: {"kv.pages": c.page_rows, "kv.paged": "all", "kv.prefix_cache": "on"}, warm=True, scores=True,
         models="attention"),
     Arm("partial", True, "control: partial attention arithmetic instead of rows; must differ",
         lambda c: {"kv.pages": 0, "attention": "partial"}, control=True),
@@ -92,9 +101,9 @@ ARMS: tuple[Arm, ...] = (
         attention=paged_partial),
     Arm("prefix-partial", True, "control: the prefix arm with its first pass in partial, so warm rows streams "
         "map pages computed in partial; must differ (64-row pages: a prompt past 320 rows reuses rows past the "
-        "first split)",
+        "first split; prompts scored in the cold pass differ past it too)",
         lambda c: {"kv.pages": SMALL_PAGE_ROWS, "kv.paged": "all", "kv.prefix_cache": "on"}, control=True,
-        fresh_attention=ColdPartial, warm=True, models="attention"),
+        fresh_attention=ColdPartial, warm=True, scores=True, models="attention"),
     Arm("deltanet-chunks", True, "control: a hybrid's prompt chunks by the chunked DeltaNet algorithm (64-row "
         "blocks, as transformers prefills), decode rows by the recurrence; must differ",
         lambda c: {"kv.pages": 0}, control=True, chunked_deltanet=True, models="hybrid"),
@@ -164,18 +173,60 @@ def page_rows_for(plan: Plan) -> int:
 
 def context_for(plan: Plan, requests: Sequence[Request], group: int) -> Context:
     pages = page_rows_for(plan)
-    need = max(len(r.prompt) + r.max_tokens for r in requests)
-    window = min(plan.window, pages_for(need, pages) * pages)
     chunk = CHUNK_ROWS if plan.prefill_chunk != CHUNK_ROWS else 47
-    return Context(group=group, page_rows=pages, chunk=chunk, preempt_window=window,
-                   preempt_pool=pages_for(window, pages))
+    order = tuple(sorted(range(len(requests)), key=lambda i: -len(requests[i].prompt)))
+    page_rows, window, pool = preemption(plan, [len(requests[i].prompt) for i in order],
+                                         max(len(r.prompt) + r.max_tokens for r in requests), group)
+    return Context(group=group, page_rows=pages, chunk=chunk, preempt_page_rows=page_rows, preempt_window=window,
+                   preempt_pool=pool, longest_first=order)
+
+
+def preemption(plan: Plan, prompts: Sequence[int], need: int, group: int) -> tuple[int, int, int]:
+    """The preempted arm's (page rows, window, pool), so that it must preempt whatever the plan's pool: the pool
+    holds one window of the longest chat, and the first `group` prompts (longest first) need more pages than
+    that at some step of their prefill. Pages of the plan's rows when they do, else of the fewest multiple of
+    them that does: at worst a page of a whole window, a pool of one, which any two streams overflow at once."""
+    rows = page_rows_for(plan)
+    for page in range(rows, pages_for(min(need, plan.window), rows) * rows + 1, rows):
+        window = min(plan.window, pages_for(need, page) * page)
+        pool = pages_for(window, page)
+        if overflows(prompts[:group], plan.prefill_chunk, page, pool):
+            break
+    return page, window, pool
+
+
+def overflows(prompts: Sequence[int], chunk: int, page_rows: int, pool: int) -> bool:
+    """Whether streams admitted together with these prompts must hold more than `pool` pages at some step:
+    each takes `chunk` rows of its prompt a step, and none can end before the step that takes its last chunk."""
+    steps = max((pages_for(n, chunk) for n in prompts), default=0)
+    return any(sum(pages_for(min(n, s * chunk), page_rows) for n in prompts if pages_for(n, chunk) >= s) > pool
+               for s in range(1, steps + 1))
 
 
 def arm_plan(arm: Arm, base: Plan, ctx: Context) -> Plan:
     """The base plan with this arm's keys set; each changed key is tagged "set by arm NAME" in its plan lines."""
     changes: dict[str, Any] = {"lanes": ctx.group if arm.together else 1, "attention": "rows", "draft": "none"}
     changes.update(arm.changes(ctx))
+    changes.update(pool_rows_kept(base, changes))
     return derive(base, changes, f"arm {arm.name}")
+
+
+def pool_rows_kept(base: Plan, changes: dict[str, Any]) -> dict[str, Any]:
+    """An arm on pages of other rows than the plan's keeps the rows of the plan's explicit pool, in more (or
+    fewer) pages. Without pages the plan's pool is unused and holds no rows: the arm's pool is auto."""
+    rows = changes.get("kv.pages", base.kv.pages)
+    if not rows or rows == base.kv.pages or "kv.pool" in changes or base.kv.pool == "auto":
+        return {}
+    if not base.kv.pages:
+        return {"kv.pool": "auto"}
+    return {"kv.pool": pages_for(int(base.kv.pool) * base.kv.pages, rows)}
+
+
+def scored_chats(requests: Sequence[Request]) -> frozenset[int]:
+    """The chats whose prompt scores the warm arms compare: every other one by prompt length, the longest not.
+    A stream scoring its prompt maps no cached page, so the others (the longest among them) keep reusing rows."""
+    by_length = sorted(range(len(requests)), key=lambda i: -len(requests[i].prompt))
+    return frozenset(by_length[1::2])
 
 
 # ------------------------------------------------------------------------------------------- comparing
@@ -189,10 +240,12 @@ class ChatComparison:
     char: int | None = None  # first character of the reply text that differs (None: texts equal)
     step: int | None = None  # first step whose logits bits differ (None: all equal)
     error: str | None = None  # the arm's run of this chat failed
+    scores_equal: bool | None = None  # its prompt scores' bits equal the reference's (None: not compared)
+    score_at: int | None = None  # first prompt token whose score differs or is missing (None: all equal)
 
     @property
     def equal(self) -> bool:
-        return self.ids_equal and self.logits_equal and self.error is None
+        return self.ids_equal and self.logits_equal and self.scores_equal is not False and self.error is None
 
     def where(self) -> str:
         if self.error:
@@ -202,6 +255,8 @@ class ChatComparison:
             return f"{self.chat} @ token {self.token}{char}"
         if self.step is not None:
             return f"{self.chat}: logits @ step {self.step}"
+        if self.score_at is not None:
+            return f"{self.chat}: prompt score @ prompt token {self.score_at}"
         return ""
 
 
@@ -212,12 +267,45 @@ def _first_difference(a: Sequence, b: Sequence) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def compare(reference: Result, got: Result) -> ChatComparison:
+def compare(reference: Result, got: Result, scores: bool = False) -> ChatComparison:
+    """`scores`: the chat asked for prompt scores in both runs, and they are compared too."""
+    score_at = score_parting(reference, got) if scores else None
     return ChatComparison(
         chat=reference.label, ids_equal=got.ids == reference.ids, logits_equal=got.digests == reference.digests,
         token=_first_difference(reference.ids, got.ids), char=_first_difference(reference.text, got.text),
         step=_first_difference(reference.digests, got.digests),
-        error=got.error or (f"the reference run failed: {reference.error}" if reference.error else None))
+        error=got.error or (f"the reference run failed: {reference.error}" if reference.error else None),
+        scores_equal=score_at is None if scores else None, score_at=score_at)
+
+
+def score_digest(score: TokenLogprob | None) -> str | None:
+    """A prompt token's score as the bits of every number in it: the token, its log-probability (a float64),
+    and each top token with its own."""
+    if score is None:
+        return None
+    packed = struct.pack("<qd", score.token, score.logprob)
+    packed += b"".join(struct.pack("<qd", token, lp) for token, lp in score.top)
+    return hashlib.sha256(packed).hexdigest()[:16]
+
+
+def score_digests(result: Result) -> list[str | None] | None:
+    """Each prompt token's score digest (None for the first, which nothing scores); None when it has no scores."""
+    if result.prompt_logprobs is None:
+        return None
+    return [score_digest(s) for s in result.prompt_logprobs]
+
+
+def score_parting(reference: Result, got: Result) -> int | None:
+    """The first prompt token (from the second: nothing scores the first) whose score differs or is missing on
+    either side; None when every one is there and equal."""
+    a, b = score_digests(reference), score_digests(got)
+    if a is None or b is None:
+        return 1
+    for i in range(1, max(len(a), len(b))):
+        x, y = (a[i] if i < len(a) else None), (b[i] if i < len(b) else None)
+        if x is None or y is None or x != y:
+            return i
+    return None
 
 
 def reach(results: Sequence[Result]) -> int:
@@ -225,17 +313,36 @@ def reach(results: Sequence[Result]) -> int:
     return max((r.prompt_tokens + len(r.ids) - 1 for r in results), default=0)
 
 
+def scores_tally(comparisons: Sequence[ChatComparison]) -> tuple[int, int]:
+    """(prompt scores equal, prompt scores compared)."""
+    compared = [c for c in comparisons if c.scores_equal is not None]
+    return sum(c.scores_equal and c.error is None for c in compared), len(compared)
+
+
+def _differ(comparisons: Sequence[ChatComparison], what: str) -> str:
+    """Why unequal comparisons fail an arm: replies that differ, or else prompt scores alone."""
+    replies = [c for c in comparisons if not (c.ids_equal and c.logits_equal)]
+    if replies:
+        return f"{len(replies)} of {len(comparisons)} {what} differ from their runs alone: {replies[0].where()}"
+    equal, compared = scores_tally(comparisons)
+    first = next(c for c in comparisons if c.scores_equal is False)
+    return (f"{compared - equal} of {compared} prompt scores of the {what} differ from their runs alone: "
+            f"{first.where()}")
+
+
 def judge(arm: Arm, comparisons: Sequence[ChatComparison], preemptions: int, longest: int,
           drafted: tuple[int, int] = (0, 0), cold: Sequence[ChatComparison] = (), reused: int = 0) -> tuple[str, str]:
     """(verdict, a short note saying why). `cold`: a warm arm's first pass; `reused`: rows from its cache."""
     n = len(comparisons)
-    failed = [c for c in comparisons if c.error]
+    failed = [c for c in [*comparisons, *cold] if c.error]
     if failed:
-        return FAIL, f"{len(failed)} of {n} runs failed: {failed[0].chat}: {failed[0].error}"
+        return FAIL, f"{len(failed)} of {n + len(cold)} runs failed: {failed[0].chat}: {failed[0].error}"
+    equal, compared = scores_tally([*comparisons, *cold])
     if arm.control:
         differ = sum(not c.logits_equal for c in comparisons)
-        if differ:
-            return RED, f"{differ} of {n} replies' logits differ, as they must"
+        scores = f", {compared - equal} of {compared} prompt scores" if compared else ""
+        if differ or equal < compared:
+            return RED, f"{differ} of {n} replies' logits{scores} differ, as they must"
         if arm.chunked_deltanet:
             return FAIL, "its logits equal the reference: the chunked DeltaNet arithmetic did not show"
         if arm.reduce:
@@ -247,16 +354,17 @@ def judge(arm: Arm, comparisons: Sequence[ChatComparison], preemptions: int, lon
             return FAIL, (f"its logits equal the reference: no page it reused holds rows past the first {SPLIT_ROWS} "
                           f"keys; add a chat whose prompt is longer than {SPLIT_ROWS + SMALL_PAGE_ROWS} rows")
         return FAIL, "its logits equal the reference: the check did not see an arithmetic change"
-    differ = [c for c in comparisons if not c.equal]
-    if differ:
-        return FAIL, f"{len(differ)} of {n} replies differ from their runs alone"
-    cold_differ = [c for c in cold if not c.equal]
-    if cold_differ:
-        return FAIL, f"{len(cold_differ)} of {len(cold)} replies of the cold pass differ: {cold_differ[0].where()}"
+    if any(not c.equal for c in comparisons):
+        return FAIL, _differ(comparisons, "replies")
+    if any(not c.equal for c in cold):
+        return FAIL, _differ(cold, "replies of the cold pass")
     if arm.warm and reused == 0:
         return FAIL, "no row was taken from the prefix cache, so reuse went untested"
+    if arm.scores and compared == 0:
+        return FAIL, "no chat scored its prompt, so prompt scores went untested"
     if arm.warm:
-        return EXACT, f"{reused} rows from the prefix cache, cold and warm replies exact"
+        scores = f", {compared} prompt scores equal bit for bit" if compared else ""
+        return EXACT, f"{reused} rows from the prefix cache, cold and warm replies exact{scores}"
     if arm.must_preempt and preemptions == 0:
         return FAIL, "no stream was preempted (the pool held them all), so recomputation went untested"
     if arm.must_preempt:

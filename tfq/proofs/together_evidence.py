@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tfq.proofs.together_arms import ChatComparison
+from tfq.proofs.together_arms import ChatComparison, score_digests
 from tfq.stream import Request, Result
 
 _HASH_LIMIT = 256 << 20  # hash weight files up to this size; the default model is named by its GGUF's sha
@@ -26,6 +26,9 @@ def chat_record(request: Request, result: Result, comparison: ChatComparison | N
         "first_token_s": round(result.first_token_s, 3), "seconds": round(result.total_s, 3),
         "text": result.text, "ids": result.ids, "digests": result.digests,
     }
+    if request.prompt_logprobs is not None:  # each prompt token's score, as digests of its bits
+        record["prompt_logprobs"] = request.prompt_logprobs
+        record["prompt_scores"] = score_digests(result)
     if comparison is not None:
         record["compared"] = {k: v for k, v in dataclasses.asdict(comparison).items() if k not in ("chat", "error")}
     return record
