@@ -1,0 +1,123 @@
+"""What is checked of a parsed request, and how its prompts become token ids: the model it names, the lengths of its stop strings
+and of its prompts' lengths (by characters before tokenizing, by tokens after), and pydantic's complaints as
+one line. Also what the routes share: `Served`, and `ApiError`, which the app answers as OpenAI's error body."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tfq.errors import TfqError
+from tfq.serve.guard import Limits
+from tfq.serve.loop import EngineLoop
+from tfq.serve.metrics import Metrics
+from tfq.serve.protocol import ChatBody, Sampling
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 outcome: str = "invalid"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.outcome = status, message, param, kind, outcome
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+@dataclass
+class Served:
+    """What the routes need: the engine loop, the tokenizer, the model's name and window."""
+
+    loop: EngineLoop
+    tokenizer: object  # tfq.model.tokenizer.Tokenizer
+    model: str
+    window: int
+    vocab: int
+    metrics: Metrics
+    api_key: str | None = None
+    limits: Limits = Limits()
+    hosts: frozenset[str] | None = None  # Host names answered (tfq.serve.guard.allowed_hosts); None: any
+    log_prompts: bool = False  # log each request's prompt text (off: logs never hold what users wrote)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The most tokens a prompt may have: the limit, and room for one reply token in the window."""
+        return min(self.limits.prompt_tokens or self.window - 1, self.window - 1)
+
+
+def validation_message(errors) -> tuple[str, str | None]:
+    """pydantic's first complaint as one line naming the field."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    if first.get("type") == "surrogate":  # its message names the field already
+        return first["msg"], None
+    if first.get("type") == "json_invalid":
+        return f"the body is not valid JSON ({first.get('ctx', {}).get('error', first['msg'])})", None
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # a union's complaint names the branch tried (`str`, `list[int]`): the field is the first part
+    field = ".".join(p for p in loc if not any(c in p for c in "[]") and p not in ("str", "int", "float"))
+    if first.get("type") == "extra_forbidden":
+        return f"unknown field {field!r}; tfq serves OpenAI's fields (GET /openapi.json lists them)", field
+    if first.get("type") == "missing":
+        return (f"{field} is required" if field else "a JSON body is required"), field or None
+    return f"{field or 'body'}: {first['msg']}", field or None
+
+
+def check_model(served: Served, body: Sampling) -> None:
+    if body.model != served.model:
+        raise ApiError(400, f"model {body.model!r} is not served here; this server serves {served.model!r} "
+                       f"(GET /v1/models)", "model")
+
+
+def check_stops(served: Served, body: Sampling) -> None:
+    most = served.limits.stop_chars
+    for s in body.stops:
+        if len(s) > most:
+            raise ApiError(400, f"stop: a stop string of {len(s)} characters is over this server's limit of {most}; "
+                           f"shorten it (the operator sets --max-stop-chars)", "stop")
+
+
+def text_prompts(served: Served, prompt) -> list[list[int]]:
+    """Completions' prompt forms: a string, strings, token ids, or lists of token ids."""
+    if isinstance(prompt, str):
+        prompts = [encode(served, prompt, "prompt")]
+    elif all(isinstance(p, str) for p in prompt):
+        prompts = [encode(served, p, "prompt") for p in prompt]
+    elif all(isinstance(p, int) for p in prompt):
+        prompts = [list(prompt)]
+    else:
+        prompts = [list(p) for p in prompt]
+    for p in prompts:
+        if not p:
+            raise ApiError(400, "prompt: empty after tokenizing; give some text", "prompt")
+        if any(not 0 <= t < served.vocab for t in p):
+            raise ApiError(400, f"prompt: token ids must be in [0, {served.vocab})", "prompt")
+        fits(served, len(p), "prompt")
+    return prompts
+
+
+def chat_prompt(served: Served, body: ChatBody) -> list[int]:
+    try:
+        text = served.tokenizer.render_chat(body.chat())
+    except TfqError as e:
+        raise ApiError(400, f"messages: {e}", "messages") from None
+    prompt = encode(served, text, "messages")
+    fits(served, len(prompt), "messages")
+    return prompt
+
+
+def encode(served: Served, text: str, param: str) -> list[int]:
+    """A prompt's ids; a text too long for the limit by its length alone is refused before tokenizing."""
+    longest = served.tokenizer.longest_token
+    if len(text) > served.prompt_tokens * longest:
+        raise ApiError(400, f"{param}: {len(text)} characters are more than this server's limit of "
+                       f"{served.prompt_tokens} prompt tokens can hold (a token here is at most {longest} "
+                       f"characters); shorten it", param)
+    return served.tokenizer.encode(text)
+
+
+def fits(served: Served, tokens: int, param: str) -> None:
+    if tokens >= served.window:
+        raise ApiError(400, f"{param}: {tokens} tokens leave no room for a reply in the window of {served.window}; "
+                       f"shorten it, or serve a plan with a larger window (TFQ_WINDOW)", param)
+    if tokens > served.prompt_tokens:
+        raise ApiError(400, f"{param}: {tokens} tokens are over this server's limit of {served.prompt_tokens} prompt "
+                       f"tokens; shorten it (the operator sets --max-prompt-tokens)", param)
