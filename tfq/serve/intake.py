@@ -1,6 +1,6 @@
-"""What is checked of a parsed request, and how its prompts become token ids: the model it names, the lengths of its stop strings
-and of its prompts' lengths (by characters before tokenizing, by tokens after), and pydantic's complaints as
-one line. Also what the routes share: `Served`, and `ApiError`, which the app answers as OpenAI's error body."""
+"""What is checked of a parsed request, and how its prompts become token ids: the model it names, the lengths of
+its stop strings and of its prompts (by characters before tokenizing, by tokens after), and pydantic's
+complaints as one line. Also what the routes share: `Served`, and `ApiError`, answered as OpenAI's error body."""
 from __future__ import annotations
 
 from dataclasses import dataclass
