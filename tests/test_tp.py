@@ -8,9 +8,15 @@ split unevenly over 3 ranks: 2 key/value heads (1 + 1 + 0: the last rank holds n
 from __future__ import annotations
 
 import json
+import os
+import pickle
 import random
+import secrets
+import signal
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -230,3 +236,182 @@ def test_a_rank_that_dies_is_one_line_not_a_hang(tiny_dirs):
         engine.generate([Request(prompt=(1, 2, 3), max_tokens=2)])
     assert "\n" not in str(e.value)
     group.stop()
+
+
+# -- Ctrl-C and the group's trust: ranks in their own session ignoring SIGINT, Ctrl-C held to a forward's end on
+# rank 0, the store bound before its port is handed out, ranks admitted by the run's secret, messages signed
+
+class Mkdir:
+    """A pickle whose unpickling makes a folder: the sign that a message was read."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return os.mkdir, (self.path,)
+
+
+def test_a_message_is_unpickled_only_under_the_runs_mac(tmp_path):
+    from tfq.parallel.ranks import opened, sealed
+
+    secret = secrets.token_bytes(32)
+    payload = pickle.dumps(("stop", Mkdir(tmp_path / "read")))
+    changed = bytearray(sealed(secret, payload))
+    changed[40] ^= 1
+    forged = [sealed(secrets.token_bytes(32), payload), bytes(changed), payload, sealed(secret, payload)[:31]]
+    for data in forged:
+        with pytest.raises(TfqError, match="failed its HMAC check") as e:
+            opened(secret, data)
+        assert "\n" not in str(e.value) and not (tmp_path / "read").exists()
+    assert opened(secret, sealed(secret, payload)) == ("stop", None)  # the control: signed, it is read
+    assert (tmp_path / "read").is_dir()
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_a_rank_refuses_a_message_not_signed_with_the_runs_secret(signed, tmp_path, monkeypatch):
+    """A real rank: a message under another key is refused in one line, unread (no folder), and the rank exits
+    1; the same message signed with the run's secret is read (the folder) and obeyed (its stop). The rank is
+    started when the store already listens on the port it is given."""
+    import tfq.parallel.ranks as ranks_module
+
+    real = ranks_module.start_rank
+
+    def start_rank(rank, world, port, *args, **kw):
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind(("127.0.0.1", port))
+        return real(rank, world, port, *args, **kw)
+
+    monkeypatch.setattr(ranks_module, "start_rank", start_rank)
+    group, (rank,) = ranks_module.start_group(2, torch.device("cpu"), stderr=subprocess.PIPE)
+    key = group.secret if signed else secrets.token_bytes(32)
+    group.broadcast(ranks_module.sealed(key, pickle.dumps(("stop", Mkdir(tmp_path / "read")))))
+    assert rank.wait(timeout=120) == (0 if signed else 1)
+    err = rank.stderr.read().decode().strip().splitlines()
+    assert (tmp_path / "read").is_dir() == signed
+    if not signed:
+        assert len(err) == 1 and err[0].startswith("tfq rank 1: a message failed its HMAC check"), err
+
+
+def test_the_store_listens_before_its_port_is_handed_out_and_admits_only_the_secret():
+    from tfq.parallel.ranks import TIMEOUT, admit, joined_key, listening_store, proof, start_rank
+
+    store = listening_store(2)
+    with socket.socket() as other, pytest.raises(OSError):
+        other.bind(("127.0.0.1", store.port))  # taken from the start: no other process can take it
+    with socket.socket() as s:  # the control: a free port found and released, the old way, can be taken
+        s.bind(("127.0.0.1", 0))
+        released = s.getsockname()[1]
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", released))
+
+    secret = secrets.token_bytes(32)
+    stranger = torch.distributed.TCPStore("127.0.0.1", store.port, 2, False, timeout=TIMEOUT)
+    stranger.set(joined_key(1), proof(secrets.token_bytes(32), 1))
+    waiting = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    with pytest.raises(TfqError, match="does not know this run's secret joined as tensor-parallel rank 1") as e:
+        admit(store, secret, [waiting])
+    assert "\n" not in str(e.value)
+    stranger.set(joined_key(1), proof(secret, 1))
+    admit(store, secret, [waiting])  # the control: the run's proof is taken
+    waiting.communicate(b"")
+
+    store = listening_store(2)  # a rank that cannot read the secret exits; rank 0 says so instead of waiting
+    rank = start_rank(1, 2, store.port, torch.device("cpu"), b"short", stderr=subprocess.PIPE)
+    with pytest.raises(TfqError, match=r"rank 1 exited \(code 1\) before joining"):
+        admit(store, secret, [rank])
+    assert rank.stderr.read().decode().strip().splitlines() == [
+        "tfq rank 1: got 5 bytes of the run's secret on stdin, not 32; ranks are started by rank 0 (tp: N), not by "
+        "hand"]
+
+
+def test_ctrl_c_waits_for_the_end_of_the_block():
+    from tfq.parallel.ranks import sigint_deferred
+
+    reached = []
+    with pytest.raises(KeyboardInterrupt):
+        with sigint_deferred():
+            signal.raise_signal(signal.SIGINT)
+            reached.append("after the signal")
+        reached.append("after the block")
+    assert reached == ["after the signal"] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with sigint_deferred():  # no Ctrl-C: nothing raised
+        pass
+    with pytest.raises(KeyboardInterrupt):  # the control: without it, the interrupt lands at once
+        signal.raise_signal(signal.SIGINT)
+        reached.append("never")
+    assert reached == ["after the signal"]
+
+    seen = []
+
+    def off_main():  # signals never land here, and signal.signal would refuse: nothing is installed
+        with sigint_deferred():
+            seen.append(signal.getsignal(signal.SIGINT))
+
+    thread = threading.Thread(target=off_main)
+    thread.start()
+    thread.join()
+    assert seen == [signal.default_int_handler]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_dirs):
+    """A tp 2 group of its own (not the one the other tests share) holding the tiny qwen3's shards."""
+    from tfq.model.load import load_shard
+    from tfq.parallel.ranks import ModelSpec, Ranks
+
+    group = Ranks(2, torch.device("cpu"))
+    yield group, group.load(ModelSpec(str(tiny_dirs["qwen3"]), "cpu", "auto"), load_shard, False).model
+    group.stop()
+
+
+def _run(model):
+    from tfq.engine import Engine, EngineSettings
+    from tfq.stream import Request
+
+    requests = [Request(prompt=tuple(range(7, 30)), max_tokens=4), Request(prompt=(5, 3, 9), max_tokens=4)]
+    return Engine(model, EngineSettings(window=128, lanes=2), keep_logits=True).generate(requests)
+
+
+def _same(a, b) -> bool:
+    return all(x.ids == y.ids and all(torch.equal(p, q) for p, q in zip(x.logits, y.logits)) for x, y in zip(a, b))
+
+
+def test_ranks_ignore_sigint_in_their_own_session(pair, tiny_models):
+    """Ctrl-C goes to the terminal's foreground process group: rank 1 is not in it (a session of its own), and
+    SIGINT sent to its group or to it directly leaves it running: the next forwards give one process's bits."""
+    group, model = pair
+    rank = group.processes[0]
+    assert os.getsid(rank.pid) == rank.pid != os.getsid(0) and os.getpgid(rank.pid) != os.getpgrp()
+    assert int(rank.args[-2]) == group.group.store.port  # the port of the store rank 0 already listens on
+    os.killpg(rank.pid, signal.SIGINT)
+    os.kill(rank.pid, signal.SIGINT)
+    assert _same(_run(model), _run(tiny_models["qwen3"].model))
+    assert rank.poll() is None
+    # the control: a Python process started the same way that does not ignore SIGINT dies of the same signal
+    other = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    os.killpg(other.pid, signal.SIGINT)
+    assert other.wait(timeout=60) == -signal.SIGINT
+
+
+def test_ctrl_c_in_a_forward_lands_after_it_and_the_group_stays_in_step(pair, tiny_models, monkeypatch):
+    """SIGINT raised on rank 0 between two of a forward's gathers: the forward runs to its last gather (the
+    logits) before KeyboardInterrupt reaches the caller, so the next forward finds the ranks in step and gives
+    one process's bits. Without the hold the interrupt lands inside the gather, in the middle of the forward."""
+    group, model = pair
+    real, calls = group.group.gather, []
+
+    def gather(t: torch.Tensor, widths: list[int]) -> torch.Tensor:
+        calls.append(widths)
+        if len(calls) == 3:
+            signal.raise_signal(signal.SIGINT)
+            calls.append("Ctrl-C")
+        return real(t, widths)
+
+    monkeypatch.setattr(group.group, "gather", gather)
+    with pytest.raises(KeyboardInterrupt):
+        _run(model)
+    after = calls[calls.index("Ctrl-C") + 1:]
+    assert after[-1] == model.widths["head"] and "Ctrl-C" not in after
+    assert _same(_run(model), _run(tiny_models["qwen3"].model))
+    assert group.processes[0].poll() is None

@@ -221,6 +221,8 @@ class Engine:
                 for out in self.step():
                     if on_token is not None and out.token >= 0:
                         on_token(index[out.id], out.token, out.text)
+        except ForwardFault as e:  # a run to the end stops at a failed forward, with what failed (one line if it
+            raise e.__cause__ from None  # is the user's to mend, e.g. a tensor-parallel rank that stopped)
         finally:
             for id_ in ids:  # an interrupted run gives every page back
                 self.abort(id_)

@@ -9,7 +9,8 @@ do not depend on the columns beside it). The control (`reduce`) splits o and dow
 ranks' partial sums (an all-reduce), as Megatron-style tensor parallelism does.
 
 On rank 0 a forward first sends its inputs to the other ranks (tfq/parallel/ranks.py), which run the same
-forward on their shards; the engine above never knows the model is split.
+forward on their shards; the engine above never knows the model is split. Ctrl-C waits for the end of the
+forward (sigint_deferred): its collectives are issued one by one from here, and the other ranks are in them.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import torch
 from tfq.kernels.quant import Quantized
 from tfq.model.qwen import Qwen
 from tfq.model.taker import text_name
+from tfq.parallel.ranks import sigint_deferred
 from tfq.parallel.shard import Shard, sizes
 from tfq.proofs.startup_kernels import check_columns
 
@@ -68,23 +70,26 @@ class ShardedQwen(Qwen):
         self.local = True
         try:
             yield refused
-        finally:
+        finally:  # even on Ctrl-C during rank 0's own proof: the other ranks wait for its answer
             self.local = False
             if asks:
-                refused += [p for p in self.group.agree("") if p]
+                with sigint_deferred():
+                    refused += [p for p in self.group.agree("") if p]
 
     def runs_in_one_call(self, layer) -> bool:
         return False  # the gathers sit inside the layer
 
     def roll_back(self, cache, slot: int, rows: int) -> None:
-        if self.shard.rank == 0:
-            self.group.send(("roll_back", self.what, self._serial(cache), (slot, rows)))
-        super().roll_back(cache, slot, rows)
+        with sigint_deferred():
+            if self.shard.rank == 0:
+                self.group.send(("roll_back", self.what, self._serial(cache), (slot, rows)))
+            super().roll_back(cache, slot, rows)
 
     def copy_state(self, cache, source: int, target: int) -> None:
-        if self.shard.rank == 0:
-            self.group.send(("copy_state", self.what, self._serial(cache), (source, target)))
-        super().copy_state(cache, source, target)
+        with sigint_deferred():
+            if self.shard.rank == 0:
+                self.group.send(("copy_state", self.what, self._serial(cache), (source, target)))
+            super().copy_state(cache, source, target)
 
     def _serial(self, cache) -> int:
         """The number the other ranks know rank 0's `cache` by (given on first use; dropped when it is)."""
@@ -95,13 +100,15 @@ class ShardedQwen(Qwen):
 
     @torch.inference_mode()
     def forward(self, ids, positions, cache, cache_rows, batch, logit_rows, segments=None, chunked=False):
-        if self.shard.rank == 0 and not self.local:
+        if self.local or self.shard.rank != 0:
+            return super().forward(ids, positions, cache, cache_rows, batch, logit_rows, segments, chunked)
+        with sigint_deferred():  # the other ranks run this forward's collectives with rank 0 to the end
             serial = self._serial(cache)
             dropped = list(self.dropped)
             self.dropped.clear()
             self.group.send(("forward", self.what, serial, cache.spec, dropped,
                              (ids, positions, cache_rows, batch, logit_rows, segments, chunked)))
-        return super().forward(ids, positions, cache, cache_rows, batch, logit_rows, segments, chunked)
+            return super().forward(ids, positions, cache, cache_rows, batch, logit_rows, segments, chunked)
 
 
 def _first_layer(weights: dict, config) -> dict:

@@ -1,28 +1,40 @@
-"""A rank other than 0 (`python -m tfq.parallel.rank_main RANK WORLD PORT DEVICE`, started by rank 0): load the
-shards rank 0 loads, run the forwards it runs, until it says stop (tfq/parallel/ranks.py says how they talk)."""
+"""A rank other than 0 (`python -m tfq.parallel.rank_main RANK WORLD PORT DEVICE`, started by rank 0, the run's
+secret on its stdin): load the shards rank 0 loads, run the forwards it runs, until it says stop
+(tfq/parallel/ranks.py says how they talk)."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import traceback
+from typing import NoReturn
 
 import torch
 
+from tfq.errors import TfqError
 from tfq.model.load import load_shard
-from tfq.parallel.ranks import Group, ModelSpec, exit_with_parent, rank_device
+from tfq.parallel.ranks import (SECRET_BYTES, TIMEOUT, Group, ModelSpec, exit_with_parent, joined_key, proof,
+                                rank_device)
 
 
 def rank_main(rank: int, world: int, port: int, device: str) -> None:
     """A spawned rank: load what rank 0 loads, run the forwards it runs, until it says stop (or is orphaned)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when this rank stops: its stop, or its death
     threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    secret = _secret(rank)
     fixed = os.environ.get("TFQ_THREADS", "").strip()  # --threads N on rank 0 fixes every rank's count
     torch.set_num_threads(int(fixed) if fixed.isdigit() else max(1, (os.cpu_count() or 1) // world))
-    group = Group(rank, world, port, rank_device(torch.device(device), rank))
+    store = torch.distributed.TCPStore("127.0.0.1", port, world, False, timeout=TIMEOUT)
+    store.set(joined_key(rank), proof(secret, rank))
+    group = Group(rank, world, store, rank_device(torch.device(device), rank), secret)
     models: dict[ModelSpec, object] = {}
     caches: dict[int, object] = {}
     while True:
-        message = group.receive()
+        try:
+            message = group.receive()
+        except TfqError as e:  # a message rank 0 did not sign (nothing in it is read), or rank 0 gone
+            _refuse(f"tfq rank {rank}: {e}")
         if message[0] == "stop":
             return
         if message[0] == "load":
@@ -51,6 +63,19 @@ def rank_main(rank: int, world: int, port: int, device: str) -> None:
         except Exception:  # noqa: BLE001 - the group cannot go on without this rank: say why, then stop
             traceback.print_exc()
             os._exit(1)
+
+
+def _secret(rank: int) -> bytes:
+    secret = sys.stdin.buffer.read(SECRET_BYTES + 1)  # rank 0 writes it and closes the pipe
+    if len(secret) != SECRET_BYTES:
+        _refuse(f"tfq rank {rank}: got {len(secret)} bytes of the run's secret on stdin, not {SECRET_BYTES}; ranks are "
+                "started by rank 0 (tp: N), not by hand")
+    return secret
+
+
+def _refuse(line: str) -> NoReturn:
+    print(line, file=sys.stderr, flush=True)
+    os._exit(1)  # at once: a rank must not stay in a group it cannot trust
 
 
 def _proved(model, kv_dtype: str, partial: bool, rows: int, chunk: int, draws: int) -> str:

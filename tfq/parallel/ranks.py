@@ -4,10 +4,18 @@ every model rank 0 loads with `tp: N`, and running every forward rank 0 runs, on
 inputs.
 
 Rank 0 sends each rank what to do as one message a time (pickled, broadcast): load a model's shard, run a
-forward of a given cache, stop. A forward's inputs are the step's tensors (tfq/batch.py); the page pool and the
-scheduler live on rank 0 only, so a rank's cache is only its key/value heads, with the same rows as rank 0's
-(made on the first forward that uses it, and dropped when rank 0's is). The model's gathers and the head's
-logits are collectives between all ranks, in the model's own order (tfq/parallel/model.py).
+forward of a given cache, stop. Each message carries its HMAC under a secret made for the run and handed to each
+rank through its stdin; a rank checks it before unpickling, so nothing else that reaches the group's sockets can
+make a rank run code. The store is bound (on 127.0.0.1 only) before its port is handed out, and a rank proves it
+knows the secret before rank 0 takes it in the group.
+
+A forward's inputs are the step's tensors (tfq/batch.py); the page pool and the scheduler live on rank 0 only,
+so a rank's cache is only its key/value heads, with the same rows as rank 0's (made on the first forward that
+uses it, and dropped when rank 0's is). The model's gathers and the head's logits are collectives between all
+ranks, in the model's own order (tfq/parallel/model.py).
+
+Ranks 1 .. run in sessions of their own and ignore SIGINT: Ctrl-C reaches rank 0 alone, which decides when they
+stop, and holds it while a forward's collectives are under way (sigint_deferred) so the group stays in step.
 
 Collectives run on the process group's own objects (not torch.distributed's global default group), so one
 process may hold groups of several sizes (the tests run world sizes 1, 2 and 3 in one session): gloo on the
@@ -16,12 +24,17 @@ CPU, NCCL on CUDA, each rank on its own device (cuda:rank).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
+import hmac
 import os
 import pickle
+import secrets
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -30,6 +43,9 @@ import torch
 from tfq.errors import TfqError
 
 TIMEOUT = datetime.timedelta(minutes=30)  # a collective waits this long for a peer (a rank 0 that stopped)
+SECRET_BYTES = 32
+MAC_BYTES = 32  # HMAC-SHA256
+STOP_WAIT = datetime.timedelta(seconds=10)  # a rank that does not take the stop in this long is killed
 
 
 @dataclass(frozen=True)
@@ -43,11 +59,11 @@ class ModelSpec:
 
 
 class Group:
-    """One rank's end of the group: the collectives the model and the messages use."""
+    """One rank's end of the group: the collectives the model and the messages use. store: the group's
+    TCPStore (rank 0's made by listening_store); secret: the run's, that every message is signed with."""
 
-    def __init__(self, rank: int, world: int, port: int, device: torch.device):
-        self.rank, self.world, self.device = rank, world, device
-        store = torch.distributed.TCPStore("127.0.0.1", port, world, rank == 0, timeout=TIMEOUT)
+    def __init__(self, rank: int, world: int, store, device: torch.device, secret: bytes):
+        self.rank, self.world, self.device, self.store, self.secret = rank, world, device, store, secret
         if device.type == "cuda":
             torch.cuda.set_device(device)  # NCCL's communicator binds to the current device
             self.pg = torch.distributed.ProcessGroupNCCL(store, rank, world)
@@ -70,19 +86,28 @@ class Group:
         _wait(self.pg.allreduce([t]))
         return t
 
-    def send(self, message) -> None:
-        """Rank 0: one message to every other rank."""
-        data = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8).to(self.device)
-        _wait(self.pg.broadcast(torch.tensor([data.numel()], device=self.device), 0))
-        _wait(self.pg.broadcast(data, 0))
+    def send(self, message, timeout: datetime.timedelta | None = None) -> None:
+        """Rank 0: one message to every other rank, signed (timeout: the longest each of its collectives waits;
+        None: TIMEOUT)."""
+        self.broadcast(sealed(self.secret, pickle.dumps(message)), timeout)
 
     def receive(self):
-        """Ranks 1 ..: the next message rank 0 sends."""
+        """Ranks 1 ..: the next message rank 0 sends (TfqError, unread, when its MAC is wrong)."""
+        return opened(self.secret, self.received())
+
+    def broadcast(self, data: bytes, timeout: datetime.timedelta | None = None) -> None:
+        """Rank 0: bytes to every other rank (its length, then the bytes), Ctrl-C held until both are sent."""
+        tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+        with sigint_deferred():
+            _wait(self.pg.broadcast(torch.tensor([tensor.numel()], device=self.device), 0), timeout)
+            _wait(self.pg.broadcast(tensor, 0), timeout)
+
+    def received(self) -> bytes:
         size = torch.zeros(1, dtype=torch.int64, device=self.device)
         _wait(self.pg.broadcast(size, 0))
         data = torch.empty(int(size), dtype=torch.uint8, device=self.device)
         _wait(self.pg.broadcast(data, 0))
-        return pickle.loads(data.cpu().numpy().tobytes())
+        return data.cpu().numpy().tobytes()
 
     def agree(self, problem: str) -> list[str]:
         """Every rank's problem ("" for none), after a step that can fail on one rank (loading its shard)."""
@@ -98,11 +123,7 @@ class Ranks:
     """Rank 0's handle on a group of `world` ranks: it starts them, sends them work, stops them at exit."""
 
     def __init__(self, world: int, device: torch.device):
-        port = _free_port()
-        # `python -m tfq.parallel.rank_main`: a fresh interpreter, whatever script or shell started rank 0
-        self.processes = [subprocess.Popen([sys.executable, "-m", "tfq.parallel.rank_main", str(r), str(world),
-                                            str(port), str(device)], stdout=subprocess.DEVNULL) for r in range(1, world)]
-        self.group = Group(0, world, port, rank_device(device, 0))
+        self.group, self.processes = start_group(world, device)
         self.loaded: dict[ModelSpec, object] = {}
         self.stopped = False
         atexit.register(self.stop)
@@ -112,8 +133,12 @@ class Ranks:
         load_shard(what, group, progress) -> (LoadedModel or None, the one-line problem or ""): tfq.model.load's."""
         if what not in self.loaded:
             self.group.send(("load", what))
-            loaded, problem = load_shard(what, self.group, progress)
-            problems = [p for p in self.group.agree(problem) if p]
+            loaded, problem = None, "rank 0 stopped loading"
+            try:
+                loaded, problem = load_shard(what, self.group, progress)
+            finally:  # even on Ctrl-C: the ranks wait for rank 0's answer
+                with sigint_deferred():
+                    problems = [p for p in self.group.agree(problem) if p]
             if problems:
                 raise TfqError(problems[0])
             self.loaded[what] = loaded
@@ -123,8 +148,8 @@ class Ranks:
         if not self.stopped:
             self.stopped = True
             try:
-                self.group.send(("stop",))
-            except Exception:  # a rank already gone: nothing left to stop
+                self.group.send(("stop",), STOP_WAIT)
+            except Exception:  # a rank already gone, or out of step: killed below
                 pass
             for p in self.processes:
                 try:
@@ -143,10 +168,10 @@ def ranks(world: int, device: torch.device) -> Ranks:
     return _RANKS[key]
 
 
-def _wait(work) -> None:
+def _wait(work, timeout: datetime.timedelta | None = None) -> None:
     """A collective's end; a peer that stopped (its own error printed above by it) becomes one line here."""
     try:
-        work.wait()
+        work.wait() if timeout is None else work.wait(timeout)
     except RuntimeError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise TfqError(f"a tensor-parallel rank stopped ({first}); its own error, if any, is printed above") from None
@@ -163,8 +188,102 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device.type == "cuda" else torch.device("cpu")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def start_group(world: int, device: torch.device, **popen) -> tuple[Group, list[subprocess.Popen]]:
+    """Rank 0's end of a new group, and the processes of ranks 1 .. world-1 (popen: more Popen arguments)."""
+    store = listening_store(world)
+    secret = secrets.token_bytes(SECRET_BYTES)
+    processes: list[subprocess.Popen] = []
+    try:
+        for r in range(1, world):
+            processes.append(start_rank(r, world, store.port, device, secret, **popen))
+        admit(store, secret, processes)
+        return Group(0, world, store, rank_device(device, 0), secret), processes
+    except BaseException:
+        for p in processes:
+            p.kill()
+        raise
+
+
+def listening_store(world: int):
+    """Rank 0's TCPStore, already listening on a free port of 127.0.0.1 (its `port`): no other process can take
+    the port between its choice and the ranks' start, and no other machine can reach it."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    port = sock.getsockname()[1]
+    return torch.distributed.TCPStore("127.0.0.1", port, world, True, timeout=TIMEOUT, wait_for_workers=False,
+                                      master_listen_fd=sock.detach())  # the store closes it
+
+
+def start_rank(rank: int, world: int, port: int, device: torch.device, secret: bytes, **popen) -> subprocess.Popen:
+    """`python -m tfq.parallel.rank_main`: a fresh interpreter, whatever script or shell started rank 0, in a
+    session of its own (the terminal's Ctrl-C is rank 0's alone), given the secret on its stdin (not argv or the
+    environment, which other users' processes may read)."""
+    p = subprocess.Popen([sys.executable, "-m", "tfq.parallel.rank_main", str(rank), str(world), str(port),
+                          str(device)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True,
+                         **popen)
+    p.stdin.write(secret)
+    p.stdin.close()
+    return p
+
+
+def joined_key(rank: int) -> str:
+    return f"tfq/joined/{rank}"
+
+
+def proof(secret: bytes, rank: int) -> bytes:
+    """What rank `rank` sets at joined_key: the secret is new each run, so no other run's proof passes."""
+    return hmac.new(secret, f"tfq rank {rank} joins".encode(), "sha256").digest()
+
+
+def admit(store, secret: bytes, processes: list[subprocess.Popen]) -> None:
+    """Wait for every rank's proof of the secret; a wrong one, or a rank that exits first, is one line."""
+    deadline = time.monotonic() + TIMEOUT.total_seconds()
+    for rank, p in enumerate(processes, 1):
+        while not store.check([joined_key(rank)]):
+            try:
+                code = p.wait(timeout=0.1)  # its exit, or a tenth of a second to look at the store again
+            except subprocess.TimeoutExpired:
+                if time.monotonic() > deadline:
+                    raise TfqError(f"tensor-parallel rank {rank} did not join in {TIMEOUT.total_seconds() / 60:.0f} "
+                                   "minutes; is the machine overloaded? try again") from None
+                continue
+            raise TfqError(f"tensor-parallel rank {rank} exited (code {code}) before joining; its own error, if "
+                           "any, is printed above")
+        if not hmac.compare_digest(store.get(joined_key(rank)), proof(secret, rank)):
+            raise TfqError(f"a process that does not know this run's secret joined as tensor-parallel rank {rank} "
+                           f"(store port {store.port}): refused; is another program using this port? try again")
+
+
+def sealed(secret: bytes, payload: bytes) -> bytes:
+    return hmac.new(secret, payload, "sha256").digest() + payload
+
+
+def opened(secret: bytes, data: bytes):
+    """The message in `data`, unpickled only once its MAC proves rank 0 of this run sent it."""
+    mac, payload = data[:MAC_BYTES], data[MAC_BYTES:]
+    if not hmac.compare_digest(mac, hmac.new(secret, payload, "sha256").digest()):
+        raise TfqError("a message failed its HMAC check (not sent by this run's rank 0): refused unread; "
+                       "this rank stops, start the run again")
+    return pickle.loads(payload)
+
+
+@contextlib.contextmanager
+def sigint_deferred():
+    """Ctrl-C held until the block ends, then delivered to the handler it would have reached (KeyboardInterrupt
+    by default): rank 0 issues a forward's collectives one by one, so an interrupt between two would leave the
+    other ranks in a collective rank 0 abandoned. Off the main thread, where signals never land, or with SIGINT
+    ignored or not set from Python, it does nothing."""
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or previous in (None, signal.SIG_IGN):
+        yield
+        return
+    caught: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            signal.raise_signal(signal.SIGINT)
 
