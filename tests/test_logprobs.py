@@ -105,13 +105,17 @@ def test_the_python_api(tiny_dirs):
     assert chat[0].prompt.startswith("<|im_start|>") and len(chat[0].outputs[0].token_ids) == 4
 
 
+def free_reply(tiny_models):
+    """(engine, prompt, result): the tiny model's greedy 24-token reply to a short prompt, with no stop string."""
+    loaded = tiny_models["qwen2"]
+    engine = Engine(loaded.model, EngineSettings(window=512, lanes=1), loaded.tokenizer)
+    prompt = tuple(loaded.tokenizer.encode("def fibonacci(n):"))
+    return engine, prompt, engine.generate([Request(prompt, max_tokens=24)])[0]
+
+
 def test_streamed_pieces_join_to_the_reply_with_a_stop_string(tiny_models):
     """Text that may begin a stop string is held back, so a streamed reply never shows a stop's first half."""
-    loaded = tiny_models["qwen2"]
-    tok = loaded.tokenizer
-    engine = Engine(loaded.model, EngineSettings(window=512, lanes=1), tok)
-    prompt = tuple(tok.encode("def fibonacci(n):"))
-    free = engine.generate([Request(prompt, max_tokens=24)])[0]
+    engine, prompt, free = free_reply(tiny_models)
     stop = free.text[5:9]  # four characters from inside the free reply: the stopped reply ends before them
     pieces: list[str] = []
     stopped = engine.generate([Request(prompt, max_tokens=24, stop=(stop,))],
@@ -177,11 +181,7 @@ def test_logits_rows_below_every_lane_drawing_is_refused(model):
 
 def test_the_stop_that_begins_first_in_the_text_wins(tiny_models):
     """With several stop strings the reply ends before the earliest in its text, whatever the list's order."""
-    loaded = tiny_models["qwen2"]
-    tok = loaded.tokenizer
-    engine = Engine(loaded.model, EngineSettings(window=512, lanes=1), tok)
-    prompt = tuple(tok.encode("def fibonacci(n):"))
-    free = engine.generate([Request(prompt, max_tokens=24)])[0]
+    engine, prompt, free = free_reply(tiny_models)
     early, late = free.text[2:5], free.text[9:13]
     assert early not in free.text[:2] and late not in free.text[:9]
     stopped = engine.generate([Request(prompt, max_tokens=24, stop=(late, early))])[0]
