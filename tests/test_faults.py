@@ -278,3 +278,25 @@ def test_tfq_serve_exits_non_zero_when_its_engine_dies(tiny_dirs):
         assert "ERROR tfq.serve.loop: the engine cannot serve" in err  # the log line, at --log-level error
     finally:
         proc.kill()
+
+
+def test_a_fault_while_tokenizing_is_a_json_500_for_that_request_alone(tiny, monkeypatch):
+    """The HTTP side's own faults (here the tokenizer, on the request's worker thread) answer that request with a
+    one-line JSON 500, not a plain-text traceback; the next request is served."""
+    served = server(tiny)
+    real = served.tokenizer.encode
+
+    def encode(text):
+        if "canary" in text:
+            raise TypeError("TextInputSequence must be str (a tokenizer fault put in by the test)")
+        return real(text)
+
+    monkeypatch.setattr(served.tokenizer, "encode", encode)
+    with serving(served) as base:
+        status, headers, body = raw(base, "POST", "/v1/completions",
+                                    json.dumps({"model": NAME, "prompt": "a canary", "max_tokens": 2}).encode())
+        error = json.loads(body)["error"]
+        assert status == 500 and error["type"] == "server_error" and "TypeError" in error["message"]
+        assert "\n" not in error["message"] and "Traceback" not in body.decode()
+        assert completion(base, 1)[0] == 200
+        settled(base)
