@@ -324,7 +324,15 @@ def test_the_store_listens_before_its_port_is_handed_out_and_admits_only_the_sec
         "hand"]
 
 
-def test_ctrl_c_waits_for_the_end_of_the_block():
+@pytest.fixture
+def interruptible():
+    """Ctrl-C as a terminal's foreground process has it: a background job (CI, `cmd &`) starts with SIGINT ignored."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_waits_for_the_end_of_the_block(interruptible):
     from tfq.parallel.ranks import sigint_deferred
 
     reached = []
@@ -389,12 +397,14 @@ def test_ranks_ignore_sigint_in_their_own_session(pair, tiny_models):
     assert rank.poll() is None
     # the control: a Python process started the same way that does not ignore SIGINT dies of the same signal
     other = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE,
-                             stderr=subprocess.DEVNULL, start_new_session=True)
+                             stderr=subprocess.DEVNULL, start_new_session=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as from a terminal
     os.killpg(other.pid, signal.SIGINT)
     assert other.wait(timeout=60) == -signal.SIGINT
 
 
-def test_ctrl_c_in_a_forward_lands_after_it_and_the_group_stays_in_step(pair, tiny_models, monkeypatch):
+def test_ctrl_c_in_a_forward_lands_after_it_and_the_group_stays_in_step(pair, tiny_models, monkeypatch,
+                                                                        interruptible):
     """SIGINT raised on rank 0 between two of a forward's gathers: the forward runs to its last gather (the
     logits) before KeyboardInterrupt reaches the caller, so the next forward finds the ranks in step and gives
     one process's bits. Without the hold the interrupt lands inside the gather, in the middle of the forward."""
