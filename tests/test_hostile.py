@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from served import NAME, POOL, idle, server, tiny_served
+from served import NAME, POOL, eventually, idle, server, tiny_served
 from tfq.serve.background import serving
 from tfq.serve.guard import Limits, allowed_hosts
 
@@ -252,10 +252,8 @@ class Beside:
         return [b - a for (ra, a), (rb, b) in zip(marks, marks[1:]) if ra == rb and b >= start and a <= end]
 
     def wait_tokens(self, n: int, timeout_s: float = 120) -> None:
-        deadline = time.monotonic() + timeout_s
         have = len(self.arrivals)
-        while len(self.arrivals) < have + n and time.monotonic() < deadline:
-            time.sleep(0.01)  # between looks at the state
+        eventually(lambda: len(self.arrivals) >= have + n, timeout_s)
 
 
 @pytest.fixture(scope="module")
