@@ -20,7 +20,7 @@ SOURCES = ("linear.cpp", "attention.cpp", "rowwise.cpp", "layer.cpp", "quant.cpp
 HEADERS = ("lanes.h", "panel.h")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
 CHOICES = ("auto", "tfq", "torch")
-OPS = ("pack", "linear", "attend", "rms_norm", "silu", "layer", "qpack", "qlinear", "deltanet", "gated_rms_norm",
+OPS = ("pack", "linear", "attend", "rms_norm", "silu", "layer", "qpack", "qcat", "qlinear", "deltanet", "gated_rms_norm",
        "sigmoid_gate")
 
 _state: dict[str, object] = {}  # once a process: "ok" -> bool, "why" -> str

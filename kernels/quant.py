@@ -31,11 +31,35 @@ FORMATS = tuple(BLOCKS)
 ROUNDINGS = {"fma": 0, "fp32": 1, "bf16": 2}  # how a weight is unpacked (the kernel's Header::rounding)
 KEPT = {"Q4_0": (4, 32, False), "Q4_1": (4, 32, True), "Q5_0": (5, 32, False), "Q5_1": (5, 32, True),
         "Q8_0": (8, 32, False), "Q4_K": (4, 32, True), "Q5_K": (5, 32, True), "Q6_K": (6, 16, False)}
+SUPER = {"Q4_K": 256, "Q5_K": 256, "Q6_K": 256}  # the K formats' super blocks: their scales are kept in two levels
 
 
-def kept_bytes(bits: int, group: int, offsets: bool, n: int, k: int) -> int:
-    """Bytes an [n, k] matrix takes kept at `bits` with an fp32 scale (and offset) per `group` inputs."""
-    return n * k * bits // 8 + 4 * (n * k // group) * (2 if offsets else 1)
+def kept_bytes(bits: int, group: int, offsets: bool, n: int, k: int, super_block: int = 0) -> int:
+    """Bytes an [n, k] matrix takes kept at `bits` with an fp32 scale (and offset) per `group` inputs, or, with a
+    super block, an int8 one per group and an fp32 one per super block (kernels/cpu/quant.cpp's layout)."""
+    scales = n * k // group if not super_block else n * k // group // 4 + n * k // super_block
+    return n * k * bits // 8 + 4 * scales * (2 if offsets else 1)
+
+
+@dataclass
+class Levels:
+    """A K format's scales in the file's two levels: s = d * sub and o = -(dmin * sub_min), exact products
+    (an fp16 times a 6- or 8-bit integer), with d and dmin per super block of `block` inputs, sub and sub_min
+    (int8) per group."""
+
+    d: torch.Tensor  # fp32 [n, k / block]
+    sub: torch.Tensor  # int8 [n, k / group]
+    dmin: torch.Tensor | None
+    sub_min: torch.Tensor | None
+    block: int
+
+    def select(self, ids: torch.Tensor) -> "Levels":
+        pick = lambda t: None if t is None else t[ids]  # noqa: E731
+        return Levels(self.d[ids], self.sub[ids], pick(self.dmin), pick(self.sub_min), self.block)
+
+    def args(self) -> tuple:
+        c = lambda t: None if t is None else t.contiguous()  # noqa: E731
+        return c(self.d), c(self.sub), c(self.dmin), c(self.sub_min)
 
 
 @dataclass
@@ -49,8 +73,9 @@ class Quantized:
     bits: int  # 4, 5, 6 or 8 (8: q is signed)
     group: int  # inputs sharing a scale: 32, or 16 (Q6_K)
     zero: int  # subtracted from q: 8 (Q4_0), 16 (Q5_0), 32 (Q6_K), 0 (Q8_0, Q4_K); MLX 8-bit: -128
-    kind: str  # the GGUF type it came from ("mixed" after joining types), or "MLX"
+    kind: str  # the GGUF type it came from, or "MLX"
     rounding: str = "fma"  # fma (GGUF: one rounding), fp32 or bf16 (MLX: the product and the sum each rounded)
+    levels: "Levels | None" = None  # the K formats' scales as the file holds them (s and o are their products)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -58,7 +83,7 @@ class Quantized:
 
     def nbytes(self) -> int:
         """Bytes a forward reads: the integers at their width, the scales and offsets."""
-        return kept_bytes(self.bits, self.group, self.o is not None, *self.shape)
+        return kept_bytes(self.bits, self.group, self.o is not None, *self.shape, self.levels.block if self.levels else 0)
 
     def ints(self, ids: torch.Tensor | None = None) -> torch.Tensor:
         """q - zero as int32, of rows `ids` or all of them."""
@@ -81,7 +106,7 @@ class Quantized:
     def select(self, ids: torch.Tensor) -> "Quantized":
         """Rows `ids` of the matrix, still quantized (a hybrid's q_proj splits into queries and gates)."""
         return Quantized(self.q[ids], self.s[ids], None if self.o is None else self.o[ids], self.bits, self.group,
-                         self.zero, self.kind, self.rounding)
+                         self.zero, self.kind, self.rounding, self.levels and self.levels.select(ids))
 
     def dequantized(self) -> torch.Tensor:
         return self.rows(torch.arange(self.shape[0]))
@@ -122,15 +147,24 @@ def from_blocks(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> Quantized
         s = (d * sc.astype(np.float32)).reshape(-1, 8)
         o = -(dmin * m.astype(np.float32)).reshape(-1, 8)
         zero = 0
+        levels = (d, sc, dmin, m)
     else:  # Q6_K
         ql = b[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
         qh = b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
         q = ((ql & 15).reshape(-1, 256) | ((qh & 3).reshape(-1, 256) << 4)).astype(np.uint8)
-        s = f16(208) * b[:, 192:208].copy().view(np.int8).astype(np.float32)
+        sc = b[:, 192:208].copy().view(np.int8)
+        s = f16(208) * sc.astype(np.float32)
         zero = 32
+        levels = (f16(208), sc, None, None)
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).reshape(n, -1)  # noqa: E731
+    kept = None
+    if kind in SUPER:
+        d, sc, dmin, m = levels
+        i8 = lambda a: t(a.astype(np.int8))  # noqa: E731  (6-bit scales and mins, or Q6_K's int8 ones)
+        kept = Levels(t(d.astype(np.float32)), i8(sc), None if dmin is None else t(dmin.astype(np.float32)),
+                      None if m is None else i8(m), SUPER[kind])
     return Quantized(t(q.astype(np.uint8)), t(s.astype(np.float32)), None if o is None else t(o.astype(np.float32)),
-                     bits, group, zero, kind)
+                     bits, group, zero, kind, levels=kept)
 
 
 def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -143,48 +177,71 @@ def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def joinable(parts: list) -> bool:
-    """Whether `join` keeps these matrices quantized: GGUF's formats always (widened if they differ); MLX's only
-    in one format and rounding."""
-    if not all(isinstance(p, Quantized) for p in parts):
+    """Whether these matrices stack into one quantized layer: GGUF's formats always (each part keeps its own);
+    MLX's only in one format and rounding."""
+    if not all(isinstance(p, (Quantized, Stacked)) for p in parts):
         return False
-    if all(p.rounding == "fma" for p in parts):
+    flat = [q for p in parts for q in (p.parts if isinstance(p, Stacked) else [p])]
+    if all(p.rounding == "fma" for p in flat):
         return True
-    return len({(p.bits, p.group, p.zero, p.o is None, p.rounding) for p in parts}) == 1
+    return len({(p.bits, p.group, p.zero, p.o is None, p.rounding) for p in flat}) == 1
 
 
-def join(parts: list[Quantized]) -> Quantized:
-    """Matrices stacked by rows (q, k, v into one layer). Parts of different formats are first widened to one
-    that holds them all without changing a weight: 8-bit q - zero, the smallest group, offsets if any has one."""
-    if len({(p.bits, p.group, p.zero, p.o is None, p.rounding) for p in parts}) == 1:
-        first = parts[0]
-        o = None if first.o is None else torch.cat([p.o for p in parts])
-        kind = first.kind if len({p.kind for p in parts}) == 1 else "mixed"
-        return Quantized(torch.cat([p.q for p in parts]), torch.cat([p.s for p in parts]), o, first.bits,
-                         first.group, first.zero, kind, first.rounding)
-    group = min(p.group for p in parts)
-    offsets = any(p.o is not None for p in parts)
-    return join([_widened(p, group, offsets) for p in parts])
+@dataclass
+class Stacked:
+    """Quantized matrices one under the other, each in its own format (q, k and v of one layer): one layer whose
+    blob holds a segment a part (kernels/cpu/quant.cpp), so no part is widened."""
+
+    parts: list[Quantized]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    def nbytes(self) -> int:
+        return sum(p.nbytes() for p in self.parts)
+
+    def dequantized(self) -> torch.Tensor:
+        return torch.cat([p.dequantized() for p in self.parts])
 
 
-def _widened(p: Quantized, group: int, offsets: bool) -> Quantized:
-    q = p.ints().to(torch.int8).view(torch.uint8)  # every format's q - zero fits int8 (-32 .. 127)
-    s = p.s.repeat_interleave(p.group // group, -1)
-    o = None
-    if offsets:
-        o = torch.full_like(s, -0.0) if p.o is None else p.o.repeat_interleave(p.group // group, -1)
-    return Quantized(q, s, o, 8, group, 0, "mixed")
+def join(parts: list) -> "Quantized | Stacked":
+    """Matrices stacked by rows (q, k, v into one layer): one Quantized when they share a format, else Stacked."""
+    flat = [q for p in parts for q in (p.parts if isinstance(p, Stacked) else [p])]
+    if len({(p.bits, p.group, p.zero, p.o is None, p.rounding, p.levels is None) for p in flat}) > 1:
+        return Stacked(flat)
+    first = flat[0]
+    cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
+    levels = None
+    if first.levels is not None:
+        ls = [p.levels for p in flat]
+        levels = Levels(cat([v.d for v in ls]), cat([v.sub for v in ls]), cat([v.dmin for v in ls]),
+                        cat([v.sub_min for v in ls]), first.levels.block)
+    kind = first.kind if len({p.kind for p in flat}) == 1 else "mixed"
+    return Quantized(torch.cat([p.q for p in flat]), torch.cat([p.s for p in flat]), cat([p.o for p in flat]),
+                     first.bits, first.group, first.zero, kind, first.rounding, levels)
+
+
+def pack(weight: Quantized) -> torch.Tensor:
+    """One matrix as one segment of a blob (kernels/cpu/quant.cpp's qpack)."""
+    levels = weight.levels.args() if weight.levels is not None else (None, None, None, None)
+    return cpu_build.op("qpack")(weight.q.contiguous(), weight.s.contiguous(),
+                                 None if weight.o is None else weight.o.contiguous(),
+                                 weight.bits, weight.group, weight.zero, ROUNDINGS[weight.rounding], *levels)
 
 
 class QuantLinear:
     """y = x W^T + b on quantized weights, by kernels/cpu/quant.cpp: the bits FixedOrderLinear gives on the
     dequantized weights. `panels` is the packed blob (uint8), which the one-call layer takes like fp32 panels."""
 
-    def __init__(self, weight: Quantized, bias: torch.Tensor | None = None):
+    def __init__(self, weight: "Quantized | Stacked", bias: torch.Tensor | None = None):
+        parts = weight.parts if isinstance(weight, Stacked) else [weight]
         self.out_features, self.in_features = weight.shape
-        self.kind, self.bits, self.nbytes = weight.kind, weight.bits, weight.nbytes()
-        self.panels = cpu_build.op("qpack")(weight.q.contiguous(), weight.s.contiguous(),
-                                            None if weight.o is None else weight.o.contiguous(),
-                                            weight.bits, weight.group, weight.zero, ROUNDINGS[weight.rounding])
+        kinds = {p.kind for p in parts}
+        self.kind = kinds.pop() if len(kinds) == 1 else "mixed"
+        self.bits, self.nbytes = max(p.bits for p in parts), weight.nbytes()
+        blobs = [pack(p) for p in parts]
+        self.panels = blobs[0] if len(blobs) == 1 else cpu_build.op("qcat")(blobs)
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

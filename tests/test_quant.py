@@ -4,6 +4,7 @@ and order, at 1, 2, 3, 4 and 8 threads, in the one-call layer and through the en
 comparisons can fail."""
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 from tfq.errors import TfqError
 from tfq.kernels import cpu_build
-from tfq.kernels.quant import FORMATS, QuantLinear, Quantized, from_blocks, join
+from tfq.kernels.quant import FORMATS, KEPT, QuantLinear, Quantized, Stacked, from_blocks, join
 from tfq.kernels.rowwise import FixedOrderLinear
 from tfq.proofs.kernel_check_rowwise import dequantized, linear_bound
 from tfq.proofs.kernel_check_rowwise import random_blocks as check_blocks
@@ -86,22 +87,41 @@ def restored_threads():
     torch.set_num_threads(n)
 
 
-def test_joining_formats_widens_without_changing_a_weight():
-    """q (Q5_0), k (Q4_K), v (Q6_K), as the qkv layer joins them: one 8-bit blob of 16-input groups with offsets,
-    whose layer equals the fp32 layer on the three matrices stacked."""
+def test_joining_formats_keeps_each_at_its_width():
+    """q (Q5_0), k (Q4_K), v (Q6_K), as the qkv layer joins them: one blob of three segments, each in its own
+    format and at its own size, whose layer equals the fp32 layer on the three matrices stacked."""
     parts, values = [], []
     for i, kind in enumerate(("Q5_0", "Q4_K", "Q6_K")):
         raw = random_blocks(kind, 64 + 32 * i, 512, seed=20 + i)
         parts.append(from_blocks(kind, raw, (64 + 32 * i, 512)))
         values.append(dequantized(kind, raw, 64 + 32 * i, 512))
     joined = join(parts)
-    assert (joined.bits, joined.group, joined.o is not None, joined.kind) == (8, 16, True, "mixed")
+    assert isinstance(joined, Stacked) and [p.kind for p in joined.parts] == ["Q5_0", "Q4_K", "Q6_K"]
     stacked = torch.cat(values)
     assert torch.equal(joined.dequantized(), stacked)
     x = torch.randn(10, 512)
-    assert torch.equal(QuantLinear(joined)(x), FixedOrderLinear(stacked)(x))
+    layer = QuantLinear(joined)
+    assert layer.panels.numel() == sum(QuantLinear(p).panels.numel() for p in parts)
+    for m in (1, 3, 8, 10):  # registers and the buffer, across the segments' boundaries
+        assert torch.equal(layer(x[:m]), FixedOrderLinear(stacked)(x[:m])), m
     same = join([parts[0], parts[0]])
-    assert (same.bits, same.kind) == (5, "Q5_0")  # one format: kept at its width
+    assert (same.bits, same.kind) == (5, "Q5_0")  # one format: one segment
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_formats_keep_the_files_two_levels_of_scales(kind):
+    """A K format's blob holds the super block's fp32 scale and an int8 one per group (the file's levels), not an
+    fp32 scale per group: 4.75 bits a Q4_K weight (the file: 4.5), 6.625 a Q6_K one. The control: scales that
+    do not multiply to s are refused when packing."""
+    n, k = 128, 512
+    q = from_blocks(kind, random_blocks(kind, n, k, seed=5), (n, k))
+    bits, group, offsets = KEPT[kind]
+    blob = QuantLinear(q).panels.numel()
+    assert blob == 64 + n * k * bits // 8 + n * (k // group) * (1 + offsets) + 4 * n * (k // 256) * (1 + offsets)
+    assert blob == 64 + q.nbytes()
+    wrong = dataclasses.replace(q, levels=dataclasses.replace(q.levels, sub=q.levels.sub.roll(1, 1)))
+    with pytest.raises(RuntimeError, match="two-level scales"):
+        QuantLinear(wrong)
 
 
 def test_control_the_bit_comparison_sees_one_weight_one_ulp_off():

@@ -12,13 +12,18 @@
 // the same construction, the same on AVX-512, AVX2 and plain C++, and at any thread count (threads split
 // panels of outputs, never a sum). Activations stay fp32; nothing is quantized at run time.
 //
-// Layout (`qpack`): a blob of a 64-byte header, then panels of 64 outputs, as linear.cpp's fp32 panels are.
-// A panel is K / G groups of G inputs (G = 32, or 16 for Q6_K, whose scales are per 16); a group is
-//   s [64] fp32, then o [64] fp32 (Q4_K only), then G rows, one per input k, of the 64 outputs' integers:
+// Layout (`qpack`): a segment is a 64-byte header, then panels of 64 outputs, as linear.cpp's fp32 panels are; a
+// blob is one or more segments (`qcat`), their outputs one after another, each in its own format, so a layer
+// of q (Q4_K), k (Q4_K) and v (Q6_K) keeps each at its width. A panel is K / G groups of G inputs (G = 32, or
+// 16 for Q6_K, whose scales are per 16); a group is its scales, then G rows, one per input k, of the 64
+// outputs' integers:
 //   8 bits: 64 bytes, signed;
 //   4, 5, 6 bits: 32 bytes of nibbles (byte i: output i low, output i + 32 high), then for 5 and 6 bits a
 //   plane of bit 4 (8 bytes, bit n = output n), then for 6 bits a plane of bit 5.
-// So a 5-bit weight costs 5 bits plus its group's scale, as in the file.
+// The scales: s [64] fp32, then o [64] fp32 (formats with offsets); or, for the K formats, in the file's two
+// levels: the panel starts with each super block's d [64] (and dmin [64]) fp32, and a group holds sc [64]
+// (and m [64]) as int8, s = d sc and o = -(dmin m) being exact products. So a Q4_K weight costs 4.75 bits
+// (the file: 4.5), a Q6_K weight 6.625 (6.5625), a Q5_0 weight 6 (5.5).
 //
 // MLX's affine groups (tfq/model/mlx.py) are kept the same way, with their own rounding (`Header::rounding`):
 // MLX computes w = round(round((q - zero) * s) + o) in its scales' dtype, so the unpacking is the product then
@@ -36,6 +41,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <vector>
 
@@ -52,7 +58,7 @@ using tfq::vzero;
 
 constexpr int64_t PANEL = tfq::PANEL_OUTPUTS;
 constexpr int64_t HEADER = 64;
-constexpr int32_t MAGIC = 0x31514654;  // "TFQ1"
+constexpr int32_t MAGIC = 0x32514654;  // "TFQ2"
 constexpr int64_t FUSED_ROWS = 8;  // up to this many rows, weights are unpacked in registers; beyond, into a buffer
 // How far ahead a register tile prefetches its stream, into L1 and L2 (bytes; one line each a row of the group).
 // Without them the default model's 97 quantized layers at one row took 41-43 ms here instead of 23-27:
@@ -65,24 +71,54 @@ alignas(64) constexpr float NEG_ZERO[PANEL] = {
     -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f};
 
 enum Rounding : int16_t { ROUND_FMA = 0, ROUND_FP32 = 1, ROUND_BF16 = 2 };  // GGUF's one rounding; MLX's two
+// How a group's scales are kept: an fp32 number per output (SCALES_FP32), or, for GGUF's K formats, the file's
+// two levels: an fp32 super scale per output and super block, times a small integer per output and group
+// (SCALES_TWO_LEVEL). The product is exact in fp32 (an fp16 times a 6- or 8-bit integer), so both give the same
+// scale to the bit; the second costs a K weight 0.75 bits of scales instead of 2.
+enum ScaleMode : int16_t { SCALES_FP32 = 0, SCALES_TWO_LEVEL = 1 };
 
+// One segment of a blob: its outputs' panels. A blob is one or more segments back to back, each with its own
+// header and format, whose outputs follow each other (q, k and v of different formats in one layer).
 struct Header {
   int32_t magic;
   int16_t bits, rounding;
-  int32_t group, has_offset, zero, row_bytes;
-  int64_t n, k, panels, group_bytes, panel_bytes;
+  int32_t group, zero;
+  int16_t has_offset, scale_mode, row_bytes, super_groups;  // super_groups: groups under one super scale
+  int64_t n, k, panels;
+  int32_t group_bytes, super_bytes;  // super_bytes: a panel's super scales, before its groups (two-level)
+  int64_t panel_bytes;
 };
-static_assert(sizeof(Header) == HEADER, "the blob's header is 64 bytes");
+static_assert(sizeof(Header) == HEADER, "a segment's header is 64 bytes");
 
-int32_t row_bytes(int64_t bits) { return bits == 8 ? 64 : bits == 4 ? 32 : bits == 5 ? 40 : 48; }
+int16_t row_bytes(int64_t bits) { return bits == 8 ? 64 : bits == 4 ? 32 : bits == 5 ? 40 : 48; }
 
-Header header_of(const at::Tensor& blob) {
+int64_t segment_bytes(const Header& h) { return HEADER + h.panels * h.panel_bytes; }
+
+struct Segment {
+  Header h;
+  const uint8_t* panels;
+  int64_t first;  // its first output in the layer
+};
+
+std::vector<Segment> segments_of(const at::Tensor& blob) {
   TORCH_CHECK(blob.scalar_type() == at::kByte && blob.dim() == 1 && blob.is_contiguous() && blob.numel() >= HEADER,
               "tfq qlinear: a blob from qpack");
-  Header h;
-  std::memcpy(&h, blob.data_ptr<uint8_t>(), sizeof h);
-  TORCH_CHECK(h.magic == MAGIC && blob.numel() == HEADER + h.panels * h.panel_bytes, "tfq qlinear: a blob from qpack");
-  return h;
+  std::vector<Segment> out;
+  const uint8_t* base = blob.data_ptr<uint8_t>();
+  int64_t at = 0, first = 0;
+  while (at < blob.numel()) {
+    TORCH_CHECK(blob.numel() - at >= HEADER, "tfq qlinear: a blob from qpack");
+    Segment seg;
+    std::memcpy(&seg.h, base + at, sizeof seg.h);
+    TORCH_CHECK(seg.h.magic == MAGIC && at + segment_bytes(seg.h) <= blob.numel(), "tfq qlinear: a blob from qpack");
+    TORCH_CHECK(out.empty() || seg.h.k == out[0].h.k, "tfq qlinear: a blob's segments share their inputs");
+    seg.panels = base + at + HEADER;
+    seg.first = first;
+    first += seg.h.n;
+    at += segment_bytes(seg.h);
+    out.push_back(seg);
+  }
+  return out;
 }
 
 // Vector j (outputs 16j .. 16j + 15) of one row of a group: its integers q as fp32 (exact: |q| < 2^8)
@@ -148,42 +184,48 @@ inline V qfloat(const uint8_t* row, int j) {
 #endif
 }
 
-struct Group {
-  const float* s;
-  const float* o;
-  const uint8_t* rows;
-};
-
-inline Group group_at(const Header& h, const uint8_t* panel, int64_t g) {
-  const uint8_t* base = panel + g * h.group_bytes;
-  const float* s = reinterpret_cast<const float*>(base);
-  return {s, h.has_offset ? s + PANEL : NEG_ZERO, base + 4 * PANEL * (1 + h.has_offset)};
-}
-
 // A group's scales as vectors, with zero folded into the offset: o' = fma(-zero, s, o) is exact (zero is 0 or
 // a power of two, and o is -0 when zero is not 0), so fma(float(q), s, o') is one rounding of
 // (q - zero) s + o, the same value as fma(float(q - zero), s, o) (only a zero's sign may differ, which no sum
 // that starts from +0 can see: fma(x, +-0, acc) is acc unless acc is -0, and acc never is)
 // (MLX's roundings keep zero apart: q - zero is exact in fp32, and the product must round as MLX's does.)
-struct Scales {
+struct Group {
   V s[4], o[4], zero;
+  const uint8_t* rows;
 };
 
-template <int ROUND>
-inline Scales scales_of(const Group& grp, int32_t zero) {
-  Scales r;
-  r.zero = vbroadcast(static_cast<float>(zero));
-  for (int j = 0; j < 4; j++) {
-    r.s[j] = tfq::vload(grp.s + 16 * j);
-    r.o[j] = tfq::vload(grp.o + 16 * j);
-    if (ROUND == ROUND_FMA) r.o[j] = vfma(vbroadcast(-static_cast<float>(zero)), r.s[j], r.o[j]);
+template <int ROUND, int MODE>
+inline Group group_at(const Header& h, const uint8_t* panel, int64_t g) {
+  Group r;
+  r.zero = vbroadcast(static_cast<float>(h.zero));
+  if (MODE == SCALES_TWO_LEVEL) {  // s = d sc, o = -(dmin m): exact products, as the file's dequantization has them
+    const float* d = reinterpret_cast<const float*>(panel + (g / h.super_groups) * 4 * PANEL * (1 + h.has_offset));
+    const uint8_t* base = panel + h.super_bytes + g * h.group_bytes;
+    for (int j = 0; j < 4; j++) {
+      r.s[j] = tfq::vmul(tfq::vload(d + 16 * j), qfloat<8>(base, j));
+      r.o[j] = h.has_offset ? tfq::vmul(tfq::vmul(tfq::vload(d + PANEL + 16 * j), qfloat<8>(base + PANEL, j)),
+                                        vbroadcast(-1.f))
+                            : tfq::vload(NEG_ZERO);
+    }
+    r.rows = base + PANEL * (1 + h.has_offset);
+  } else {
+    const uint8_t* base = panel + g * h.group_bytes;
+    const float* s = reinterpret_cast<const float*>(base);
+    const float* o = h.has_offset ? s + PANEL : NEG_ZERO;
+    for (int j = 0; j < 4; j++) {
+      r.s[j] = tfq::vload(s + 16 * j);
+      r.o[j] = tfq::vload(o + 16 * j);
+    }
+    r.rows = base + 4 * PANEL * (1 + h.has_offset);
   }
+  if (ROUND == ROUND_FMA)
+    for (int j = 0; j < 4; j++) r.o[j] = vfma(vbroadcast(-static_cast<float>(h.zero)), r.s[j], r.o[j]);
   return r;
 }
 
 // Vector j of a group's row as fp32 weights, in the blob's rounding
 template <int BITS, int ROUND>
-inline V weights(const uint8_t* row, int j, const Scales& sc) {
+inline V weights(const uint8_t* row, int j, const Group& sc) {
   if (ROUND == ROUND_FMA) return vfma(qfloat<BITS>(row, j), sc.s[j], sc.o[j]);
   const V product = tfq::vmul(tfq::vsub(qfloat<BITS>(row, j), sc.zero), sc.s[j]);
   if (ROUND == ROUND_FP32) return tfq::vadd(product, sc.o[j]);
@@ -191,15 +233,14 @@ inline V weights(const uint8_t* row, int j, const Scales& sc) {
 }
 
 // The panel's fp32 weights [K][64], as linear.cpp's pack lays them out
-template <int BITS, int ROUND>
+template <int BITS, int ROUND, int MODE>
 void unpack_panel(const Header& h, const uint8_t* panel, float* out) {
   for (int64_t g = 0; g < h.k / h.group; g++) {
-    const Group grp = group_at(h, panel, g);
-    const Scales sc = scales_of<ROUND>(grp, h.zero);
+    const Group grp = group_at<ROUND, MODE>(h, panel, g);
     for (int64_t r = 0; r < h.group; r++) {
       const uint8_t* row = grp.rows + r * h.row_bytes;
       float* dst = out + (g * h.group + r) * PANEL;
-      for (int j = 0; j < 4; j++) vstore(dst + 16 * j, weights<BITS, ROUND>(row, j, sc));
+      for (int j = 0; j < 4; j++) vstore(dst + 16 * j, weights<BITS, ROUND>(row, j, grp));
     }
   }
 }
@@ -207,17 +248,16 @@ void unpack_panel(const Header& h, const uint8_t* panel, float* out) {
 // rows [mr] x NV vectors of the panel's outputs, unpacking each weight vector once for all of them: NV = 4 is the
 // whole panel (up to 4 rows: 16 accumulators); NV = 2 is half of it, vectors `half` and `half + 2`, which share
 // their nibble bytes (5 to 8 rows: up to 16 accumulators, so the panel is read twice, from cache the second time,
-// and each weight is still unpacked once)
-template <int BITS, int ROUND, int mr, int NV>
-void fused(const Header& h, const uint8_t* panel, const float* x, const float* bias, float* y, int64_t outputs,
-           int half) {
+// and each weight is still unpacked once). A row of y is N apart.
+template <int BITS, int ROUND, int MODE, int mr, int NV>
+void fused(const Header& h, const uint8_t* panel, const float* x, const float* bias, float* y, int64_t N,
+           int64_t outputs, int half) {
   const int64_t K = h.k;
   V acc[mr][NV];
   for (int i = 0; i < mr; i++)
     for (int v = 0; v < NV; v++) acc[i][v] = vzero();
   for (int64_t g = 0; g < K / h.group; g++) {
-    const Group grp = group_at(h, panel, g);
-    const Scales sc = scales_of<ROUND>(grp, h.zero);
+    const Group grp = group_at<ROUND, MODE>(h, panel, g);
     for (int64_t r = 0; r < h.group; r++) {
       const uint8_t* row = grp.rows + r * h.row_bytes;
       const int64_t k = g * h.group + r;
@@ -225,7 +265,7 @@ void fused(const Header& h, const uint8_t* panel, const float* x, const float* b
       TFQ_PREFETCH_L2(row + AHEAD_L2);
       for (int v = 0; v < NV; v++) {
         const int j = NV == 4 ? v : half + 2 * v;
-        const V w = weights<BITS, ROUND>(row, j, sc);
+        const V w = weights<BITS, ROUND>(row, j, grp);
         for (int i = 0; i < mr; i++) acc[i][v] = vfma(vbroadcast(x[i * K + k]), w, acc[i][v]);
       }
     }
@@ -236,87 +276,112 @@ void fused(const Header& h, const uint8_t* panel, const float* x, const float* b
       const int64_t first = 16 * (NV == 4 ? v : half + 2 * v);
       vstore(out, acc[i][v]);
       for (int64_t n = first; n < std::min(outputs, first + 16); n++)
-        y[i * h.n + n] = out[n - first] + (bias ? bias[n] : 0.f);
+        y[i * N + n] = out[n - first] + (bias ? bias[n] : 0.f);
     }
 }
 
-template <int BITS, int ROUND>
+template <int BITS, int ROUND, int MODE>
 void fused_rows(const Header& h, const uint8_t* panel, const float* x, int64_t M, const float* bias, float* y,
-                int64_t outputs) {
+                int64_t N, int64_t outputs) {
   if (M > 4) {
     for (int half = 0; half < 2; half++) {
       switch (M) {
-        case 8: fused<BITS, ROUND, 8, 2>(h, panel, x, bias, y, outputs, half); break;
-        case 7: fused<BITS, ROUND, 7, 2>(h, panel, x, bias, y, outputs, half); break;
-        case 6: fused<BITS, ROUND, 6, 2>(h, panel, x, bias, y, outputs, half); break;
-        default: fused<BITS, ROUND, 5, 2>(h, panel, x, bias, y, outputs, half); break;
+        case 8: fused<BITS, ROUND, MODE, 8, 2>(h, panel, x, bias, y, N, outputs, half); break;
+        case 7: fused<BITS, ROUND, MODE, 7, 2>(h, panel, x, bias, y, N, outputs, half); break;
+        case 6: fused<BITS, ROUND, MODE, 6, 2>(h, panel, x, bias, y, N, outputs, half); break;
+        default: fused<BITS, ROUND, MODE, 5, 2>(h, panel, x, bias, y, N, outputs, half); break;
       }
     }
     return;
   }
   switch (M) {
-    case 4: fused<BITS, ROUND, 4, 4>(h, panel, x, bias, y, outputs, 0); break;
-    case 3: fused<BITS, ROUND, 3, 4>(h, panel, x, bias, y, outputs, 0); break;
-    case 2: fused<BITS, ROUND, 2, 4>(h, panel, x, bias, y, outputs, 0); break;
-    default: fused<BITS, ROUND, 1, 4>(h, panel, x, bias, y, outputs, 0); break;
+    case 4: fused<BITS, ROUND, MODE, 4, 4>(h, panel, x, bias, y, N, outputs, 0); break;
+    case 3: fused<BITS, ROUND, MODE, 3, 4>(h, panel, x, bias, y, N, outputs, 0); break;
+    case 2: fused<BITS, ROUND, MODE, 2, 4>(h, panel, x, bias, y, N, outputs, 0); break;
+    default: fused<BITS, ROUND, MODE, 1, 4>(h, panel, x, bias, y, N, outputs, 0); break;
   }
 }
 
-template <int BITS, int ROUND>
-void qlinear_bits(const Header& h, const uint8_t* data, const float* x, int64_t M, const float* bias, float* y) {
-  at::parallel_for(0, h.panels, 1, [&](int64_t p0, int64_t p1) {
-    thread_local std::vector<float> buffer;
-    for (int64_t p = p0; p < p1; p++) {
-      const uint8_t* panel = data + p * h.panel_bytes;
-      const int64_t outputs = std::min(PANEL, h.n - p * PANEL);
-      const float* b = bias ? bias + p * PANEL : nullptr;
-      if (M <= FUSED_ROWS) {
-        fused_rows<BITS, ROUND>(h, panel, x, M, b, y + p * PANEL, outputs);
-        continue;
-      }
-      buffer.resize(static_cast<size_t>(h.k * PANEL));
-      unpack_panel<BITS, ROUND>(h, panel, buffer.data());
-      tfq::panel_rows_fp32(x, M, h.k, buffer.data(), b, y + p * PANEL, h.n, outputs);
-    }
-  });
+// One panel of 64 outputs for all M rows: y and bias start at the panel's first output
+template <int BITS, int ROUND, int MODE>
+void panel_job(const Header& h, const uint8_t* panel, const float* x, int64_t M, const float* bias, float* y,
+               int64_t N, int64_t outputs, std::vector<float>& buffer) {
+  if (M <= FUSED_ROWS) {
+    fused_rows<BITS, ROUND, MODE>(h, panel, x, M, bias, y, N, outputs);
+    return;
+  }
+  buffer.resize(static_cast<size_t>(h.k * PANEL));
+  unpack_panel<BITS, ROUND, MODE>(h, panel, buffer.data());
+  tfq::panel_rows_fp32(x, M, h.k, buffer.data(), bias, y, N, outputs);
 }
 
-template <int ROUND>
-void with_bits(const Header& h, const uint8_t* data, const float* x, int64_t M, const float* bias, float* y) {
-  switch (h.bits) {
-    case 4: qlinear_bits<4, ROUND>(h, data, x, M, bias, y); break;
-    case 5: qlinear_bits<5, ROUND>(h, data, x, M, bias, y); break;
-    case 6: qlinear_bits<6, ROUND>(h, data, x, M, bias, y); break;
-    default: qlinear_bits<8, ROUND>(h, data, x, M, bias, y); break;
+using PanelFn = void (*)(const Header&, const uint8_t*, const float*, int64_t, const float*, float*, int64_t, int64_t,
+                         std::vector<float>&);
+
+template <int ROUND, int MODE>
+PanelFn with_bits(int bits) {
+  switch (bits) {
+    case 4: return &panel_job<4, ROUND, MODE>;
+    case 5: return &panel_job<5, ROUND, MODE>;
+    case 6: return &panel_job<6, ROUND, MODE>;
+    default: return &panel_job<8, ROUND, MODE>;
+  }
+}
+
+PanelFn panel_fn(const Header& h) {
+  if (h.scale_mode == SCALES_TWO_LEVEL) return with_bits<ROUND_FMA, SCALES_TWO_LEVEL>(h.bits);  // GGUF's K formats
+  switch (h.rounding) {
+    case ROUND_FP32: return with_bits<ROUND_FP32, SCALES_FP32>(h.bits);
+    case ROUND_BF16: return with_bits<ROUND_BF16, SCALES_FP32>(h.bits);
+    default: return with_bits<ROUND_FMA, SCALES_FP32>(h.bits);
   }
 }
 
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& blob, const c10::optional<at::Tensor>& b, int64_t N) {
-  const Header h = header_of(blob);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == h.k && x.scalar_type() == at::kFloat && x.is_contiguous(),
+  const std::vector<Segment> segs = segments_of(blob);
+  const int64_t n_total = segs.back().first + segs.back().h.n;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == segs[0].h.k && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "tfq qlinear: x [M, K] fp32, contiguous");
-  TORCH_CHECK(N == h.n, "tfq qlinear: N does not match the blob");
+  TORCH_CHECK(N == n_total, "tfq qlinear: N does not match the blob");
   TORCH_CHECK(!b.has_value() || (b->scalar_type() == at::kFloat && b->is_contiguous() && b->numel() == N),
               "tfq qlinear: bias [N] fp32");
   const int64_t M = x.size(0);
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
-  const uint8_t* data = blob.data_ptr<uint8_t>() + HEADER;
+  // every panel of every segment is one job; a job's segment is found by its index
+  std::vector<int64_t> job_start{0};
+  std::vector<PanelFn> fns;
+  for (const Segment& s : segs) {
+    job_start.push_back(job_start.back() + s.h.panels);
+    fns.push_back(panel_fn(s.h));
+  }
   const float* xp = x.data_ptr<float>();
   const float* bp = b.has_value() ? b->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  switch (h.rounding) {
-    case ROUND_FP32: with_bits<ROUND_FP32>(h, data, xp, M, bp, yp); break;
-    case ROUND_BF16: with_bits<ROUND_BF16>(h, data, xp, M, bp, yp); break;
-    default: with_bits<ROUND_FMA>(h, data, xp, M, bp, yp); break;
-  }
+  at::parallel_for(0, job_start.back(), 1, [&](int64_t p0, int64_t p1) {
+    thread_local std::vector<float> buffer;
+    size_t s = 0;
+    for (int64_t p = p0; p < p1; p++) {
+      while (p >= job_start[s + 1]) s++;
+      const Segment& seg = segs[s];
+      const int64_t local = p - job_start[s], out = seg.first + local * PANEL;
+      fns[s](seg.h, seg.panels + local * seg.h.panel_bytes, xp, M, bp ? bp + out : nullptr, yp + out, N,
+             std::min(PANEL, seg.h.n - local * PANEL), buffer);
+    }
+  });
   return y;
 }
 
+bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; }
+
 // q [N, K] uint8 (the integers; for 8 bits, int8 bit patterns), s [N, K / G] fp32, o [N, K / G] fp32 or none;
-// rounding: 0 GGUF's fma, 1 MLX's product and sum in fp32, 2 the same each rounded to bf16
+// rounding: 0 GGUF's fma, 1 MLX's product and sum in fp32, 2 the same each rounded to bf16. With sd [N, K / SB]
+// fp32 and sq [N, K / G] int8 (and od, oq for the offsets), the scales are kept in the file's two levels
+// (s = sd sq, o = -(od oq), checked here bit for bit). One segment.
 at::Tensor qpack(const at::Tensor& q, const at::Tensor& s, const c10::optional<at::Tensor>& o, int64_t bits,
-                 int64_t group, int64_t zero, int64_t rounding) {
+                 int64_t group, int64_t zero, int64_t rounding, const c10::optional<at::Tensor>& sd,
+                 const c10::optional<at::Tensor>& sq, const c10::optional<at::Tensor>& od,
+                 const c10::optional<at::Tensor>& oq) {
   TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "tfq qpack: 4, 5, 6 or 8 bits");
   TORCH_CHECK(group == 16 || group == 32 || group == 64 || group == 128, "tfq qpack: groups of 16 to 128 inputs");
   TORCH_CHECK(rounding >= ROUND_FMA && rounding <= ROUND_BF16, "tfq qpack: rounding 0, 1 or 2");
@@ -327,29 +392,64 @@ at::Tensor qpack(const at::Tensor& q, const at::Tensor& s, const c10::optional<a
               s.size(1) == groups, "tfq qpack: s [N, K / group] fp32");
   TORCH_CHECK(!o.has_value() || (o->scalar_type() == at::kFloat && o->is_contiguous() && o->sizes() == s.sizes()),
               "tfq qpack: o like s");
+  const bool two = sd.has_value();
+  int64_t supers = 0;
+  if (two) {
+    TORCH_CHECK(rounding == ROUND_FMA && sq.has_value() && od.has_value() == o.has_value() &&
+                oq.has_value() == o.has_value(), "tfq qpack: two-level scales are GGUF's (sd, sq; od, oq with offsets)");
+    supers = sd->size(1);
+    TORCH_CHECK(sd->scalar_type() == at::kFloat && sd->is_contiguous() && sd->dim() == 2 && sd->size(0) == N &&
+                supers > 0 && groups % supers == 0 && sq->scalar_type() == at::kChar && sq->is_contiguous() &&
+                sq->sizes() == s.sizes(), "tfq qpack: sd [N, K / SB] fp32, sq [N, K / G] int8");
+    TORCH_CHECK(!o.has_value() || (od->sizes() == sd->sizes() && od->scalar_type() == at::kFloat &&
+                od->is_contiguous() && oq->sizes() == sq->sizes() && oq->scalar_type() == at::kChar &&
+                oq->is_contiguous()), "tfq qpack: od like sd, oq like sq");
+  }
+  const int16_t off = o.has_value() ? 1 : 0;
   Header h{MAGIC, static_cast<int16_t>(bits), static_cast<int16_t>(rounding), static_cast<int32_t>(group),
-           o.has_value() ? 1 : 0, static_cast<int32_t>(zero), row_bytes(bits), N, K, (N + PANEL - 1) / PANEL, 0, 0};
-  h.group_bytes = 4 * PANEL * (1 + h.has_offset) + group * h.row_bytes;
-  h.panel_bytes = groups * h.group_bytes;
-  auto blob = tfq::weights_memory(HEADER + h.panels * h.panel_bytes);
+           static_cast<int32_t>(zero), off, static_cast<int16_t>(two ? SCALES_TWO_LEVEL : SCALES_FP32),
+           row_bytes(bits), static_cast<int16_t>(two ? groups / supers : 0), N, K, (N + PANEL - 1) / PANEL, 0, 0, 0};
+  h.group_bytes = static_cast<int32_t>((two ? 1 : 4) * PANEL * (1 + off) + group * h.row_bytes);
+  h.super_bytes = static_cast<int32_t>(two ? supers * 4 * PANEL * (1 + off) : 0);
+  h.panel_bytes = h.super_bytes + groups * h.group_bytes;
+  auto blob = tfq::weights_memory(segment_bytes(h));
   uint8_t* out = blob.data_ptr<uint8_t>();
   std::memcpy(out, &h, sizeof h);
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float* sp = s.data_ptr<float>();
   const float* op = o.has_value() ? o->data_ptr<float>() : nullptr;
+  const float* sdp = two ? sd->data_ptr<float>() : nullptr;
+  const float* odp = two && off ? od->data_ptr<float>() : nullptr;
+  const int8_t* sqp = two ? sq->data_ptr<int8_t>() : nullptr;
+  const int8_t* oqp = two && off ? oq->data_ptr<int8_t>() : nullptr;
+  std::atomic<bool> agree{true};
   at::parallel_for(0, h.panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; p++) {
       uint8_t* panel = out + HEADER + p * h.panel_bytes;
       std::memset(panel, 0, static_cast<size_t>(h.panel_bytes));
-      for (int64_t g = 0; g < groups; g++) {
-        uint8_t* base = panel + g * h.group_bytes;
-        float* gs = reinterpret_cast<float*>(base);
-        uint8_t* rows = base + 4 * PANEL * (1 + h.has_offset);
-        for (int64_t j = 0; j < PANEL; j++) {
-          const int64_t n = p * PANEL + j;
-          if (n >= N) continue;  // outputs past N: zero bytes, never stored by qlinear
-          gs[j] = sp[n * groups + g];
-          if (op) gs[PANEL + j] = op[n * groups + g];
+      for (int64_t j = 0; j < PANEL; j++) {
+        const int64_t n = p * PANEL + j;
+        if (n >= N) continue;  // outputs past N: zero bytes, never stored by qlinear
+        for (int64_t u = 0; u < supers; u++) {
+          float* d = reinterpret_cast<float*>(panel + u * 4 * PANEL * (1 + off));
+          d[j] = sdp[n * supers + u];
+          if (off) d[PANEL + j] = odp[n * supers + u];
+        }
+        for (int64_t g = 0; g < groups; g++) {
+          uint8_t* base = panel + h.super_bytes + g * h.group_bytes;
+          if (two) {
+            const int64_t u = n * supers + g / h.super_groups, i = n * groups + g;
+            base[j] = static_cast<uint8_t>(sqp[i]);
+            if (off) base[PANEL + j] = static_cast<uint8_t>(oqp[i]);
+            if (!same_bits(sdp[u] * static_cast<float>(sqp[i]), sp[i]) ||
+                (off && !same_bits(-(odp[u] * static_cast<float>(oqp[i])), op[i])))
+              agree = false;
+          } else {
+            float* gs = reinterpret_cast<float*>(base);
+            gs[j] = sp[n * groups + g];
+            if (op) gs[PANEL + j] = op[n * groups + g];
+          }
+          uint8_t* rows = base + (two ? 1 : 4) * PANEL * (1 + off);
           for (int64_t r = 0; r < group; r++) {
             const uint8_t v = qp[n * K + g * group + r];
             uint8_t* row = rows + r * h.row_bytes;
@@ -365,12 +465,34 @@ at::Tensor qpack(const at::Tensor& q, const at::Tensor& s, const c10::optional<a
       }
     }
   });
+  TORCH_CHECK(agree.load(), "tfq qpack: the two-level scales do not multiply to s and o");
+  return blob;
+}
+
+// Blobs stacked by outputs into one layer (each keeps its segments and their formats)
+at::Tensor qcat(at::TensorList blobs) {
+  TORCH_CHECK(!blobs.empty(), "tfq qcat: at least one blob");
+  int64_t total = 0, k = -1;
+  for (const at::Tensor& b : blobs) {
+    const auto segs = segments_of(b);
+    TORCH_CHECK(k < 0 || segs[0].h.k == k, "tfq qcat: the blobs share their inputs");
+    k = segs[0].h.k;
+    total += b.numel();
+  }
+  auto blob = tfq::weights_memory(total);
+  uint8_t* out = blob.data_ptr<uint8_t>();
+  for (const at::Tensor& b : blobs) {
+    std::memcpy(out, b.data_ptr<uint8_t>(), static_cast<size_t>(b.numel()));
+    out += b.numel();
+  }
   return blob;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) {
-  m.def("qpack(Tensor q, Tensor s, Tensor? o, int bits, int group, int zero, int rounding=0) -> Tensor", qpack);
+  m.def("qpack(Tensor q, Tensor s, Tensor? o, int bits, int group, int zero, int rounding=0, Tensor? sd=None, "
+        "Tensor? sq=None, Tensor? od=None, Tensor? oq=None) -> Tensor", qpack);
+  m.def("qcat(Tensor[] blobs) -> Tensor", qcat);
   m.def("qlinear(Tensor x, Tensor blob, Tensor? b, int n) -> Tensor", qlinear);
 }

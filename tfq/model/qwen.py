@@ -24,7 +24,7 @@ from tfq.kernels.attention import AttentionBatch, attend_fixed, write
 from tfq.kernels.backend import Backend, LinearFn, torch_backend
 from tfq.kernels.delta import DeltaSizes, DeltaWeights, deltanet_chunks, deltanet_rows, gated_rms_norm, sigmoid_gate
 from tfq.kernels.layer import fusable
-from tfq.kernels.quant import Quantized, join, joinable
+from tfq.kernels.quant import Quantized, Stacked, join, joinable
 from tfq.kernels.rowwise import rms_norm_fixed
 from tfq.proofs.startup_kernels import check_layers, ensure_exact
 from tfq.errors import TfqError
@@ -157,7 +157,7 @@ class Qwen:
 
     def make_linear(self, w, b=None) -> LinearFn:
         """A linear layer on fp32 weights, or on quantized ones kept by load_model (weights: gguf or mlx)."""
-        if isinstance(w, Quantized):
+        if isinstance(w, (Quantized, Stacked)):
             return self.backend.quant_linear(w, b)
         return self.backend.linear(w, b)
 
@@ -341,7 +341,7 @@ class Qwen:
         return self.joined("head", tap("head", self.lm_head(h))).cpu()
 
 
-def stack(parts: list) -> torch.Tensor | Quantized:
+def stack(parts: list) -> torch.Tensor | Quantized | Stacked:
     """Matrices one under the other (q, k and v into one layer): quantized if all are, else fp32 (a quantized
     part dequantized: the same values)."""
     if joinable(parts):
