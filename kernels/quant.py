@@ -35,10 +35,20 @@ SUPER = {"Q4_K": 256, "Q5_K": 256, "Q6_K": 256}  # the K formats' super blocks: 
 
 
 def kept_bytes(bits: int, group: int, offsets: bool, n: int, k: int, super_block: int = 0) -> int:
-    """Bytes an [n, k] matrix takes kept at `bits` with an fp32 scale (and offset) per `group` inputs, or, with a
-    super block, an int8 one per group and an fp32 one per super block (kernels/cpu/quant.cpp's layout)."""
-    scales = n * k // group if not super_block else n * k // group // 4 + n * k // super_block
-    return n * k * bits // 8 + 4 * scales * (2 if offsets else 1)
+    """Bytes an [n, k] matrix takes kept as one segment of kernels/cpu/quant.cpp's blob: its 64-byte header, then
+    panels of 64 outputs (the last one padded), each group's integers at `bits` with an fp32 scale (and offset)
+    per output, or, with a super block, an int8 one per group and an fp32 one per super block."""
+    per_group = (1 if super_block else 4) * 64 * (2 if offsets else 1) + group * ROW_BYTES[bits]
+    supers = k // super_block * 4 * 64 * (2 if offsets else 1) if super_block else 0
+    return 64 + -(-n // 64) * (supers + k // group * per_group)
+
+
+def format_bytes(kind: str, n: int, k: int) -> int:
+    """kept_bytes of an [n, k] matrix of GGUF type `kind`, as from_blocks keeps it."""
+    return kept_bytes(*KEPT[kind], n, k, SUPER.get(kind, 0))
+
+
+ROW_BYTES = {4: 32, 5: 40, 6: 48, 8: 64}  # one input's integers for a panel's 64 outputs
 
 
 @dataclass
@@ -177,14 +187,8 @@ def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def joinable(parts: list) -> bool:
-    """Whether these matrices stack into one quantized layer: GGUF's formats always (each part keeps its own);
-    MLX's only in one format and rounding."""
-    if not all(isinstance(p, (Quantized, Stacked)) for p in parts):
-        return False
-    flat = [q for p in parts for q in (p.parts if isinstance(p, Stacked) else [p])]
-    if all(p.rounding == "fma" for p in flat):
-        return True
-    return len({(p.bits, p.group, p.zero, p.o is None, p.rounding) for p in flat}) == 1
+    """Whether these matrices stack into one quantized layer: when all are quantized (each keeps its format)."""
+    return all(isinstance(p, (Quantized, Stacked)) for p in parts)
 
 
 @dataclass
@@ -206,20 +210,9 @@ class Stacked:
 
 
 def join(parts: list) -> "Quantized | Stacked":
-    """Matrices stacked by rows (q, k, v into one layer): one Quantized when they share a format, else Stacked."""
+    """Matrices stacked by rows (q, k, v into one layer), each kept as it is: one segment of the blob a part."""
     flat = [q for p in parts for q in (p.parts if isinstance(p, Stacked) else [p])]
-    if len({(p.bits, p.group, p.zero, p.o is None, p.rounding, p.levels is None) for p in flat}) > 1:
-        return Stacked(flat)
-    first = flat[0]
-    cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
-    levels = None
-    if first.levels is not None:
-        ls = [p.levels for p in flat]
-        levels = Levels(cat([v.d for v in ls]), cat([v.sub for v in ls]), cat([v.dmin for v in ls]),
-                        cat([v.sub_min for v in ls]), first.levels.block)
-    kind = first.kind if len({p.kind for p in flat}) == 1 else "mixed"
-    return Quantized(torch.cat([p.q for p in flat]), torch.cat([p.s for p in flat]), cat([p.o for p in flat]),
-                     first.bits, first.group, first.zero, kind, first.rounding, levels)
+    return flat[0] if len(flat) == 1 else Stacked(flat)
 
 
 def pack(weight: Quantized) -> torch.Tensor:

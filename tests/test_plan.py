@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tfq.model.footprint import activation_row_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -131,24 +132,26 @@ def test_row_bytes_follow_the_cache_layout(dtype, size, tiny):
     ],
 )
 def test_cache_bytes_are_the_allocated_rows(kv, lanes, contiguous, paged, pool, tiny):
-    lay = Plan(window=4096, lanes=lanes, kv=kv, budget="1GiB").layout(tiny)
+    lay = Plan(window=4096, lanes=lanes, kv=kv, budget="1GiB", weights="fp32").layout(tiny)
     assert (lay.contiguous_lanes, lay.paged_lanes, lay.pool_pages) == (contiguous, paged, pool)
     rows = contiguous * 4096 + pool * kv.pages
     assert lay.rows_total == rows
     assert lay.cache_bytes == rows * TINY_ROW
     assert lay.weights_bytes == tiny.param_count() * 4
-    assert lay.total_bytes == lay.weights_bytes + lay.cache_bytes + lay.logits_bytes
+    assert lay.total_bytes == lay.weights_bytes + lay.cache_bytes + lay.logits_bytes + lay.activation_bytes
     assert lay.logits_bytes == lay.logits_rows * tiny.vocab_size * 4
+    assert lay.activation_bytes == lanes * 512 * activation_row_bytes(tiny)
 
 
 def test_auto_pool_takes_what_the_budget_leaves(tiny):
     weights = tiny.param_count() * 4
     page = 256 * TINY_ROW
     logits = 512 * tiny.vocab_size * 4  # logits_rows: auto, a 512-row prompt chunk
-    budget = weights + logits + 4096 * TINY_ROW + 40 * page + page // 2  # room for 40 pages and a half
-    lay = Plan(lanes=8, kv=KVPlan(pages=256), budget=budget).layout(tiny)
+    activations = 8 * 512 * activation_row_bytes(tiny)  # the largest forward: 8 lanes' prompt chunks
+    budget = weights + logits + activations + 4096 * TINY_ROW + 40 * page + page // 2  # room for 40 pages and a half
+    lay = Plan(lanes=8, kv=KVPlan(pages=256), budget=budget, weights="fp32").layout(tiny)
     assert lay.pool_pages == 40 and lay.fits and lay.pool_full == 112
-    lines = plan_lines(Plan(lanes=8, kv=KVPlan(pages=256), budget=budget), tiny, lay)
+    lines = plan_lines(Plan(lanes=8, kv=KVPlan(pages=256), budget=budget, weights="fp32"), tiny, lay)
     assert any(line.startswith("pool: 40 pages") and "preempted" in line for line in lines)
 
 
@@ -344,7 +347,7 @@ def _only_tfq_errors(text: str, env: dict, sets: list, tiny: ModelConfig, tmp_pa
         lay = plan.layout(tiny)
         lines = plan_lines(plan, tiny, lay)
         json.dumps(plan_json(plan, tiny, lay))
-        assert lines[-1].startswith("total:") and lay.fits
+        assert lines[-2].startswith("total:") and lines[-1].startswith("resident memory:") and lay.fits
     except TfqError as e:
         assert len(str(e).splitlines()) == 1, str(e)
     else:

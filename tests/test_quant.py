@@ -13,10 +13,11 @@ import pytest
 import torch
 from tfq.errors import TfqError
 from tfq.kernels import cpu_build
-from tfq.kernels.quant import FORMATS, KEPT, QuantLinear, Quantized, Stacked, from_blocks, join
+from tfq.kernels.quant import FORMATS, KEPT, QuantLinear, format_bytes, Quantized, Stacked, from_blocks, join
 from tfq.kernels.rowwise import FixedOrderLinear
 from tfq.proofs.kernel_check_rowwise import dequantized, linear_bound
 from tfq.proofs.kernel_check_rowwise import random_blocks as check_blocks
+from tfq.model.gguf_tensors import BlockRows
 from tiny import write_tiny_gguf
 
 pytestmark = pytest.mark.skipif(not cpu_build.load()[0], reason="tfq's CPU kernels do not build here")
@@ -104,8 +105,6 @@ def test_joining_formats_keeps_each_at_its_width():
     assert layer.panels.numel() == sum(QuantLinear(p).panels.numel() for p in parts)
     for m in (1, 3, 8, 10):  # registers and the buffer, across the segments' boundaries
         assert torch.equal(layer(x[:m]), FixedOrderLinear(stacked)(x[:m])), m
-    same = join([parts[0], parts[0]])
-    assert (same.bits, same.kind) == (5, "Q5_0")  # one format: one segment
 
 
 @pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
@@ -118,7 +117,7 @@ def test_k_formats_keep_the_files_two_levels_of_scales(kind):
     bits, group, offsets = KEPT[kind]
     blob = QuantLinear(q).panels.numel()
     assert blob == 64 + n * k * bits // 8 + n * (k // group) * (1 + offsets) + 4 * n * (k // 256) * (1 + offsets)
-    assert blob == 64 + q.nbytes()
+    assert blob == q.nbytes()
     wrong = dataclasses.replace(q, levels=dataclasses.replace(q.levels, sub=q.levels.sub.roll(1, 1)))
     with pytest.raises(RuntimeError, match="two-level scales"):
         QuantLinear(wrong)
@@ -136,6 +135,14 @@ def test_control_the_bit_comparison_sees_one_weight_one_ulp_off():
     x[0, 17] = 1.0
     assert torch.equal(QuantLinear(q)(x), FixedOrderLinear(ref)(x))
     assert not torch.equal(QuantLinear(q)(x), FixedOrderLinear(nudged)(x))
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_the_plans_count_of_a_matrix_is_its_blob(kind):
+    """format_bytes (what `tfq plan` counts from a file's header) is the packed blob's size, a partial panel too."""
+    n, k = 200, 512
+    q = from_blocks(kind, random_blocks(kind, n, k, seed=6), (n, k))
+    assert QuantLinear(q).panels.numel() == format_bytes(kind, n, k) == q.nbytes(), kind
 
 
 def test_the_blob_is_the_files_size():
@@ -163,11 +170,34 @@ def loaded(tiny_file):
 def test_the_model_keeps_each_matrix_in_its_format(loaded):
     model = loaded["gguf"].model
     layer0, layer1 = model.layers[:2]
-    assert isinstance(model.embed, Quantized) and model.embed.kind == "Q5_0"
-    assert (layer0.qkv.kind, layer1.qkv.kind) == ("mixed", "Q5_0")  # v in Q8_0 in even layers
+    assert isinstance(model.embed, BlockRows) and model.embed.kind == "Q5_0"  # left on the mapped file
+    ids = torch.tensor([0, 7, 3, 7])
+    assert torch.equal(model.embed.rows(ids), loaded["fp32"].model.embed[ids])  # its rows: the fp32 model's bits
+    assert (layer0.qkv.kind, layer1.qkv.kind) == ("mixed", "Q5_0")  # v in Q8_0 in even layers: its own segment
     assert (layer0.down.kind, layer1.down.kind) == ("Q6_K", "Q4_K")
     assert model.lm_head.kind == "Q8_0" and layer0.gate_up.kind == "Q5_0"
     assert loaded["gguf"].weights == "gguf" and loaded["fp32"].weights == "fp32"
+
+
+def test_the_plan_counts_the_bytes_the_model_keeps(loaded, tiny_file):
+    """The plan's weights (kept_summary, from the header alone) are the bytes the loaded model holds: every
+    layer's blob, the fp32 norms and biases, the embedding's blocks on the file. The control: the fp32 model
+    holds other bytes."""
+    from tfq.model.gguf_header import read_header
+    from tfq.model.gguf_tensors import kept_summary
+    from tfq.model.qwen import linears
+
+    def held(model) -> int:
+        size = lambda t: 0 if t is None else t.numel() * t.element_size()  # noqa: E731
+        out = size(model.lm_head.panels) + size(model.norm)
+        out += model.embed.raw.nbytes if isinstance(model.embed, BlockRows) else size(model.embed)
+        for layer in model.layers:
+            out += sum(size(f.panels) + size(f.bias) for f in linears(layer).values())
+            out += sum(size(t) for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm))
+        return out
+
+    assert held(loaded["gguf"].model) == kept_summary(read_header(tiny_file)).resident
+    assert held(loaded["fp32"].model) != kept_summary(read_header(tiny_file)).resident
 
 
 def test_engine_streams_on_gguf_weights_equal_fp32_and_their_runs_alone(loaded):

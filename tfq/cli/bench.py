@@ -89,8 +89,11 @@ def bench_command(
             from transformers.utils import logging as hf_logging
 
             hf_logging.disable_progress_bar()
+        from tfq.model.source import resolve_model
+
+        folder = resolve_model(the_plan.model, progress=not quiet)  # with its fp32 weights, which HF loads
         with err.status("loading the peer (HF transformers)"):
-            peer_engine = HfPeer(loaded.folder)
+            peer_engine = HfPeer(folder)
     elif settings.peer.startswith("llama.cpp"):
         import torch
 

@@ -16,29 +16,39 @@ from tfq.model.gguf_tokenizer import build_tokenizer
 
 # Callers reach GGUF files through this module's names (and tests replace read_header and convert here to see
 # that a cached conversion is not redone), so the parts' entry points stay names of this module.
-__all__ = ["MAGIC", "GgufHeader", "build_tokenizer", "convert", "hf_config", "hf_name", "iter_tensors",
+__all__ = ["MAGIC", "WEIGHTS", "GgufHeader", "build_tokenizer", "convert", "write_weights", "hf_config", "hf_name", "iter_tensors",
            "read_header", "tensor_names"]
 
 
-def convert(
-    path: Path, out: Path, progress: bool = True, header: GgufHeader | None = None, label: str | None = None
-) -> None:
-    """Write `out` (an existing empty folder) as an HF checkpoint of the GGUF file at `path`."""
-    from tfq.model.weights import write_safetensors
+WEIGHTS = "model.safetensors"  # a converted folder's fp32 weights (written only when asked for)
 
+
+def convert(
+    path: Path, out: Path, progress: bool = True, header: GgufHeader | None = None, label: str | None = None,
+    weights: bool = True,
+) -> None:
+    """Write `out` (an existing empty folder) as an HF checkpoint of the GGUF file at `path`: config and
+    tokenizer from its header, and, with `weights`, every tensor dequantized to fp32."""
     h = header or read_header(path)
     config = hf_config(h)
     tok, tok_config, gen_config = build_tokenizer(h)
-    names = tensor_names(h)
-    shapes = {name: t.shape for name, t in names}
-    write_safetensors(
-        out / "model.safetensors", shapes, iter_tensors(h),
-        progress=progress, desc=f"converting {label or Path(path).name}",
-    )
+    if weights:
+        write_weights(path, out / WEIGHTS, progress, h, label)
     tok.save(str(out / "tokenizer.json"))
     _write_json(out / "tokenizer_config.json", tok_config)
     _write_json(out / "generation_config.json", gen_config)
     _write_json(out / "config.json", config)
+
+
+def write_weights(path: Path, dest: Path, progress: bool = True, header: GgufHeader | None = None,
+                  label: str | None = None) -> None:
+    """The GGUF file's tensors as one fp32 safetensors file at `dest`, one tensor in memory at a time."""
+    from tfq.model.weights import write_safetensors
+
+    h = header or read_header(path)
+    shapes = {name: t.shape for name, t in tensor_names(h)}
+    write_safetensors(dest, shapes, iter_tensors(h), progress=progress,
+                      desc=f"converting {label or Path(path).name}")
 
 
 def _write_json(path: Path, obj) -> None:

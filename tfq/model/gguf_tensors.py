@@ -3,6 +3,7 @@ to float32 (by `gguf.quants.dequantize`) in its row-major shape, or, for `weight
 matrices kept in their blocks (`kept_tensors`)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
@@ -79,36 +80,114 @@ def iter_tensors(h: GgufHeader) -> Iterator[tuple[str, np.ndarray]]:
         yield name, dequantized(h, data, t)
 
 
-def kept_tensors(h: GgufHeader) -> dict[str, object]:
-    """Every tensor by its HF name: a matrix in a format tfq's quantized kernel computes with
-    (tfq.kernels.quant.FORMATS) as `Quantized`, anything else (F32, F16, other quantizations, vectors)
-    dequantized to a float32 torch tensor, as `weights: fp32` has it."""
-    import torch
+class FileBytes:
+    """A GGUF file mapped read-only: each tensor's bytes as a numpy view, and its pages let go once read (the
+    file's pages would otherwise count in the process's resident memory beside the kept copy)."""
+
+    def __init__(self, path):
+        import mmap
+
+        with open(path, "rb") as f:
+            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self.data = np.frombuffer(self.map, dtype=np.uint8)
+
+    def of(self, t: TensorInfo) -> np.ndarray:
+        return self.data[t.offset:t.offset + t.n_bytes]
+
+    def release(self, t: TensorInfo) -> None:
+        import mmap
+
+        page = mmap.PAGESIZE
+        start = t.offset // page * page
+        if hasattr(self.map, "madvise"):
+            self.map.madvise(mmap.MADV_DONTNEED, start, t.offset + t.n_bytes - start)
+
+
+class BlockRows:
+    """A table (the embedding) left in its file's blocks on the mapped file: a lookup dequantizes just the rows
+    it reads, with the same values a kept matrix unpacks to (`Quantized.rows`), and only those rows' pages become
+    resident."""
+
+    def __init__(self, kind: str, raw: np.ndarray, shape: tuple[int, int], h: GgufHeader, t: TensorInfo):
+        self.kind, self.raw, self.shape = kind, raw.reshape(shape[0], -1), tuple(shape)
+        self._h, self._t = h, t
+
+    def rows(self, ids):
+        import torch
+
+        from tfq.kernels.quant import FORMATS, from_blocks
+
+        picked = self.raw[ids.cpu().numpy()]
+        if self.kind in FORMATS:
+            return from_blocks(self.kind, picked, (len(picked), self.shape[1])).dequantized().to(ids.device)
+        t = TensorInfo(self._t.name, self._t.dims[:1] + (len(picked),), self._t.ggml_type, 0, picked.size)
+        return torch.from_numpy(np.array(dequantized(self._h, picked.reshape(-1), t))).to(ids.device)
+
+    def quantized(self):
+        """The whole table as a matrix the quantized kernel computes with (a head tied to the embedding)."""
+        import torch
+
+        from tfq.kernels.quant import FORMATS, from_blocks
+
+        if self.kind in FORMATS:
+            return from_blocks(self.kind, self.raw, self.shape)
+        return torch.from_numpy(np.array(dequantized(self._h, self.raw.reshape(-1), self._t)))
+
+
+EMBEDDING = "model.embed_tokens.weight"
+
+
+def kept_tensors(h: GgufHeader):
+    """Every tensor by its HF name, each read from the mapped file when the model takes it (LazyTensors): a
+    matrix in a format tfq's quantized kernel computes with (tfq.kernels.quant.FORMATS) as `Quantized`, the
+    embedding as `BlockRows` on the file, anything else (F32, F16, other quantizations, vectors) dequantized
+    to a float32 torch tensor, as `weights: fp32` has it."""
     from gguf.constants import GGMLQuantizationType
 
-    from tfq.kernels.quant import FORMATS, from_blocks
+    from tfq.model.lazy import LazyTensors
 
-    data = np.memmap(h.path, dtype=np.uint8, mode="r")
-    out: dict[str, object] = {}
-    for name, t in tensor_names(h):
+    names = dict(tensor_names(h))
+    data = FileBytes(h.path)
+
+    def read(name: str):
+        import torch
+
+        from tfq.kernels.quant import FORMATS, from_blocks
+
+        t = names[name]
         kind = GGMLQuantizationType(t.ggml_type).name
+        if name == EMBEDDING and len(t.shape) == 2:
+            return BlockRows(kind, data.of(t), t.shape, h, t)
         if kind in FORMATS and len(t.shape) == 2:
-            out[name] = from_blocks(kind, data[t.offset:t.offset + t.n_bytes], t.shape)
+            out = from_blocks(kind, data.of(t), t.shape)
         else:
-            out[name] = torch.from_numpy(np.array(dequantized(h, data, t)))
-    return out
+            out = torch.from_numpy(np.array(dequantized(h, data.data, t)))
+        data.release(t)
+        return out
+
+    return LazyTensors(list(names), read)
 
 
-def kept_summary(h: GgufHeader) -> tuple[dict[str, int], int, int]:
-    """What `weights: gguf` keeps of this file, from its header alone: (matrices by type, those tfq does not
-    compute with counted as "fp32"), the bytes a decode step reads of the weights kept so, and in fp32.
-    The embedding is a lookup unless the head shares it."""
+@dataclass(frozen=True)
+class KeptWeights:
+    """What `weights: gguf` keeps of a file, from its header alone."""
+
+    resident: int  # bytes the loaded model holds: every blob, fp32 tensors, and the embedding's file bytes
+    step: int  # bytes a decode step reads of them (the embedding is a lookup unless the head shares it)
+    fp32: int  # the same step in fp32
+    embedding: int  # the embedding's bytes, left on the mapped file (resident as its rows are read)
+    counts: dict  # matrices by how they are kept: their GGUF type, or "fp32"
+
+
+def kept_summary(h: GgufHeader) -> KeptWeights:
+    """The bytes `kept_tensors` and the model keep, counted as kernels/cpu/quant.cpp lays each matrix out
+    (tfq.kernels.quant.format_bytes): what the plan's weights line says and its total counts."""
     from gguf.constants import GGMLQuantizationType
 
-    from tfq.kernels.quant import KEPT, kept_bytes
+    from tfq.kernels.quant import KEPT, format_bytes
 
     counts: dict[str, int] = {}
-    step = fp32 = 0
+    resident = step = fp32 = embedding = 0
     tied = not any(t.name == "output.weight" for t in h.tensors)
     for t in h.tensors:
         size = int(np.prod(t.shape, dtype=np.int64))
@@ -116,8 +195,15 @@ def kept_summary(h: GgufHeader) -> tuple[dict[str, int], int, int]:
         kept = kind in KEPT and len(t.shape) == 2
         if len(t.shape) == 2:
             counts[kind if kept else "fp32"] = counts.get(kind if kept else "fp32", 0) + 1
-        if t.name == "token_embd.weight" and not tied:
-            continue
+        matrix = format_bytes(kind, *t.shape) if kept else 4 * size
+        if t.name == "token_embd.weight":
+            embedding = t.n_bytes if len(t.shape) == 2 else 4 * size
+            resident += embedding
+            if not tied:
+                continue
+            resident += matrix  # the head computes with the embedding's blocks, packed
+        else:
+            resident += matrix
         fp32 += 4 * size
-        step += kept_bytes(*KEPT[kind], *t.shape) if kept else 4 * size
-    return counts, step, fp32
+        step += matrix
+    return KeptWeights(resident, step, fp32, embedding, counts)

@@ -35,15 +35,15 @@ def load_model(spec: str, progress: bool = True, device: str | torch.device = "c
     from tfq.model.source import resolve_model
     from tfq.model.tokenizer import Tokenizer
 
-    folder = resolve_model(spec, progress=progress)
-    config = ModelConfig.from_folder(folder)
-    tokenizer = Tokenizer.from_folder(folder)
     if progress:
         _say_if_building(torch.device(device))
     backend = backend_for(torch.device(device))
     kind = weights_kind(weights, spec, device)[0]
     if weights == "auto" and backend.quant_linear is None:  # tfq's CPU kernels did not build here
         kind = "fp32"
+    folder = resolve_model(spec, progress=progress, weights=kind != "gguf")  # gguf: no fp32 copy on disk
+    config = ModelConfig.from_folder(folder)
+    tokenizer = Tokenizer.from_folder(folder)
     tensors = model_weights(spec, folder, kind, backend, progress)
     if group is None:
         return LoadedModel(folder, config, Qwen(config, tensors, backend), tokenizer, kind)
@@ -102,7 +102,7 @@ def weights_kind(choice: str, spec: str, device: str | torch.device = "cpu") -> 
 
 def model_weights(spec: str, folder: Path, weights: str, backend: Backend, progress: bool = True) -> dict:
     """The model's tensors by HF name, as `weights` says they are kept."""
-    from tfq.model.weights import load_state_dict
+    from tfq.model.weights import lazy_state_dict
 
     if weights in ("fp32", "mlx"):
         from tfq.model.mlx import folder_quantization, load_mlx_state
@@ -115,7 +115,7 @@ def model_weights(spec: str, folder: Path, weights: str, backend: Backend, progr
             raise TfqError(f"weights: mlx keeps an MLX checkpoint's quantized groups on tfq's CPU kernels, which "
                            f"this run does not have ({backend.where}); set weights: fp32")
         if quant is None:
-            return load_state_dict(folder)
+            return lazy_state_dict(folder)
         return load_mlx_state(folder, quant, keep=weights == "mlx")
     from tfq.model.gguf_file import read_header
     from tfq.model.gguf_tensors import kept_tensors

@@ -93,14 +93,19 @@ class Qwen:
                            f"auto or tfq, and a C++ compiler")
         # Qwen3.5 stores norms as weight - 1 in transformers' layout; MLX's stores the weight itself (and the
         # convolution as [channels, taps, 1]), which its convolution's shape tells, as mlx-lm tells it
-        mlx_layout = c.hybrid and any(k.endswith("conv1d.weight") and w.shape[-1] == 1 != c.deltanet.conv_kernel
-                                      for k, w in weights.items())
+        mlx_layout = c.hybrid and any(k.endswith("conv1d.weight") and weights[k].shape[-1] == 1 != c.deltanet.conv_kernel
+                                      for k in weights)
         take = Taker(weights, c.family, backend.device, offset=c.hybrid and not mlx_layout, shard=shard)
 
         Linear = self.make_linear
 
         norm = take.norm  # a Qwen3.5 norm multiplies by 1 + its stored weight: loaded as what it multiplies by
         self.embed = take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
+        # the head before the layers: unpacking it (the largest matrix) then costs memory while little is kept
+        head = take.kept("lm_head.weight", self.embed.quantized() if hasattr(self.embed, "quantized") else
+                         self.embed) if c.tie_embeddings else take("lm_head.weight", (c.vocab_size, c.hidden_size))
+        self.lm_head = Linear(head)
+        del head
         self.layers: list[Layer | DeltaLayer] = []
         q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         for i, kind in enumerate(c.kinds):
@@ -135,9 +140,6 @@ class Qwen:
                 gated=c.hybrid, **mlp,
             ))
         self.norm = norm("model.norm.weight", c.hidden_size)
-        head = take.kept("lm_head.weight", self.embed) if c.tie_embeddings else \
-            take("lm_head.weight", (c.vocab_size, c.hidden_size))
-        self.lm_head = Linear(head)
         self._rope_rows = 0
         self.scale = 1.0 / math.sqrt(c.head_dim)
         self.act = backend.silu  # the MLP's activation; the guard's tests swap in flawed ones and must see them
@@ -206,7 +208,7 @@ class Qwen:
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows of the embedding for `ids` (a quantized table gives each row its dequantized values)."""
-        return self.embed.rows(ids) if isinstance(self.embed, Quantized) else self.embed[ids]
+        return self.embed[ids] if isinstance(self.embed, torch.Tensor) else self.embed.rows(ids)
 
     def decoder_layer(self, layer: Layer | DeltaLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache,
                       index: int, cache_rows: torch.Tensor, batch: AttentionBatch, tap: Tap = untapped,

@@ -34,14 +34,16 @@ def converted_dir(sha256: str) -> Path:
     return cache_dir() / "converted" / f"{sha256}-v{CONVERTER_VERSION}"
 
 
-def resolve_model(spec: str, progress: bool = True) -> Path:
-    """An HF checkpoint folder for `spec` ("default", an HF folder, or a .gguf file), converting once if needed."""
+def resolve_model(spec: str, progress: bool = True, weights: bool = True) -> Path:
+    """An HF checkpoint folder for `spec` ("default", an HF folder, or a .gguf file). A GGUF file's folder is
+    made once from its header (config and tokenizer); its fp32 weights are written into it only when `weights`
+    asks for them (weights: fp32, or a peer that loads the folder), once."""
     if spec == "default":
         target = converted_dir(default.SHA256)
-        if (target / "config.json").is_file():
+        if _complete(target, weights):
             return target
         joined = gguf_path("default", progress)
-        return _convert_once(target, lambda out: gguf_file.convert(joined, out, progress, label="the default model"))
+        return _converted(joined, target, weights, progress, "the default model")
     path = _existing(spec)
     if path.is_dir():
         ModelConfig.from_folder(path)
@@ -49,11 +51,24 @@ def resolve_model(spec: str, progress: bool = True) -> Path:
     _require_gguf(path)
     sha = file_sha256(path, progress)
     target = converted_dir(sha)
-    if (target / "config.json").is_file():
+    if _complete(target, weights):
         return target
-    header = gguf_file.read_header(path)
-    gguf_file.hf_config(header)  # an unsupported architecture fails here, before any work
-    return _convert_once(target, lambda out: gguf_file.convert(path, out, progress, header))
+    return _converted(path, target, weights, progress)
+
+
+def _complete(folder: Path, weights: bool) -> bool:
+    return (folder / "config.json").is_file() and (not weights or (folder / gguf_file.WEIGHTS).is_file())
+
+
+def _converted(path: Path, target: Path, weights: bool, progress: bool, label: str | None = None) -> Path:
+    """The folder of GGUF file `path`: its header's config and tokenizer (once), then its fp32 weights if asked."""
+    if not (target / "config.json").is_file():
+        header = gguf_file.read_header(path)
+        gguf_file.hf_config(header)  # an unsupported architecture fails here, before any work
+        _convert_once(target, lambda out: gguf_file.convert(path, out, progress, header, label, weights=weights))
+    if weights and not (target / gguf_file.WEIGHTS).is_file():
+        write_once(target / gguf_file.WEIGHTS, lambda tmp: gguf_file.write_weights(path, tmp, progress, label=label))
+    return target
 
 
 def default_gguf() -> Path:

@@ -12,7 +12,9 @@ class Taker:
 
     def __init__(self, weights: dict[str, torch.Tensor], family: str, device: torch.device, offset: bool = False,
                  shard=None):
-        self.weights = {text_name(k): w for k, w in weights.items()}
+        self.source = weights  # a dict, or LazyTensors (each read when taken): only names are listed here
+        self.names = {text_name(k): k for k in weights}
+        self.replaced: dict[str, torch.Tensor] = {}
         self.family = family
         self.device = device
         self.offset = offset  # norms stored as weight - 1 (Qwen3.5)
@@ -25,6 +27,8 @@ class Taker:
         if keep is None:
             return t
         rows, cols = keep
+        if hasattr(t, "quantized"):  # a table left in its file's blocks (tfq.model.gguf_tensors.BlockRows)
+            t = t.quantized()
         if isinstance(t, Quantized):
             if cols is None:
                 return t.select(torch.arange(t.shape[0])[rows])
@@ -35,9 +39,9 @@ class Taker:
     def conv(self, name: str, channels: int, taps: int) -> torch.Tensor:
         """A depthwise convolution's weight [channels, 1, taps], from transformers' layout or MLX's [channels,
         taps, 1]."""
-        w = self.weights.get(name)
+        w = self.get(name)
         if w is not None and tuple(w.shape) == (channels, taps, 1) and taps != 1:
-            self.weights[name] = w.transpose(1, 2)
+            self.replaced[name] = w.transpose(1, 2)
         return self(name, (channels, 1, taps))
 
     def norm(self, name: str, size: int) -> torch.Tensor:
@@ -46,14 +50,20 @@ class Taker:
         w = self(name, (size,))
         return 1.0 + w if self.offset else w
 
+    def get(self, name: str):
+        """The tensor the checkpoint names `name` (under tfq's names), or None."""
+        if name in self.replaced:
+            return self.replaced[name]
+        return self.source[self.names[name]] if name in self.names else None
+
     def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        t = self.weights.get(name)
+        t = self.get(name)
         if t is None:
             raise TfqError(f"checkpoint has no tensor {name}; its weights do not match its config.json "
                            f"(a {self.family} model): re-export or re-convert the checkpoint")
         if tuple(t.shape) != shape:
             raise TfqError(f"checkpoint tensor {name} has shape {tuple(t.shape)}, config says {shape}")
-        if isinstance(t, Quantized):
+        if not isinstance(t, torch.Tensor):  # Quantized, or a table in its file's blocks
             return self.kept(name, t)
         return self.kept(name, t.float()).contiguous().to(self.device)
 

@@ -91,3 +91,33 @@ def write_safetensors(
             bar.update(data.nbytes)
         if i + 1 != len(order):
             raise ValueError(f"{len(order) - i - 1} tensors announced in the header were never written")
+
+
+def lazy_state_dict(folder: Path):
+    """The checkpoint's tensors by HF name as float32, each read from its file when taken (LazyTensors), so a
+    model loads with one tensor in its read form at a time beside what it keeps."""
+    from safetensors import SafetensorError, safe_open
+
+    from tfq.model.lazy import LazyTensors
+
+    where: dict[str, Path] = {}
+    for path in safetensors_files(folder):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    if name in where:
+                        raise TfqError(f"{path}: tensor {name} appears in two weight files")
+                    where[name] = path
+        except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+            raise TfqError(f"{path}: not a readable safetensors file ({e}); it may be truncated, copy it again") from None
+
+    def read(name: str) -> torch.Tensor:
+        try:
+            with safe_open(str(where[name]), framework="pt") as f:
+                t = f.get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+            raise TfqError(f"{where[name]}: tensor {name} is not readable ({e}); it may be truncated, copy it "
+                           f"again") from None
+        return t if t.dtype == torch.float32 else t.to(torch.float32)
+
+    return LazyTensors(list(where), read)

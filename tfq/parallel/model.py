@@ -114,7 +114,7 @@ class ShardedQwen(Qwen):
 def _first_layer(weights: dict, config) -> dict:
     """The first layer of each kind's matrices, the MLP's and the head, whole, as the checkpoint holds them (for
     check_columns)."""
-    weights = {text_name(k): w for k, w in weights.items()}
+    named = {text_name(k): k for k in weights}  # names only: a lazy checkpoint reads just what is asked for
     names = {"gate_proj": "model.layers.0.mlp.gate_proj", "down": "model.layers.0.mlp.down_proj",
              "head": "model.embed_tokens" if config.tie_embeddings else "lm_head"}
     if config.attention_layers:
@@ -125,6 +125,6 @@ def _first_layer(weights: dict, config) -> dict:
         names.update(in_proj_qkv=a + "in_proj_qkv", out_proj=a + "out_proj")
     out = {}
     for what, name in names.items():
-        w, b = weights[name + ".weight"], weights.get(name + ".bias")
+        w, b = weights[named[name + ".weight"]], weights[named[name + ".bias"]] if name + ".bias" in named else None
         out[what] = (w if isinstance(w, Quantized) else w.float(), None if b is None else b.float())
     return out

@@ -80,6 +80,9 @@ class Layout:
     # inputs of this many verify rows, to roll rejected guesses back
     logits_rows: int = 0  # logits rows one forward may hold: every lane's drawing rows, and prompt rows scored
     logits_bytes: int = 0  # those rows in fp32 (in total_bytes)
+    forward_rows: int = 0  # rows of the largest forward: every lane's prompt chunk
+    activation_bytes: int = 0  # what those rows hold at once in fp32 (in total_bytes)
+    overhead_bytes: int = 0  # fixed: torch, the kernels, the tokenizer (not in total_bytes; the plan states it)
 
     @property
     def fits(self) -> bool:
@@ -194,10 +197,15 @@ def compute_layout(plan: PlanView, config: ModelConfig) -> Layout:
         )
     if config.hybrid and getattr(plan.kv, "prefix_cache", "off") == "on":
         raise fail(f"kv.prefix_cache: on{tag(plan, 'kv.prefix_cache')} {PREFIX_ON_HYBRID}")
+    from tfq.model.footprint import FIXED_OVERHEAD, activation_row_bytes, weight_bytes
+
     row = row_bytes(config, plan.kv.dtype)
-    weights = config.param_count() * 4  # tfq computes in fp32, whatever the checkpoint stores
-    state, rows = state_bytes(config, plan.lanes, getattr(plan, "draft", "none"))
     device = resolve_device(plan)
+    model = getattr(plan, "model", None)  # as `weights` keeps them; a plan without a model: fp32
+    weights = config.param_count() * 4 if model is None else weight_bytes(model, plan.weights, config, device)
+    forward_rows = plan.lanes * getattr(plan, "prefill_chunk", 1)
+    activations = forward_rows * activation_row_bytes(config)
+    state, rows = state_bytes(config, plan.lanes, getattr(plan, "draft", "none"))
     available = None
     if plan.budget == "auto":
         available = available_memory(device)
@@ -212,7 +220,7 @@ def compute_layout(plan: PlanView, config: ModelConfig) -> Layout:
     if pages:
         per_stream = pages_for(plan.window, pages)
         if plan.kv.pool == "auto":
-            left = budget - weights - logits - state - contiguous * plan.window * row
+            left = budget - weights - logits - activations - state - contiguous * plan.window * row
             pool = min(paged * per_stream, max(0, left // (pages * row)))
             if paged and pool < per_stream:
                 pool = per_stream  # the least that lets one paged stream reach the window; it will not fit
@@ -231,7 +239,8 @@ def compute_layout(plan: PlanView, config: ModelConfig) -> Layout:
     )
     cache = lay.rows_total * row + state  # the bytes are the rows the engine allocates, counted in one place
     return dataclasses.replace(lay, cache_bytes=cache, logits_rows=scored, logits_bytes=logits,
-                               total_bytes=weights + cache + logits)
+                               forward_rows=forward_rows, activation_bytes=activations, overhead_bytes=FIXED_OVERHEAD,
+                               total_bytes=weights + cache + logits + activations)
 
 
 def budget_words(plan: PlanView, lay: Layout) -> str:
@@ -253,7 +262,8 @@ def over_budget(plan: PlanView, lay: Layout) -> str:
     if lay.weights_bytes > lay.budget_bytes:
         return (
             f"plan over budget by {human_bytes(over)}: the weights alone take {human_bytes(lay.weights_bytes)} "
-            f"(fp32) but {budget}; this model needs a larger budget (budget: {need_gib}GiB at least)"
+            f"({getattr(plan, 'weights', 'fp32')}) but {budget}; this model needs a larger budget (budget: "
+            f"{need_gib}GiB at least)"
         )
     smaller = "a smaller cache dtype (kv.dtype: bf16 halves the cache), " if plan.kv.dtype == "fp32" else ""
     cut = "fewer lanes, a shorter window, "
@@ -265,6 +275,6 @@ def over_budget(plan: PlanView, lay: Layout) -> str:
     return (
         f"plan over budget by {human_bytes(over)}: it needs {human_bytes(lay.total_bytes)} (weights "
         f"{human_bytes(lay.weights_bytes)} + cache {human_bytes(lay.cache_bytes)}, {what} + logits "
-        f"{human_bytes(lay.logits_bytes)}) but {budget}; "
+        f"{human_bytes(lay.logits_bytes)} + activations {human_bytes(lay.activation_bytes)}) but {budget}; "
         f"use {cut}{smaller}or a larger budget (budget: {need_gib}GiB)"
     )

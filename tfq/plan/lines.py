@@ -88,11 +88,16 @@ def plan_lines(plan: Plan, config: ModelConfig, layout: Layout) -> list[str]:
         lines.append(f"drafting: draft checkpoint {plan.draft}{t('draft')}")
     spare = lay.budget_bytes - lay.total_bytes
     verdict = f"fits, {human_bytes(spare)} to spare" if lay.fits else f"does not fit, over by {human_bytes(-spare)}"
+    lines.append(f"activations: {human_bytes(lay.activation_bytes)} at most, the largest forward's {lay.forward_rows} "
+                 f"rows ({plan.lanes} lanes x a {plan.prefill_chunk}-row prompt chunk) in fp32")
     lines.append(
         f"total: {human_bytes(lay.total_bytes)} (weights {human_bytes(lay.weights_bytes)} + cache "
-        f"{human_bytes(lay.cache_bytes)} + logits {human_bytes(lay.logits_bytes)}) of a {human_bytes(lay.budget_bytes)} budget{budget_words(plan, lay)}: "
+        f"{human_bytes(lay.cache_bytes)} + logits {human_bytes(lay.logits_bytes)} + activations "
+        f"{human_bytes(lay.activation_bytes)}) of a {human_bytes(lay.budget_bytes)} budget{budget_words(plan, lay)}: "
         f"{verdict}"
     )
+    lines.append(f"resident memory: the total and at most {human_bytes(lay.overhead_bytes)} more, fixed (torch, tfq's "
+                 f"kernels, the tokenizer)")
     return [one_line(line) for line in lines]
 
 
@@ -195,6 +200,7 @@ def _prefix_line(plan: Plan, lay: Layout) -> str:
 
 def _weights_lines(plan: Plan, config: ModelConfig, lay: Layout) -> list[str]:
     """How the weights are kept and computed, and the bytes a decode step reads of them."""
+    from tfq.model.footprint import gguf_kept
     from tfq.model.load import weights_kind
 
     kind, why = weights_kind(plan.weights, plan.model, lay.device)
@@ -209,14 +215,12 @@ def _weights_lines(plan: Plan, config: ModelConfig, lay: Layout) -> list[str]:
         return _mlx_lines(plan, config, lay, said)
     first = (f"weights: gguf{tag(plan, 'weights')}{said}: the file's quantized blocks are kept and computed with; "
              f"activations stay fp32 and each weight is unpacked exactly, so the bits are weights: fp32's")
-    summary = _kept_summary(plan.model)
-    if summary is None:
-        return [first, "weights read a decode step: counted from the file's header once the default model is "
-                       "joined (its first run)"]
-    counts, step, fp32 = summary
-    kinds = " + ".join(f"{n} {k}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1]))
-    return [first, f"weights read a decode step: {human_bytes(step)} ({kinds} matrices; in fp32: "
-                   f"{human_bytes(fp32)}); the plan's total counts them as fp32"]
+    summary = gguf_kept(plan.model)
+    kinds = " + ".join(f"{n} {k}" for k, n in sorted(summary.counts.items(), key=lambda kv: -kv[1]))
+    return [first, f"weights kept: {human_bytes(summary.resident)} ({kinds} matrices packed for the kernel, the "
+                   f"embedding's {human_bytes(summary.embedding)} left on the mapped file, its rows read as "
+                   f"looked up); a decode step reads {human_bytes(summary.step)} of them (in fp32: "
+                   f"{human_bytes(summary.fp32)})"]
 
 
 def _mlx_lines(plan: Plan, config: ModelConfig, lay: Layout, said: str) -> list[str]:
@@ -234,21 +238,9 @@ def _mlx_lines(plan: Plan, config: ModelConfig, lay: Layout, said: str) -> list[
         return [first]
     matrices = config.param_count() - (0 if config.tie_embeddings else config.vocab_size * config.hidden_size)
     step = kept_bytes(quant.bits, quant.group_size, True, matrices, 1)
-    return [first, f"weights read a decode step: about {human_bytes(step)} ({quant.bits}-bit codes, an fp32 scale and "
-                   f"bias per {quant.group_size} weights; in fp32: {human_bytes(4 * matrices)}); the plan's total "
-                   f"counts them as fp32"]
-
-
-def _kept_summary(spec: str):
-    """kept_summary of the model's GGUF header, or None while the default model's file is not joined yet."""
-    from pathlib import Path
-
-    from tfq.model.gguf_header import read_header
-    from tfq.model.gguf_tensors import kept_summary
-    from tfq.model.source import default_gguf
-
-    path = default_gguf() if spec == "default" else Path(spec).expanduser()
-    return kept_summary(read_header(path)) if path.is_file() else None
+    return [first, f"weights kept: {human_bytes(lay.weights_bytes)}; a decode step reads about {human_bytes(step)} of "
+                   f"them ({quant.bits}-bit codes, an fp32 scale and bias per {quant.group_size} weights; in fp32: "
+                   f"{human_bytes(4 * matrices)})"]
 
 
 def plan_json(plan: Plan, config: ModelConfig, layout: Layout) -> dict:
