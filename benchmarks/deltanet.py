@@ -38,7 +38,7 @@ def inputs(rows: int, seed: int = 0):
     x = torch.randn(rows, channels, generator=g)
     a, b = torch.randn(rows, n.value_heads, generator=g), torch.randn(rows, n.value_heads, generator=g)
     w = DeltaWeights(conv=0.5 * torch.randn(n.conv_kernel, channels, generator=g),
-                     a_log=torch.rand(n.value_heads, generator=g).mul(16).add(0.01).log(),
+                     A=-torch.rand(n.value_heads, generator=g).mul(16).add(0.01),
                      dt_bias=torch.randn(n.value_heads, generator=g), norm=torch.ones(n.value_dim))
     return x, a, b, w, channels
 

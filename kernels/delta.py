@@ -37,7 +37,7 @@ class DeltaWeights:
     """One DeltaNet layer's own tensors (the projections are linear layers of the model)."""
 
     conv: torch.Tensor  # [K, channels]: tap j of every channel, transposed from HF's [channels, 1, K]
-    a_log: torch.Tensor  # [value_heads]
+    A: torch.Tensor  # [value_heads]: -exp(A_log), computed once (as transformers does) or as a GGUF stores it
     dt_bias: torch.Tensor  # [value_heads]
     norm: torch.Tensor  # [value_dim]: the gated RMS norm's weight
 
@@ -51,7 +51,7 @@ def deltanet_rows(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, w: DeltaWei
     """The recurrence over every segment (kernels/cpu/delta.cpp); x [N, channels], a and b [N, value_heads];
     the states of the segments' slots are updated in place, and those of segments marked to save copied first
     into save_conv and save_rec (shaped as the states). Returns o [N, value_heads * value_dim]."""
-    return cpu_build.op("deltanet")(x.contiguous(), a.contiguous(), b.contiguous(), w.conv, w.a_log, w.dt_bias,
+    return cpu_build.op("deltanet")(x.contiguous(), a.contiguous(), b.contiguous(), w.conv, w.A, w.dt_bias,
                                     conv_state, rec_state, segments, save_conv, save_rec, n.key_heads, n.key_dim,
                                     n.value_heads, n.value_dim)
 
@@ -90,7 +90,7 @@ def deltanet_chunks(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, w: DeltaW
         k = y[:, qk:2 * qk].reshape(count, n.key_heads, n.key_dim)
         v = y[:, 2 * qk:].reshape(count, n.value_heads, n.value_dim)
         beta = b[rows].sigmoid()
-        g = -w.a_log.exp() * F.softplus(a[rows] + w.dt_bias)
+        g = w.A * F.softplus(a[rows] + w.dt_bias)
         o, rec_state[slot] = _chunked_rule(q, k, v, g, beta, rec_state[slot])
         out[rows] = o.reshape(count, -1)
     return out

@@ -121,6 +121,24 @@ class Quantized:
     def dequantized(self) -> torch.Tensor:
         return self.rows(torch.arange(self.shape[0]))
 
+    @staticmethod
+    def inputs_movable(order, group: int) -> bool:
+        """Whether an order of inputs moves whole groups of `group` inputs (and so keeps a matrix quantized)."""
+        chunks = torch.as_tensor(order).reshape(-1, group)
+        starts = chunks[:, 0]
+        return not bool((starts % group != 0).any()) and torch.equal(chunks - starts[:, None],
+                                                                     torch.arange(group).expand_as(chunks))
+
+    def permute_inputs(self, order: torch.Tensor) -> "Quantized | None":
+        """The matrix with its inputs (columns) in `order`, still quantized when `order` moves whole groups (the
+        K formats' super blocks are given up: each group keeps its fp32 scale); None when it cuts a group."""
+        if not Quantized.inputs_movable(order, self.group):
+            return None
+        groups = order.reshape(-1, self.group)[:, 0] // self.group
+        return Quantized(self.q[:, order].contiguous(), self.s[:, groups].contiguous(),
+                         None if self.o is None else self.o[:, groups].contiguous(), self.bits, self.group,
+                         self.zero, self.kind, self.rounding)
+
 
 def from_blocks(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> Quantized:
     """A GGUF tensor's block bytes (uint8, rows of whole blocks) as `Quantized` [n, k]."""

@@ -70,11 +70,11 @@ for kh, kd, vh, vd in ((2, 32, 6, 32), (1, 24, 3, 40)):
     C = 2 * kh * kd + vh * vd
     xd = torch.randn(23, C, generator=g)
     a, b = torch.randn(23, vh, generator=g), torch.randn(23, vh, generator=g)
-    conv_w, a_log, dt = torch.randn(4, C, generator=g) * 0.5, torch.randn(vh, generator=g), torch.randn(vh, generator=g)
+    conv_w, A, dt = torch.randn(4, C, generator=g) * 0.5, -torch.randn(vh, generator=g).exp(), torch.randn(vh, generator=g)
     cs, rs = torch.randn(3, 3, C, generator=g), torch.randn(3, vh, kd, vd, generator=g) * 0.1
     sc, sr = torch.zeros(3, 3, C), torch.zeros(3, vh, kd, vd)
     seg = torch.tensor([[0, 13, 0, 1, 0], [13, 5, 1, 0, 1], [18, 5, 2, 0, 0]])
-    o = ops.deltanet(xd, a, b, conv_w, a_log, dt, cs, rs, seg, sc, sr, kh, kd, vh, vd)
+    o = ops.deltanet(xd, a, b, conv_w, A, dt, cs, rs, seg, sc, sr, kh, kd, vh, vd)
     res[f"deltanet {kd}/{vd}"], res[f"deltanet {kd}/{vd} state"] = o, torch.cat([cs.flatten(), rs.flatten()])
     res[f"deltanet {kd}/{vd} saved"] = torch.cat([sc.flatten(), sr.flatten()])
     z = torch.randn(23 * vh, vd, generator=g)

@@ -10,7 +10,8 @@
 // For one stream's segment of rows, with its state slot (fresh: start from zeros):
 //   convolution, channel c:  y = w[0] x[t-K+1] (then fma(x[t-K+1+j], w[j], y) for j = 1..K-1), out = silu(y)
 //   per key head:            q = (q * r_q) * 1/sqrt(dk), k = k * r_k, r = 1 / sqrt(sum of squares + 1e-6)
-//   per value head h:        beta = 1 / (1 + exp(-b)), decay = exp(-exp(A_log) * softplus(a + dt_bias))
+//   per value head h:        beta = 1 / (1 + exp(-b)), decay = exp(A * softplus(a + dt_bias)), A = -exp(A_log)
+//   given as it is (computed once at load by torch, as transformers computes it, or as a GGUF file stores it)
 //                            S = S * decay; kv = sum_i S[i] k[i]; delta = (v - kv) * beta;
 //                            S[i] = fma(k[i], delta, S[i]); o = sum_i S[i] q[i]   (sums: i in order, fma)
 // With `save`, a segment's state as it was before its first row (the convolution window and the recurrence) is
@@ -102,7 +103,7 @@ void convolve(const float* x, const float* w, float* window, float* save, float*
 }
 
 // Queries and keys L2-normed (queries scaled by 1/sqrt(dk)), and each value head's beta and decay, for one row.
-void prepare_row(const float* conv, const float* a, const float* b, const float* a_log, const float* dt_bias,
+void prepare_row(const float* conv, const float* a, const float* b, const float* A, const float* dt_bias,
                  float* q, float* k, float* beta, float* decay, int64_t t, const Dims& d) {
   const int64_t kd = d.key_dim, qk = d.key_heads * kd;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(kd)));
@@ -120,7 +121,7 @@ void prepare_row(const float* conv, const float* a, const float* b, const float*
   for (int64_t h = 0; h < d.value_heads; h++) {
     const int64_t e = t * d.value_heads + h;
     beta[e] = 1.0f / (1.0f + exp1(-b[e]));
-    decay[e] = exp1(-exp1(a_log[h]) * softplus(a[e] + dt_bias[h]));
+    decay[e] = exp1(A[h] * softplus(a[e] + dt_bias[h]));
   }
 }
 
@@ -153,15 +154,15 @@ void recur(const float* conv, const float* q, const float* k, const float* beta,
   }
 }
 
-// x [N, C] (in_proj_qkv's rows), a and b [N, Hv], conv_w [K, C], a_log and dt_bias [Hv]; the states of every
+// x [N, C] (in_proj_qkv's rows), a and b [N, Hv], conv_w [K, C], A and dt_bias [Hv]; the states of every
 // slot: conv_state [slots, K-1, C], rec_state [slots, Hv, dk, dv], updated in place; segments [S, 5] int64:
 // first row, rows, slot, fresh, save. save_conv and save_rec (shaped as the states, or empty) take the state of a
 // segment with save as it was before its first row. Returns o [N, Hv * dv].
 at::Tensor deltanet(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, const at::Tensor& conv_w,
-                    const at::Tensor& a_log, const at::Tensor& dt_bias, at::Tensor conv_state, at::Tensor rec_state,
+                    const at::Tensor& A, const at::Tensor& dt_bias, at::Tensor conv_state, at::Tensor rec_state,
                     const at::Tensor& segments, at::Tensor save_conv, at::Tensor save_rec, int64_t key_heads,
                     int64_t key_dim, int64_t value_heads, int64_t value_dim) {
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&x, &a, &b, &conv_w, &a_log, &dt_bias, &conv_state, &rec_state, &save_conv, &save_rec})
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&x, &a, &b, &conv_w, &A, &dt_bias, &conv_state, &rec_state, &save_conv, &save_rec})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "tfq deltanet: fp32, contiguous tensors");
   TORCH_CHECK(segments.scalar_type() == at::kLong && segments.is_contiguous() && segments.dim() == 2 &&
               segments.size(1) == 5, "tfq deltanet: segments [S, 5] int64");
@@ -194,7 +195,7 @@ at::Tensor deltanet(const at::Tensor& x, const at::Tensor& a, const at::Tensor& 
   });
   at::parallel_for(0, d.rows, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; t++)
-      prepare_row(conv.data_ptr<float>(), a.data_ptr<float>(), b.data_ptr<float>(), a_log.data_ptr<float>(),
+      prepare_row(conv.data_ptr<float>(), a.data_ptr<float>(), b.data_ptr<float>(), A.data_ptr<float>(),
                   dt_bias.data_ptr<float>(), q.data_ptr<float>(), k.data_ptr<float>(), beta.data_ptr<float>(),
                   decay.data_ptr<float>(), t, d);
   });
@@ -263,7 +264,7 @@ at::Tensor sigmoid_gate(const at::Tensor& x, const at::Tensor& g) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) {
-  m.def("deltanet(Tensor x, Tensor a, Tensor b, Tensor conv_w, Tensor a_log, Tensor dt_bias, Tensor(a!) conv_state, "
+  m.def("deltanet(Tensor x, Tensor a, Tensor b, Tensor conv_w, Tensor A, Tensor dt_bias, Tensor(a!) conv_state, "
         "Tensor(b!) rec_state, Tensor segments, Tensor(c!) save_conv, Tensor(d!) save_rec, int key_heads, "
         "int key_dim, int value_heads, int value_dim) -> Tensor", deltanet);
   m.def("gated_rms_norm(Tensor x, Tensor w, Tensor z, float eps) -> Tensor", gated_rms_norm);

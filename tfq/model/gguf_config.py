@@ -10,7 +10,7 @@ from tfq.errors import TfqError
 from tfq.model.config import ModelConfig
 from tfq.model.gguf_header import GgufHeader
 
-FAMILIES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+FAMILIES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen35": "Qwen3_5ForCausalLM"}
 
 
 def _float32_repr(v: float) -> float:
@@ -65,13 +65,43 @@ def hf_config(h: GgufHeader) -> dict:
         "use_sliding_window": False,
         "attention_dropout": 0.0,
     }
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen35"):
         config["attention_bias"] = False
+    if arch == "qwen35":
+        config.update(_hybrid_config(h, key, int(head_dim)))
     scaling = _rope_scaling(h, arch)
     if scaling:
         config["rope_scaling"] = scaling
     ModelConfig.from_dict(config, str(h.path))  # refuse here what the converted folder would be refused for
     return config
+
+
+def _hybrid_config(h: GgufHeader, key, head_dim: int) -> dict:
+    """A qwen35 file's Qwen3.5 text config: the layer kinds, the DeltaNet sizes and the partial rotary, from the
+    keys llama.cpp's converter writes (ssm.group_count: key heads, ssm.time_step_rank: value heads,
+    ssm.state_size: a key head's dims, ssm.inner_size: all value dims)."""
+    layers = int(key("block_count"))
+    recurrent = h.metadata.get("qwen35.attention.recurrent_layers")
+    if recurrent is None:
+        every = int(key("full_attention_interval", 4))
+        recurrent = [(i + 1) % every != 0 for i in range(layers)]
+    value_heads = int(key("ssm.time_step_rank"))
+    sections = [int(x) for x in h.metadata.get("qwen35.rope.dimension_sections", [11, 11, 10, 0])]
+    while len(sections) > 3 and sections[-1] == 0:
+        sections.pop()
+    rotary = int(key("rope.dimension_count", head_dim // 4))
+    return {
+        "model_type": "qwen3_5_text",
+        "layer_types": ["linear_attention" if r else "full_attention" for r in recurrent[:layers]],
+        "linear_conv_kernel_dim": int(key("ssm.conv_kernel")),
+        "linear_key_head_dim": int(key("ssm.state_size")),
+        "linear_num_key_heads": int(key("ssm.group_count")),
+        "linear_num_value_heads": value_heads,
+        "linear_value_head_dim": int(key("ssm.inner_size")) // value_heads,
+        "rope_parameters": {"rope_type": "default", "rope_theta": _float32_repr(key("rope.freq_base", 10000.0)),
+                            "partial_rotary_factor": rotary / head_dim, "mrope_section": sections,
+                            "mrope_interleaved": True},
+    }
 
 
 # llama.cpp's rope.scaling keys that tfq does not compute, and their values that change nothing.

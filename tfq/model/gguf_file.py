@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tfq.model.gguf_config import hf_config
 from tfq.model.gguf_header import MAGIC, GgufHeader, read_header
-from tfq.model.gguf_tensors import hf_name, iter_tensors, tensor_names
+from tfq.model.gguf_tensors import hf_layouts, hf_name, hf_shape, iter_tensors, tensor_names
 from tfq.model.gguf_tokenizer import build_tokenizer
 
 # Callers reach GGUF files through this module's names (and tests replace read_header and convert here to see
@@ -46,7 +46,8 @@ def write_weights(path: Path, dest: Path, progress: bool = True, header: GgufHea
     from tfq.model.weights import write_safetensors
 
     h = header or read_header(path)
-    shapes = {name: t.shape for name, t in tensor_names(h)}
+    layouts = hf_layouts(h)
+    shapes = {name: hf_shape(t, layouts.get(t.name)) for name, t in tensor_names(h)}
     write_safetensors(dest, shapes, iter_tensors(h), progress=progress,
                       desc=f"converting {label or Path(path).name}")
 

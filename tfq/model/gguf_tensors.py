@@ -35,25 +35,118 @@ _TOP_NAMES = {
 }
 
 
-def hf_name(name: str) -> str:
+# qwen35 (Qwen3.5 hybrids, as llama.cpp's converter writes them): the DeltaNet layers' tensors, and the norm after
+# attention under its own name
+_HYBRID_NAMES = {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
+    "attn_gate.weight": "linear_attn.in_proj_z.weight",
+    "ssm_beta.weight": "linear_attn.in_proj_b.weight",
+    "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
+    "ssm_conv1d.weight": "linear_attn.conv1d.weight",
+    "ssm_a": "linear_attn.A_log",  # stored as A = -exp(A_log): tfq takes it as linear_attn.A (`model_name`)
+    "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_norm.weight": "linear_attn.norm.weight",
+    "ssm_out.weight": "linear_attn.out_proj.weight",
+}
+
+
+def hf_name(name: str, hybrid: bool = False) -> str:
     """The HF parameter name of a GGUF tensor name."""
     if name in _TOP_NAMES:
         return _TOP_NAMES[name]
     parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    names = {**_LAYER_NAMES, **_HYBRID_NAMES} if hybrid else _LAYER_NAMES
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}"
     raise KeyError(name)
 
 
 def tensor_names(h: GgufHeader) -> list[tuple[str, TensorInfo]]:
     """(HF name, tensor) for every tensor, in HF name order; TfqError on a tensor tfq does not know."""
+    hybrid = h.metadata.get("general.architecture") == "qwen35"
     out = []
     for t in h.tensors:
         try:
-            out.append((hf_name(t.name), t))
+            out.append((hf_name(t.name, hybrid), t))
         except KeyError:
-            raise TfqError(f"{h.path}: unexpected tensor {t.name!r}; tfq reads qwen2/qwen3 GGUF files") from None
+            raise TfqError(f"{h.path}: unexpected tensor {t.name!r}; tfq reads qwen2, qwen3 and qwen35 GGUF "
+                           f"files") from None
     return sorted(out, key=lambda p: p[0])
+
+
+@dataclass(frozen=True)
+class HfLayout:
+    """How a qwen35 tensor of llama.cpp's converter goes back to transformers' layout. The converter stores a
+    norm as the 1 + w it multiplies by, A as -exp(A_log), the convolution squeezed, and, when key and value
+    heads differ in number, the value heads in tiled order (k0 k1 .. k0 k1) instead of grouped by key head."""
+
+    rows: np.ndarray | None = None  # the HF row order: row i of the HF tensor is the file's row rows[i]
+    cols: np.ndarray | None = None  # the same for the inputs (out_proj)
+    norm: bool = False  # stored as 1 + w, computed in fp32 as transformers computes the multiplier: tfq keeps
+    # it as it is (the multiplier's bits); a folder for transformers gets stored - 1, which may round
+    a_log: bool = False  # stored as A = -exp(A_log): tfq computes with A; a folder for transformers gets log(-A)
+    shape: tuple[int, ...] | None = None  # the HF shape (the convolution's [C, 1, K])
+
+    def values(self, w: np.ndarray, folder: bool = False) -> np.ndarray:
+        """An fp32 tensor of the file in transformers' layout (`folder`: as a checkpoint folder stores it, norms
+        as w; else norms as the multiplier 1 + w, which tfq computes with)."""
+        if self.rows is not None:
+            w = w[self.rows]
+        if self.cols is not None:
+            w = w[:, self.cols]
+        if self.norm and folder:
+            w = w - np.float32(1)
+        if self.a_log and folder:
+            w = np.log(-w)
+        return np.ascontiguousarray(w.reshape(self.shape) if self.shape else w, dtype=np.float32)
+
+
+def hf_layouts(h: GgufHeader) -> dict[str, HfLayout]:
+    """By GGUF tensor name, the ones a qwen35 file stores otherwise than transformers does."""
+    if h.metadata.get("general.architecture") != "qwen35":
+        return {}
+    md = h.metadata
+    nk, nv = int(md["qwen35.ssm.group_count"]), int(md["qwen35.ssm.time_step_rank"])
+    kd, vd = int(md["qwen35.ssm.state_size"]), int(md["qwen35.ssm.inner_size"]) // nv
+
+    def grouped(head: int) -> np.ndarray | None:  # tiled -> grouped, for value heads of `head` dims
+        if nk == nv:
+            return None
+        tiled = np.arange(nv * head).reshape(nk, nv // nk, head).transpose(1, 0, 2).reshape(-1)
+        return np.argsort(tiled)
+
+    def after_qk(head: int) -> np.ndarray | None:
+        v = grouped(head)
+        return None if v is None else np.concatenate([np.arange(2 * nk * kd), 2 * nk * kd + v])
+
+    out = {}
+    for t in h.tensors:
+        part = t.name.split(".", 2)[-1] if t.name.startswith("blk.") else t.name
+        if part.endswith("norm.weight") and part != "ssm_norm.weight":
+            out[t.name] = HfLayout(norm=True)
+        elif part == "attn_qkv.weight":
+            out[t.name] = HfLayout(rows=after_qk(vd))
+        elif part == "attn_gate.weight":
+            out[t.name] = HfLayout(rows=grouped(vd))
+        elif part in ("ssm_beta.weight", "ssm_alpha.weight", "ssm_dt.bias"):
+            out[t.name] = HfLayout(rows=grouped(1))
+        elif part == "ssm_a":
+            out[t.name] = HfLayout(rows=grouped(1), a_log=True)
+        elif part == "ssm_conv1d.weight":
+            out[t.name] = HfLayout(rows=after_qk(vd), shape=(t.shape[0], 1, t.shape[-1]))
+        elif part == "ssm_out.weight":
+            out[t.name] = HfLayout(cols=grouped(vd))
+    return out
+
+
+def model_name(name: str, layout: HfLayout | None) -> str:
+    """The name tfq's model takes a tensor by: its HF name, but A (not A_log) for a file that stores A."""
+    return name[:-len("A_log")] + "A" if layout is not None and layout.a_log else name
+
+
+def hf_shape(t: TensorInfo, layout: HfLayout | None) -> tuple[int, ...]:
+    return layout.shape if layout is not None and layout.shape else t.shape
 
 
 def dequantized(h: GgufHeader, data: np.ndarray, t: TensorInfo) -> np.ndarray:
@@ -73,11 +166,35 @@ def dequantized(h: GgufHeader, data: np.ndarray, t: TensorInfo) -> np.ndarray:
 
 
 def iter_tensors(h: GgufHeader) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, float32 array) in HF name order, one dequantized at a time."""
+    """(HF name, float32 array as a checkpoint folder stores it) in HF name order, one dequantized at a time."""
     names = tensor_names(h)
-    data = np.memmap(h.path, dtype=np.uint8, mode="r")
+    layouts = hf_layouts(h)
+    data = FileBytes(h.path)
     for name, t in names:
-        yield name, dequantized(h, data, t)
+        w = dequantized(h, data.data, t)
+        yield name, layouts[t.name].values(w, folder=True) if t.name in layouts else w
+        data.release(t)
+
+
+def fp32_tensors(h: GgufHeader):
+    """Every tensor by its HF name, dequantized to fp32 when the model takes it (weights: fp32 on a GGUF file,
+    with no fp32 copy on disk): LazyTensors whose norms are the multipliers (`norms_multiply`)."""
+    import torch
+
+    from tfq.model.lazy import LazyTensors
+
+    layouts = hf_layouts(h)
+    names = {model_name(n, layouts.get(t.name)): t for n, t in tensor_names(h)}
+    data = FileBytes(h.path)
+
+    def read(name: str):
+        t = names[name]
+        w = dequantized(h, data.data, t)
+        out = torch.from_numpy(layouts[t.name].values(w) if t.name in layouts else np.array(w))
+        data.release(t)
+        return out
+
+    return LazyTensors(list(names), read, norms_multiply=True)
 
 
 class FileBytes:
@@ -146,7 +263,8 @@ def kept_tensors(h: GgufHeader):
 
     from tfq.model.lazy import LazyTensors
 
-    names = dict(tensor_names(h))
+    layouts = hf_layouts(h)
+    names = {model_name(n, layouts.get(t.name)): t for n, t in tensor_names(h)}
     data = FileBytes(h.path)
 
     def read(name: str):
@@ -156,16 +274,22 @@ def kept_tensors(h: GgufHeader):
 
         t = names[name]
         kind = GGMLQuantizationType(t.ggml_type).name
+        layout = layouts.get(t.name)
         if name == EMBEDDING and len(t.shape) == 2:
             return BlockRows(kind, data.of(t), t.shape, h, t)
+        out = None
         if kind in FORMATS and len(t.shape) == 2:
             out = from_blocks(kind, data.of(t), t.shape)
-        else:
-            out = torch.from_numpy(np.array(dequantized(h, data.data, t)))
+            if layout is not None:  # value heads back in grouped order: whole rows, or whole groups of inputs
+                out = out.select(torch.from_numpy(layout.rows)) if layout.rows is not None else out
+                out = out.permute_inputs(torch.from_numpy(layout.cols)) if layout.cols is not None else out
+        if out is None:  # fp32, or a matrix whose inputs cannot be reordered by whole groups: its exact values
+            w = dequantized(h, data.data, t)
+            out = torch.from_numpy(layout.values(w) if layout is not None else np.array(w))
         data.release(t)
         return out
 
-    return LazyTensors(list(names), read)
+    return LazyTensors(list(names), read, norms_multiply=True)
 
 
 @dataclass(frozen=True)
@@ -184,18 +308,28 @@ def kept_summary(h: GgufHeader) -> KeptWeights:
     (tfq.kernels.quant.format_bytes): what the plan's weights line says and its total counts."""
     from gguf.constants import GGMLQuantizationType
 
-    from tfq.kernels.quant import KEPT, format_bytes
+    from tfq.kernels.quant import KEPT, SUPER, Quantized, kept_bytes
 
     counts: dict[str, int] = {}
     resident = step = fp32 = embedding = 0
     tied = not any(t.name == "output.weight" for t in h.tensors)
+    layouts = hf_layouts(h)
+    hybrid = bool(layouts)
     for t in h.tensors:
         size = int(np.prod(t.shape, dtype=np.int64))
         kind = GGMLQuantizationType(t.ggml_type).name
         kept = kind in KEPT and len(t.shape) == 2
+        cols = layouts[t.name].cols if t.name in layouts else None
+        if kept and cols is not None and not Quantized.inputs_movable(cols, KEPT[kind][1]):
+            kept = False  # its inputs cannot be reordered by whole groups: kept in fp32
         if len(t.shape) == 2:
             counts[kind if kept else "fp32"] = counts.get(kind if kept else "fp32", 0) + 1
-        matrix = format_bytes(kind, *t.shape) if kept else 4 * size
+        matrix = 4 * size
+        if kept:
+            n, k = t.shape
+            whole = 0 if cols is not None else SUPER.get(kind, 0)  # reordered inputs give up the super blocks
+            halves = 2 if hybrid and t.name.endswith("attn_q.weight") else 1  # queries and gates apart
+            matrix = halves * kept_bytes(*KEPT[kind], n // halves, k, whole)
         if t.name == "token_embd.weight":
             embedding = t.n_bytes if len(t.shape) == 2 else 4 * size
             resident += embedding

@@ -41,7 +41,7 @@ def load_model(spec: str, progress: bool = True, device: str | torch.device = "c
     kind = weights_kind(weights, spec, device)[0]
     if weights == "auto" and backend.quant_linear is None:  # tfq's CPU kernels did not build here
         kind = "fp32"
-    folder = resolve_model(spec, progress=progress, weights=kind != "gguf")  # gguf: no fp32 copy on disk
+    folder = resolve_model(spec, progress=progress, weights=False)  # a GGUF's weights are read from the file
     config = ModelConfig.from_folder(folder)
     tokenizer = Tokenizer.from_folder(folder)
     tensors = model_weights(spec, folder, kind, backend, progress)
@@ -102,8 +102,13 @@ def weights_kind(choice: str, spec: str, device: str | torch.device = "cpu") -> 
 
 def model_weights(spec: str, folder: Path, weights: str, backend: Backend, progress: bool = True) -> dict:
     """The model's tensors by HF name, as `weights` says they are kept."""
+    from tfq.model.gguf_file import read_header
+    from tfq.model.gguf_tensors import fp32_tensors, kept_tensors
+    from tfq.model.source import gguf_path
     from tfq.model.weights import lazy_state_dict
 
+    if weights == "fp32" and gguf_path(spec, progress) is not None:  # a GGUF file: dequantized as taken
+        return fp32_tensors(read_header(gguf_path(spec, progress)))
     if weights in ("fp32", "mlx"):
         from tfq.model.mlx import folder_quantization, load_mlx_state
 
@@ -117,10 +122,6 @@ def model_weights(spec: str, folder: Path, weights: str, backend: Backend, progr
         if quant is None:
             return lazy_state_dict(folder)
         return load_mlx_state(folder, quant, keep=weights == "mlx")
-    from tfq.model.gguf_file import read_header
-    from tfq.model.gguf_tensors import kept_tensors
-    from tfq.model.source import gguf_path
-
     if backend.quant_linear is None:
         raise TfqError(f"weights: gguf computes with tfq's CPU kernels, which this run does not have "
                        f"({backend.where}); set weights: fp32")

@@ -95,7 +95,8 @@ class Qwen:
         # convolution as [channels, taps, 1]), which its convolution's shape tells, as mlx-lm tells it
         mlx_layout = c.hybrid and any(k.endswith("conv1d.weight") and weights[k].shape[-1] == 1 != c.deltanet.conv_kernel
                                       for k in weights)
-        take = Taker(weights, c.family, backend.device, offset=c.hybrid and not mlx_layout, shard=shard)
+        offset = c.hybrid and not mlx_layout and not getattr(weights, "norms_multiply", False)
+        take = Taker(weights, c.family, backend.device, offset=offset, shard=shard)
 
         Linear = self.make_linear
 
@@ -172,7 +173,9 @@ class Qwen:
                          take(a + "in_proj_b.weight", (n.value_heads, h)),
                          take(a + "in_proj_a.weight", (n.value_heads, h))])
         conv = take.conv(a + "conv1d.weight", n.channels, n.conv_kernel)
-        mixer = DeltaWeights(conv=conv[:, 0].T.contiguous(), a_log=take(a + "A_log", (n.value_heads,)),
+        # A = -exp(A_log) once, in fp32 as transformers computes it (a GGUF file stores A itself)
+        A = take(a + "A", (n.value_heads,)) if take.get(a + "A") is not None else -take(a + "A_log", (n.value_heads,)).exp()
+        mixer = DeltaWeights(conv=conv[:, 0].T.contiguous(), A=A,
                              dt_bias=take(a + "dt_bias", (n.value_heads,)), norm=take(a + "norm.weight", (n.value_dim,)))
         return DeltaLayer(in_proj=Linear(in_proj) if in_proj.shape[0] else None, mixer=mixer,  # None: a rank without
                           out_proj=Linear(take(a + "out_proj.weight", (h, v))),  # DeltaNet heads (tp)

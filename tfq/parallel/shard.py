@@ -106,7 +106,7 @@ class Shard:
             return self.channels(), None
         if name.endswith("in_proj_z.weight"):
             return slice(v.start * n.value_dim, v.stop * n.value_dim), None
-        if name.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
+        if name.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", ".A", "dt_bias")):
             return v, None
         if name.endswith("out_proj.weight"):
             values = slice(v.start * n.value_dim, v.stop * n.value_dim)
