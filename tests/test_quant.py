@@ -18,7 +18,7 @@ from tfq.kernels.rowwise import FixedOrderLinear
 from tfq.proofs.kernel_check_rowwise import dequantized, linear_bound
 from tfq.proofs.kernel_check_rowwise import random_blocks as check_blocks
 from tfq.model.gguf_tensors import BlockRows
-from tiny import write_tiny_gguf
+from tiny import held_bytes, write_tiny_gguf
 
 pytestmark = pytest.mark.skipif(not cpu_build.load()[0], reason="tfq's CPU kernels do not build here")
 
@@ -185,19 +185,9 @@ def test_the_plan_counts_the_bytes_the_model_keeps(loaded, tiny_file):
     holds other bytes."""
     from tfq.model.gguf_header import read_header
     from tfq.model.gguf_tensors import kept_summary
-    from tfq.model.qwen import linears
 
-    def held(model) -> int:
-        size = lambda t: 0 if t is None else t.numel() * t.element_size()  # noqa: E731
-        out = size(model.lm_head.panels) + size(model.norm)
-        out += model.embed.raw.nbytes if isinstance(model.embed, BlockRows) else size(model.embed)
-        for layer in model.layers:
-            out += sum(size(f.panels) + size(f.bias) for f in linears(layer).values())
-            out += sum(size(t) for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm))
-        return out
-
-    assert held(loaded["gguf"].model) == kept_summary(read_header(tiny_file)).resident
-    assert held(loaded["fp32"].model) != kept_summary(read_header(tiny_file)).resident
+    assert held_bytes(loaded["gguf"].model) == kept_summary(read_header(tiny_file)).resident
+    assert held_bytes(loaded["fp32"].model) != kept_summary(read_header(tiny_file)).resident
 
 
 def test_engine_streams_on_gguf_weights_equal_fp32_and_their_runs_alone(loaded):

@@ -420,3 +420,62 @@ def _write_mlx_by_format(hf: Path, out: Path, bits: int, group: int, dtype: str)
     config["quantization"] = {"group_size": group, "bits": bits}
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
+
+
+LLAMA_SDIST = "llama-cpp-python==0.3.36"  # carries llama.cpp's convert_hf_to_gguf.py and its gguf-py
+
+
+def llama_converter(cache: Path) -> Path | None:
+    """llama.cpp's source folder out of the llama-cpp-python sdist (downloaded once into `cache`), or None when
+    the registry cannot be reached."""
+    import subprocess
+    import sys
+    import tarfile
+
+    found = sorted(cache.glob("llama_cpp_python-*/vendor/llama.cpp/convert_hf_to_gguf.py"))
+    if found:
+        return found[-1].parent
+    cache.mkdir(parents=True, exist_ok=True)
+    got = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                          "-d", str(cache), LLAMA_SDIST], capture_output=True, text=True, timeout=600)
+    sdists = sorted(cache.glob("llama_cpp_python-*.tar.gz"))
+    if got.returncode or not sdists:
+        return None
+    with tarfile.open(sdists[-1]) as tar:
+        tar.extractall(cache, members=[m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name and
+                                        ("/gguf-py/" in m.name or "/conversion/" in m.name or
+                                         m.name.endswith(("convert_hf_to_gguf.py", "/models/templates")))],
+                       filter="data")
+    found = sorted(cache.glob("llama_cpp_python-*/vendor/llama.cpp/convert_hf_to_gguf.py"))
+    return found[-1].parent if found else None
+
+
+def llama_converted(root: Path, hf_folder: Path, out: Path, outtype: str) -> Path:
+    """`hf_folder` converted by llama.cpp's converter (tests/llama_convert.py) into `out`."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).with_name("llama_convert.py")
+    done = subprocess.run([sys.executable, str(script), str(root), str(hf_folder), "--outfile", str(out),
+                           "--outtype", outtype, "--no-mtp"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return out
+
+
+def held_bytes(model) -> int:
+    """The bytes a loaded model holds in its weights: every linear layer's panels or blob, norms, biases, a
+    DeltaNet layer's own tensors, and the embedding (a table left in its file's blocks: those bytes)."""
+    from tfq.model.gguf_tensors import BlockRows
+    from tfq.model.qwen import linears
+
+    size = lambda t: 0 if t is None else t.numel() * t.element_size()  # noqa: E731
+    out = size(model.lm_head.panels) + size(model.norm)
+    out += model.embed.raw.nbytes if isinstance(model.embed, BlockRows) else size(model.embed)
+    for layer in model.layers:
+        out += sum(size(f.panels) + size(f.bias) for f in linears(layer).values())
+        out += size(layer.input_norm) + size(layer.post_norm)
+        if hasattr(layer, "mixer"):
+            out += sum(size(getattr(layer.mixer, f)) for f in ("conv", "A", "dt_bias", "norm"))
+        else:
+            out += size(layer.q_norm) + size(layer.k_norm)
+    return out

@@ -3,6 +3,7 @@ to float32 (by `gguf.quants.dequantize`) in its row-major shape, or, for `weight
 matrices kept in their blocks (`kept_tensors`)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -99,7 +100,7 @@ class HfLayout:
             w = w - np.float32(1)
         if self.a_log and folder:
             w = np.log(-w)
-        return np.ascontiguousarray(w.reshape(self.shape) if self.shape else w, dtype=np.float32)
+        return np.array(w.reshape(self.shape) if self.shape else w, dtype=np.float32)  # a copy: off the file
 
 
 def hf_layouts(h: GgufHeader) -> dict[str, HfLayout]:
@@ -248,7 +249,8 @@ class BlockRows:
 
         if self.kind in FORMATS:
             return from_blocks(self.kind, self.raw, self.shape)
-        return torch.from_numpy(np.array(dequantized(self._h, self.raw.reshape(-1), self._t)))
+        whole = dataclasses.replace(self._t, offset=0)  # offsets into `raw`, the tensor's own bytes
+        return torch.from_numpy(np.array(dequantized(self._h, self.raw.reshape(-1), whole)))
 
 
 EMBEDDING = "model.embed_tokens.weight"
