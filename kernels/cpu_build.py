@@ -112,6 +112,22 @@ def _ninja_on_path() -> None:
     os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
 
+STALE_LOCK_S = 600.0  # a first build takes about 30 s here; a lock this old belongs to a build that was killed
+
+
+def clear_stale_lock(build_dir: Path) -> None:
+    """torch's builder takes a lock file in the build folder and waits for it forever: a build killed midway (a
+    Ctrl-C during the first use) would hang every later run. A lock older than STALE_LOCK_S is removed."""
+    import time
+
+    lock = build_dir / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink()
+    except OSError:
+        pass  # no lock, or another process took it away first
+
+
 def load() -> tuple[bool, str]:
     """Build (once per machine) and load the kernels; (True, where) or (False, why not)."""
     if "ok" in _state:
@@ -122,6 +138,7 @@ def load() -> tuple[bool, str]:
 
         _ninja_on_path()
         folder = Path(__file__).parent / "cpu"
+        clear_stale_lock(Path(cpp_extension._get_build_directory(name(), verbose=False)))
         cpp_extension.load(name=name(), sources=[str(folder / s) for s in SOURCES],
                            extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"], is_python_module=False,
                            verbose=False)

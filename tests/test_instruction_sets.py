@@ -23,6 +23,9 @@ if march == "tfq":
     from tfq.kernels import cpu_build
     ops = cpu_build.ops()
 else:
+    from pathlib import Path
+    from tfq.kernels.cpu_build import clear_stale_lock
+    clear_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)))
     cpp_extension.load(name=name, sources=[f"{src}/{s}" for s in ("linear.cpp", "attention.cpp", "rowwise.cpp", "quant.cpp", "delta.cpp")],
                        extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     ops = torch.ops.tfq_cpu
@@ -116,3 +119,20 @@ def test_control_the_comparison_sees_one_sum_in_another_order(builds):
     native = builds["tfq"]
     assert not torch.equal(native["linear, no bias"], native["linear, inputs reversed"])
     assert (native["linear, no bias"] - native["linear, inputs reversed"]).abs().max() < 1e-3  # same sums
+
+
+def test_a_killed_builds_lock_is_cleared_and_a_live_ones_kept(tmp_path):
+    """torch's builder waits forever on the lock a killed build left; tfq removes a lock older than a build can
+    take, and keeps a fresh one (another process building now). By construction: two lock files of given ages."""
+    import os
+    import time
+
+    from tfq.kernels.cpu_build import STALE_LOCK_S, clear_stale_lock
+
+    old, live = tmp_path / "old", tmp_path / "live"
+    for folder, age in ((old, STALE_LOCK_S + 60), (live, 5)):
+        folder.mkdir()
+        (folder / "lock").write_text("")
+        os.utime(folder / "lock", (time.time() - age,) * 2)
+        clear_stale_lock(folder)
+    assert not (old / "lock").exists() and (live / "lock").exists()

@@ -176,7 +176,7 @@ def test_the_preempted_arm_preempts_whatever_the_plans_pool(chunk, tiny_models):
     256 rows: a page of a whole window, a pool of one."""
     loaded = tiny_models["qwen3"]
     plan = load_plan(None, env={}, sets=["window=512", "lanes=2", "kv.pages=64", "kv.pool=40",
-                                         f"prefill_chunk={chunk}", "budget=1GiB"])
+                                         f"prefill_chunk={chunk}", "budget=1GiB", "weights=fp32"])
     check = check_for(loaded, same_prompts_then_a_long_one(loaded), plan, 2, 4, None,
                       arms=select_arms("preempted")).run()
     run = check.arms[0]
@@ -188,8 +188,10 @@ def test_the_preempted_arm_preempts_whatever_the_plans_pool(chunk, tiny_models):
 
 
 def tight_budget_sets(config) -> list[str]:
-    """A paged plan (one lane contiguous, 8 pages of 64) with room for 256 rows more: 4 whole lanes do not fit."""
-    sets = ["window=512", "lanes=4", "kv.pages=64", "kv.pool=8"]
+    """A paged plan (one lane contiguous, 8 pages of 64) with room for 256 rows more: 4 whole lanes do not fit.
+    (weights: fp32, as the tiny folders keep them: the plan's model is the default one until --model says; 8-row
+    prompt chunks, so that no arm's smaller chunks free activation bytes for whole lanes.)"""
+    sets = ["window=512", "lanes=4", "kv.pages=64", "kv.pool=8", "weights=fp32", "prefill_chunk=8"]
     fits = load_plan(None, env={}, sets=sets + ["budget=1GiB"]).layout(config)
     return sets + [f"budget={fits.total_bytes + 256 * fits.row_bytes}"]
 

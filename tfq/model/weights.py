@@ -35,23 +35,9 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 
 def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint in `folder`, by its HF name, as float32."""
-    from safetensors import SafetensorError, safe_open
-
-    out: dict[str, torch.Tensor] = {}
-    for path in safetensors_files(folder):
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    if name in out:
-                        raise TfqError(f"{path}: tensor {name} appears in two weight files")
-                    t = f.get_tensor(name)
-                    out[name] = t if t.dtype == torch.float32 else t.to(torch.float32)
-        except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-            raise TfqError(
-                f"{path}: not a readable safetensors file ({e}); it may be truncated, copy it again"
-            ) from None
-    return out
+    """Every tensor of the checkpoint in `folder`, by its HF name, as float32, all in memory."""
+    lazy = lazy_state_dict(folder)
+    return {name: lazy[name] for name in lazy}
 
 
 def write_safetensors(
