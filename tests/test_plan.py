@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from tfq.model.footprint import activation_row_bytes
 from hypothesis import HealthCheck, given, settings
@@ -378,3 +379,21 @@ def test_logits_rows_are_counted_in_the_total(sets, rows, tiny):
     line = next(ln for ln in plan_lines(plan, tiny, lay) if ln.startswith("logits:"))
     assert line.startswith(f"logits: at most {rows} rows a forward, ")
     assert ("(set by --set)" in line) is ("logits_rows=100" in sets)
+
+
+def test_auto_budget_counts_what_this_process_holds_already(tiny):
+    """A plan laid out after the model loaded (an arm of tfq together or bench) keeps the budget it had before:
+    memory this process holds is part of what the plan may use. The control: MemAvailable alone drops by it."""
+    from tfq.plan.layout import _held_anon
+
+    def mem_available() -> int:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+
+    plan = Plan(weights="fp32")
+    before, free_before = plan.layout(tiny).budget_bytes, mem_available()
+    held = torch.ones(2**29)  # 2 GiB, touched
+    after, free_after = plan.layout(tiny).budget_bytes, mem_available()
+    assert held.numel() and _held_anon() >= 2**31
+    assert free_before - free_after > 1.5 * 2**30  # the control
+    assert abs(after - before) < 0.4 * 2**30

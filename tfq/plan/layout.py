@@ -126,23 +126,38 @@ def resolve_device(plan: PlanView) -> str:
 
 
 def available_memory(device: str = "cpu") -> int:
-    """Bytes of memory available now: on a GPU its free memory; on the CPU MemAvailable from
-    /proc/meminfo, else the OS's free pages."""
+    """Bytes of memory the plan may take: what is available now (on a GPU its free memory; on the CPU
+    MemAvailable from /proc/meminfo, else the OS's free pages) and what this process holds already (torch's
+    reserved GPU memory; the CPU's anonymous resident pages). So a plan laid out after the model loaded (an arm
+    of `tfq together` or `tfq bench`) still has the weights' memory in its budget, as the plan before did."""
     if device.startswith("cuda"):
         import torch
 
-        return torch.cuda.mem_get_info(torch.device(device))[0]
+        dev = torch.device(device)
+        return torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev)
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    return int(line.split()[1]) * 1024 + _held_anon()
     except (OSError, ValueError, IndexError):
         pass
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, ValueError, OSError):
         raise fail("cannot tell how much memory is available; set budget (e.g. budget: 12GiB)") from None
+
+
+def _held_anon() -> int:
+    """This process's anonymous resident bytes (RssAnon in /proc/self/status), 0 where it cannot be read."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def row_bytes(config: ModelConfig, dtype: str) -> int:
