@@ -180,8 +180,6 @@ def iter_tensors(h: GgufHeader) -> Iterator[tuple[str, np.ndarray]]:
 def fp32_tensors(h: GgufHeader):
     """Every tensor by its HF name, dequantized to fp32 when the model takes it (weights: fp32 on a GGUF file,
     with no fp32 copy on disk): LazyTensors whose norms are the multipliers (`norms_multiply`)."""
-    import torch
-
     from tfq.model.lazy import LazyTensors
 
     layouts = hf_layouts(h)
@@ -190,12 +188,19 @@ def fp32_tensors(h: GgufHeader):
 
     def read(name: str):
         t = names[name]
-        w = dequantized(h, data.data, t)
-        out = torch.from_numpy(layouts[t.name].values(w) if t.name in layouts else np.array(w))
+        out = fp32_value(h, data, t, layouts.get(t.name))
         data.release(t)
         return out
 
     return LazyTensors(list(names), read, norms_multiply=True)
+
+
+def fp32_value(h: GgufHeader, data: "FileBytes", t: TensorInfo, layout: "HfLayout | None"):
+    """One tensor dequantized to a float32 torch tensor, in tfq's layout (norms as their multipliers), off the file."""
+    import torch
+
+    w = dequantized(h, data.data, t)
+    return torch.from_numpy(layout.values(w) if layout is not None else np.array(w))
 
 
 class FileBytes:
@@ -286,8 +291,7 @@ def kept_tensors(h: GgufHeader):
                 out = out.select(torch.from_numpy(layout.rows)) if layout.rows is not None else out
                 out = out.permute_inputs(torch.from_numpy(layout.cols)) if layout.cols is not None else out
         if out is None:  # fp32, or a matrix whose inputs cannot be reordered by whole groups: its exact values
-            w = dequantized(h, data.data, t)
-            out = torch.from_numpy(layout.values(w) if layout is not None else np.array(w))
+            out = fp32_value(h, data, t, layout)
         data.release(t)
         return out
 
@@ -307,7 +311,7 @@ class KeptWeights:
 
 def kept_summary(h: GgufHeader) -> KeptWeights:
     """The bytes `kept_tensors` and the model keep, counted as kernels/cpu/quant.cpp lays each matrix out
-    (tfq.kernels.quant.format_bytes): what the plan's weights line says and its total counts."""
+    (tfq.kernels.quant.kept_bytes, as `read` keeps it): what the plan's weights line says and its total counts."""
     from gguf.constants import GGMLQuantizationType
 
     from tfq.kernels.quant import KEPT, SUPER, Quantized, kept_bytes
