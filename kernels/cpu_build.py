@@ -16,12 +16,12 @@ import os
 import platform
 from pathlib import Path
 
-SOURCES = ("linear.cpp", "attention.cpp", "rowwise.cpp", "layer.cpp", "quant.cpp", "delta.cpp")
-HEADERS = ("lanes.h", "panel.h")
+SOURCES = ("linear.cpp", "attention.cpp", "rowwise.cpp", "layer.cpp", "quant.cpp", "delta.cpp", "delta_layer.cpp")
+HEADERS = ("lanes.h", "panel.h", "layer_parts.h")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
 CHOICES = ("auto", "tfq", "torch")
 OPS = ("pack", "linear", "attend", "rms_norm", "silu", "layer", "qpack", "qcat", "qlinear", "deltanet", "gated_rms_norm",
-       "sigmoid_gate")
+       "sigmoid_gate", "delta_layer")
 
 _state: dict[str, object] = {}  # once a process: "ok" -> bool, "why" -> str
 

@@ -9,8 +9,10 @@ import torch
 
 from tfq.engine import Engine, EngineSettings
 from tfq.kernels.contract import KEY_TILE
-from tfq.proofs.startup import ONE_CALL, LayerProof
+from tfq.proofs.startup import ONE_CALL, ONE_CALL_STORE, LayerProof
 from tfq.stream import Request
+from test_hybrid import Oracle, hybrid, hybrid_dir  # noqa: F401 (fixtures)
+from test_hybrid import requests as hybrid_requests, run as hybrid_run
 
 SETTINGS = {
     "fp32, whole": EngineSettings(window=256, lanes=3, prefill_chunk=512),
@@ -51,5 +53,55 @@ def test_control_the_guard_refuses_a_one_call_layer_one_ulp_off(tiny_models, mon
     monkeypatch.setattr(model, "backend", dataclasses.replace(model.backend, layer=nudged))
     failure = LayerProof(model, "fp32", False).holds(torch.get_num_threads(), 64, 64)
     assert failure is not None and failure.op == ONE_CALL, failure
+    monkeypatch.undo()
+    assert LayerProof(model, "fp32", False).holds(torch.get_num_threads(), 64, 64) is None
+
+
+def test_a_hybrid_runs_both_kinds_of_layer_in_one_call_with_the_bits_of_the_ops(hybrid, monkeypatch):
+    """A Qwen3.5 hybrid's DeltaNet layers and gated attention layers in one call each (kernels/cpu/delta_layer.cpp,
+    layer.cpp with its gate and partial rotary): streams together, chunked, drafted with rejected guesses (the
+    verify's inputs kept from the one call, rolled back) give the ids and logits bits of the layers run op by op."""
+    model = hybrid.model
+    assert all(model.runs_in_one_call(layer) for layer in model.layers)
+    calls = {"layer": 0, "delta_layer": 0}
+
+    def counted(name):
+        real = getattr(model.backend, name)
+        return lambda *a: calls.__setitem__(name, calls[name] + 1) or real(*a)
+
+    monkeypatch.setattr(model, "backend", dataclasses.replace(model.backend, layer=counted("layer"),
+                                                              delta_layer=counted("delta_layer")))
+    alone = [hybrid_run(model, [r])[0] for r in hybrid_requests()]
+    oracle = lambda: Oracle({r.prompt: a.ids for r, a in zip(hybrid_requests(), alone)})  # noqa: E731
+    arms = [dict(lanes=5, prefill_chunk=13), dict(lanes=5, drafter=oracle())]
+    fused = [hybrid_run(model, hybrid_requests(), **arm) for arm in arms]
+    assert calls["layer"] > 0 and calls["delta_layer"] > 0
+    monkeypatch.setattr(type(model), "runs_in_one_call", lambda self, layer: False)
+    assert [(r.ids, r.digests) for r in hybrid_run(model, hybrid_requests())] == [(a.ids, a.digests) for a in alone]
+    arms[1]["drafter"] = oracle()
+    for arm, got in zip(arms, fused):
+        assert [(r.ids, r.digests) for r in hybrid_run(model, hybrid_requests(), **arm)] == \
+            [(r.ids, r.digests) for r in got]
+
+
+@pytest.mark.parametrize("harm", ["output", "state"])
+def test_control_the_guard_refuses_a_deltanet_layer_one_ulp_off(hybrid, monkeypatch, harm):
+    """A DeltaNet layer in one call whose output, or whose streams' states, are one ulp from the ops' is refused,
+    named."""
+    model = hybrid.model
+    real = model.backend.delta_layer
+    up = torch.tensor(float("inf"))
+
+    def nudged(x, input_norm, in_proj, mixer, conv_state, rec_state, *rest):
+        out, proj = real(x, input_norm, in_proj, mixer, conv_state, rec_state, *rest)
+        if harm == "state":
+            rec_state.copy_(torch.nextafter(rec_state, up))
+            return out, proj
+        return torch.nextafter(out, up), proj
+
+    monkeypatch.setattr(model, "backend", dataclasses.replace(model.backend, delta_layer=nudged))
+    failure = LayerProof(model, "fp32", False).holds(torch.get_num_threads(), 64, 64)
+    want = "deltanet: " + (ONE_CALL if harm == "output" else ONE_CALL_STORE)
+    assert failure is not None and failure.op == want, failure
     monkeypatch.undo()
     assert LayerProof(model, "fp32", False).holds(torch.get_num_threads(), 64, 64) is None

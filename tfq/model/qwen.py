@@ -220,10 +220,10 @@ class Qwen:
         the cache (a DeltaNet layer's state to its state layer `index`, by `segments`). `tap` sees every op's
         output (the start-up guard compares them row by row). Untapped, on tfq's CPU kernels, the layer runs as
         one call (`one_call`): the same ops in the same order."""
+        if tap is untapped and not chunked and self.runs_in_one_call(layer):
+            return self.one_call(layer, x, cos, sin, cache, index, cache_rows, batch, segments)
         if isinstance(layer, DeltaLayer):
             return self.deltanet_layer(layer, x, cache, index, segments, tap, chunked)
-        if tap is untapped and self.runs_in_one_call(layer):
-            return self.one_call(layer, x, cos, sin, cache, index, cache_rows, batch)
         c = self.config
         n = x.shape[0]
         norm = self.backend.rms_norm
@@ -324,21 +324,39 @@ class Qwen:
         n = self.config.deltanet
         return DeltaSizes(n.conv_kernel, n.key_heads, n.key_dim, n.value_heads, n.value_dim)
 
-    def runs_in_one_call(self, layer: Layer) -> bool:
-        """Whether the backend has a one-call layer and this layer is made of exactly what it runs (the guard's
-        tests swap in flawed kernels, and a clock that wraps a linear layer sees it only op by op)."""
+    def runs_in_one_call(self, layer: Layer | DeltaLayer) -> bool:
+        """Whether the backend has a one-call layer of this kind and the layer is made of exactly what it runs (the
+        guard's tests swap in flawed kernels, and a clock that wraps a linear layer sees it only op by op)."""
         b = self.backend
-        return (b.layer is not None and isinstance(layer, Layer) and not layer.gated and self.act is b.silu and b.attend is attend_fixed and b.store is write
-                and b.rms_norm is rms_norm_fixed and fusable(layer.qkv, layer.o, layer.gate_up, layer.down))
+        if b.rms_norm is not rms_norm_fixed or self.act is not b.silu:
+            return False
+        if isinstance(layer, DeltaLayer):
+            return (b.delta_layer is not None and fusable(layer.in_proj, layer.out_proj, layer.gate_up, layer.down)
+                    and layer.in_proj.bias is None and layer.out_proj.bias is None)
+        return (b.layer is not None and b.attend is attend_fixed and b.store is write
+                and fusable(layer.qkv, layer.o, layer.gate_up, layer.down))
 
-    def one_call(self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, index: int,
-                 cache_rows: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+    def one_call(self, layer: Layer | DeltaLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache,
+                 index: int, cache_rows: torch.Tensor, batch: AttentionBatch,
+                 segments: torch.Tensor | None = None) -> torch.Tensor:
         """decoder_layer in one call to the backend (kernels/layer.py)."""
         c = self.config
+        if isinstance(layer, DeltaLayer):
+            state = cache.state
+            out, proj = self.backend.delta_layer(
+                x, layer.input_norm, layer.in_proj, layer.mixer, state.conv[index], state.rec[index], segments,
+                state.saved_conv[index], state.saved_rec[index], self.sizes, layer.out_proj, layer.post_norm,
+                layer.gate_up, layer.down, c.intermediate_size, c.rms_eps, self.layer_clock)
+            if state.verify_rows:  # the recurrence's inputs of a verify's rows, to roll rejected ones back
+                n, v = c.deltanet, c.deltanet.value_heads * c.deltanet.value_dim
+                state.keep_inputs(index, segments, proj[:, :n.channels], proj[:, n.channels + v + n.value_heads:],
+                                  proj[:, n.channels + v:n.channels + v + n.value_heads])
+            return out
         return self.backend.layer(x, layer.input_norm, layer.qkv, layer.q_norm, layer.k_norm, cos, sin,
                                   cache.k[index], cache.v[index], cache_rows, cache.dtype_name, batch, self.scale,
                                   layer.o, layer.post_norm, layer.gate_up, layer.down, c.num_heads,
-                                  c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_eps, self.layer_clock)
+                                  c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_eps, layer.gated,
+                                  self.layer_clock)
 
     def logits(self, x: torch.Tensor, tap: Tap = untapped) -> torch.Tensor:
         """The final norm and the head over the rows that draw; fp32 logits on the CPU."""

@@ -15,7 +15,8 @@ op's output rows (norms, qkv, q/k norm, rotary, cache store, attention, o, resid
 down, final norm, head), the drawn tokens and their log-probabilities must equal the runs alone bit for bit, and so at every thread
 count proved: references are taken once, at the first count. The first op that differs is named. Where the
 engine runs a layer in one C++ call (kernels/layer.py), that call runs too, on the same input and cache: alone
-its output and cache rows must be those of the layer run op by op, and in every scene those alone.
+its output and cache rows (a DeltaNet layer's: its streams' states) must be those of the layer run op by op, and
+in every scene those alone.
 
 The proof is remembered on the model (`model.proved`) by its settings, so engines built later on the same
 model (every arm of `tfq together`) pay for it once.
@@ -35,6 +36,7 @@ from tfq.pages import Placement, pages_for
 from tfq.errors import TfqError
 from tfq.sampling import logprob, sample
 from tfq.kernels.contract import KEY_TILE
+from tfq.model.qwen import DeltaLayer
 
 LANE_WINDOW = 384  # rows of each probe lane: the deepest probe sits at position 300, past a 256-row split
 
@@ -158,15 +160,16 @@ ONE_CALL, ONE_CALL_STORE = "layer in one call", "layer in one call's cache store
 
 
 def _one_call_agrees(record: Record, threads: int) -> Failure | None:
-    """The layer in one call (kernels/layer.py) gives each probe the bits the layer gives op by op: its output
-    those of the last residual, its cache rows those of the cache store. (Its row invariance is then proved
-    with every other op's, scene by scene.)"""
-    if ONE_CALL not in record.ops:
-        return None
-    for one, by_ops in ((ONE_CALL, "mlp residual"), (ONE_CALL_STORE, "cache store")):
-        for probe, rows in record.ops[one].items():
-            if not torch.equal(rows, record.ops[by_ops][probe]):
-                return Failure(one, probe, "from those of the layer run op by op", threads)
+    """Each layer in one call (kernels/layer.py) gives each probe the bits the layer gives op by op: its output
+    those of the last residual, its cache rows those of the cache store (a DeltaNet layer: its streams' states
+    those of the recurrence). (Its row invariance is then proved with every other op's, scene by scene.)"""
+    for name in [op for op in record.ops if op.endswith(ONE_CALL)]:
+        prefix = name[:-len(ONE_CALL)]  # a hybrid proves one layer of each kind
+        stored = prefix + ("cache store" if prefix + "cache store" in record.ops else "recurrent state")
+        for one, by_ops in ((name, prefix + "mlp residual"), (prefix + ONE_CALL_STORE, stored)):
+            for probe, rows in record.ops[one].items():
+                if not torch.equal(rows, record.ops[by_ops][probe]):
+                    return Failure(one, probe, "from those of the layer run op by op", threads)
     return None
 
 
@@ -292,12 +295,14 @@ class _Bench:
                 x = model.decoder_layer(layer, x0, cos, sin, self.cache, 0, s.cache_rows, s.batch,
                                         _Tap(keep, record, prefix), segments=s.segments)
             model.logits(x[s.logit_rows.to(dev)], _Tap(keep_logits, record))
-            layer = self.layers[0][0]
-            if model.runs_in_one_call(layer):  # what the engine runs: the same layer in one call, same cache
-                self.restore()
-                tap = _Tap(keep, record)
-                tap(ONE_CALL, model.one_call(layer, x0, cos, sin, self.cache, 0, s.cache_rows, s.batch))
-                tap(ONE_CALL_STORE, self.cache.stored(0, s.cache_rows))
+            self.restore()  # what the engine runs: the same layers in one call, from the same cache and states
+            for layer, prefix in self.layers:
+                if model.runs_in_one_call(layer):
+                    tap = _Tap(keep, record, prefix)
+                    tap(ONE_CALL, model.one_call(layer, x0, cos, sin, self.cache, 0, s.cache_rows, s.batch,
+                                                 s.segments))
+                    tap(ONE_CALL_STORE, self.cache.state.fingerprint(0, s.segments, x0.shape[0])
+                        if isinstance(layer, DeltaLayer) else self.cache.stored(0, s.cache_rows))
         return record
 
     def restore(self) -> None:

@@ -1,0 +1,170 @@
+// The pieces a decoder layer in one call is made of (layer.cpp: attention layers; delta_layer.cpp: a hybrid's
+// DeltaNet layers): tfq's own ops called through torch's dispatcher, and the elementwise steps written with the
+// roundings of the ops the layer written op by op calls (tfq/model/qwen.py). Each is a row's own work.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <algorithm>
+#include <chrono>
+#include <tuple>
+
+#include "lanes.h"
+
+namespace tfq::layer {
+
+using OptTensor = c10::optional<at::Tensor>;
+
+// fp32 panels (linear.cpp) or a quantized blob (quant.cpp, uint8): the same recipe either way
+inline at::Tensor linear(const at::Tensor& x, const at::Tensor& panels, const OptTensor& bias, int64_t n) {
+  using Linear = at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t);
+  static auto fp32 = c10::Dispatcher::singleton().findSchemaOrThrow("tfq_cpu::linear", "").typed<Linear>();
+  static auto quant = c10::Dispatcher::singleton().findSchemaOrThrow("tfq_cpu::qlinear", "").typed<Linear>();
+  return (panels.scalar_type() == at::kByte ? quant : fp32).call(x.contiguous(), panels, bias, n);
+}
+
+inline at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("tfq_cpu::rms_norm", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
+  return op.call(x.contiguous(), w, eps);
+}
+
+inline at::Tensor attend(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& table,
+                  const at::Tensor& offsets, const at::Tensor& lengths, double scale, int64_t tile, int64_t split) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("tfq_cpu::attend", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const at::Tensor&, const at::Tensor&, double, int64_t, int64_t)>();
+  return op.call(q.contiguous(), kc, vc, table, offsets, lengths, scale, tile, split);
+}
+
+// Rotary on queries and keys over each head's first R dimensions (R = D, or fewer for a hybrid's partial
+// rotary), x_i * cos_i + x_{(i + R/2) mod R} * sin_i (two products and a sum, each rounded once: torch's x * cos +
+// x.roll(R / 2) * sin, sin's first half negated by the caller), the other dimensions as they are; queries into
+// q [N, H, D], keys and values straight into an fp32 cache at `rows`. qk [N, H + Hkv, D] and v [N, Hkv, D] are
+// views of the qkv output (rows apart by their own stride); cos and sin [N, R].
+inline at::Tensor rotary_store(const at::Tensor& qk, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
+                               at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& rows, int64_t H,
+                               int64_t Hkv, int64_t D) {
+  TORCH_CHECK(qk.stride(2) == 1 && qk.stride(1) == D && v.stride(2) == 1 && v.stride(1) == D &&
+              cos.is_contiguous() && sin.is_contiguous() && rows.is_contiguous() && k_cache.is_contiguous() &&
+              v_cache.is_contiguous() && cos.size(-1) <= D && cos.size(-1) % 2 == 0, "tfq layer: rotary_store layouts");
+  const int64_t n = qk.size(0), R = cos.size(-1), half = R / 2;
+  auto q = at::empty({n, H, D}, qk.options());
+  const float* qkp = qk.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  float* qp = q.data_ptr<float>();
+  float* kcp = k_cache.data_ptr<float>();
+  float* vcp = v_cache.data_ptr<float>();
+  const int64_t qk_stride = qk.stride(0), v_stride = v.stride(0), row = Hkv * D;
+  at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) {
+      const float* c = cp + r * R;
+      const float* s = sp + r * R;
+      for (int64_t h = 0; h < H + Hkv; h++) {
+        const float* x = qkp + r * qk_stride + h * D;
+        float* out = h < H ? qp + (r * H + h) * D : kcp + rp[r] * row + (h - H) * D;
+        for (int64_t i = 0; i < R; i++) {
+          const float a = x[i] * c[i], b = x[i < half ? i + half : i - half] * s[i];
+          out[i] = a + b;
+        }
+        std::copy(x + R, x + D, out + R);
+      }
+      std::copy(vp + r * v_stride, vp + r * v_stride + row, vcp + rp[r] * row);
+    }
+  });
+  return q;
+}
+
+// The residual and the next norm in one pass: x + d (one rounding an element), then its RMS norm by the recipe
+// of tfq's rms_norm (lanes.h). x, d contiguous [N, n].
+inline std::tuple<at::Tensor, at::Tensor> add_norm(const at::Tensor& x, const at::Tensor& d, const at::Tensor& w,
+                                            double eps) {
+  TORCH_CHECK(x.is_contiguous() && d.is_contiguous() && x.sizes() == d.sizes(), "tfq layer: add_norm layouts");
+  auto sum = at::empty_like(x), y = at::empty_like(x);
+  const int64_t n = w.size(0), rows = x.size(0);
+  const float* xp = x.data_ptr<float>();
+  const float* dp = d.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* sp = sum.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) {
+      for (int64_t i = 0; i < n; i++) sp[r * n + i] = xp[r * n + i] + dp[r * n + i];
+      tfq::rms_norm_row(sp + r * n, wp, n, e, yp + r * n);
+    }
+  });
+  return {sum, y};
+}
+
+// SiLU of the gate times up, from gate_up [N, 2I]: silu(g_i) * u_i, the SiLU of tfq's silu and one rounding
+// for the product, as silu then torch's mul.
+inline at::Tensor silu_mul(const at::Tensor& gu, int64_t I) {
+  TORCH_CHECK(gu.is_contiguous() && gu.size(1) == 2 * I, "tfq layer: silu_mul layout");
+  const int64_t rows = gu.size(0);
+  auto y = at::empty({rows, I}, gu.options());
+  const float* gp = gu.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) {
+      const float* g = gp + r * 2 * I;
+      const float* u = g + I;
+      float* out = yp + r * I;
+      for (int64_t i = 0; i < I; i += 16) {
+        const int64_t cnt = std::min<int64_t>(16, I - i);
+        alignas(64) float gin[16] = {}, uin[16] = {}, res[16];
+        std::copy(g + i, g + i + cnt, gin);  // a short tail goes through zero-padded vectors
+        std::copy(u + i, u + i + cnt, uin);
+        tfq::vstore(res, tfq::vmul(tfq::vsilu(tfq::vload(gin)), tfq::vload(uin)));
+        std::copy(res, res + cnt, out + i);
+      }
+    }
+  });
+  return y;
+}
+
+// Seconds spent in the linear layers ([0]) and the token mixer ([1]: attention, or a hybrid's DeltaNet
+// recurrence) added to `clock` when given (tfq bench's breakdown); steady_clock costs tens of nanoseconds a
+// reading, nothing beside a layer.
+struct Clock {
+  double* out;
+  int slot;
+  std::chrono::steady_clock::time_point t0;
+  Clock(const c10::optional<at::Tensor>& clock, int s)
+      : out(clock.has_value() ? clock->data_ptr<double>() : nullptr), slot(s) {
+    if (out) t0 = std::chrono::steady_clock::now();
+  }
+  ~Clock() {
+    if (out) out[slot] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+};
+
+// The second half of every layer, from the token mixer's output projected (`mixed`, [N, hidden]): the residual
+// with the post norm, gate_up, SiLU times up, down, the residual.
+inline at::Tensor mlp(const at::Tensor& x, const at::Tensor& mixed, const at::Tensor& post_norm,
+                      const at::Tensor& gate_up, const at::Tensor& down, int64_t intermediate, double eps,
+                      const OptTensor& clock) {
+  const int64_t hidden = x.size(1);
+  const auto [x2, h2] = add_norm(x, mixed, post_norm, eps);
+  at::Tensor gu;
+  {
+    Clock c(clock, 0);
+    gu = linear(h2, gate_up, c10::nullopt, 2 * intermediate);
+  }
+  const at::Tensor act = silu_mul(gu, intermediate);
+  at::Tensor out;
+  {
+    Clock c(clock, 0);
+    out = linear(act, down, c10::nullopt, hidden);
+  }
+  return x2 + out;
+}
+
+}  // namespace tfq::layer
