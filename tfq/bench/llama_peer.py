@@ -6,6 +6,9 @@ of those same values (`--peer llama.cpp`): written once next to tfq's cache from
 tensor dequantized by the `gguf` package, every other entry copied. `--peer llama.cpp-gguf` runs the file as
 shipped, at its own quantized bits, for reference (what a user of llama.cpp gets; not what tfq computes).
 
+LlamaPeer runs llama.cpp in the process that makes it: the bench's peer makes it in a child process
+(tfq.bench.llama_child, driven by tfq.bench.child_peer), so a crash of llama.cpp never takes tfq down.
+
 Several streams at once go through llama.cpp's batch API (one sequence id a stream, one `llama_decode` a step,
 as its batched bench does); greedy draws are the argmax of each stream's logits row, so the peer's sampling
 costs what tfq's does.
@@ -15,8 +18,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from tfq.bench.measure import MemoryProbe
-from tfq.bench.runs import Run
+from tfq.bench.memory import MemoryProbe
+from tfq.bench.record import Run
 from tfq.errors import TfqError
 
 LLAMA_INSTALL = 'pip install -e ".[peer-llama]"'  # builds llama.cpp from source: minutes on two cores

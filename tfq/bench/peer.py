@@ -5,8 +5,8 @@ import time
 
 import torch
 
-from tfq.bench.measure import MemoryProbe
-from tfq.bench.runs import Run
+from tfq.bench.memory import MemoryProbe
+from tfq.bench.record import Run
 from tfq.errors import TfqError
 
 

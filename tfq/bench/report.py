@@ -8,9 +8,10 @@ from typing import Sequence
 
 import torch
 
-from tfq.bench.measure import MemoryProbe, kv_read_bytes, mean_context, weights_read_bytes
+from tfq.bench.measure import kv_read_bytes, mean_context, weights_read_bytes
+from tfq.bench.memory import MemoryProbe
 from tfq.bench.rounds import Bench
-from tfq.bench.runs import Run
+from tfq.bench.record import Run
 from tfq.bench.settings import bench_window
 
 
@@ -109,6 +110,7 @@ def build_report(bench: Bench, bandwidths: tuple[dict, dict], loads: tuple, wall
         "model": {"family": config.family, "parameters": config.param_count(),
                   "weights": bench.loaded.weights,
                   "weights_read_per_step_bytes": weights_read_bytes(config, bench.loaded.model)},
+        "peer": bench.peer.report() if bench.peer else None,  # where it ran, beside or apart, and any failure
         "wall_s": wall,
         "rows": rows,
         "skipped": bench.skipped,

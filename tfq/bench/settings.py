@@ -91,11 +91,7 @@ def check_against_plan(s: BenchSettings, plan: Plan) -> None:
 
 
 def require_peer(peer: str) -> None:
-    if peer.startswith("llama.cpp"):
-        from tfq.bench.llama_peer import require_llama
-
-        require_llama()
-        return
+    """HF transformers, importable here; llama.cpp's child checks for llama-cpp-python itself, first thing."""
     if peer != "hf":
         return
     import importlib

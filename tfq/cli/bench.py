@@ -8,8 +8,9 @@ from __future__ import annotations
 import json
 import os
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, Iterator, List, Optional
 
 import typer
 from rich.console import Console
@@ -44,15 +45,18 @@ def bench_command(
     threads: Optional[int] = typer.Option(None, "--threads", help="torch threads for both engines (default: torch's)."),
     quiet: bool = typer.Option(False, "--quiet", help="No plan lines and no progress: the table only."),
 ) -> None:
-    """Measure tfq's speed and memory per lane count and arm, side by side with HF transformers on the same
-    weights (runs interleaved, medians of the rounds), with each decode step as a fraction of the
+    """Measure tfq's speed and memory per lane count and arm, side by side with a peer on the same weights
+    (runs interleaved, medians of the rounds; llama.cpp runs in its own process, and apart, all its rounds
+    first, when the two do not fit in memory together), with each decode step as a fraction of the
     memory-bandwidth roofline measured in the same run. Kernel correctness is a separate check: `tfq kernels`.
     `tfq bench serve`: the server under the `openai` client (see `tfq bench serve --help`)."""
     if ctx.invoked_subcommand is not None:
         _no_options_before(ctx)
         return
-    from tfq.bench import (Bench, BenchSettings, HfPeer, bench_window, build_report, check_against_plan,
-                           check_settings, measure_bandwidth, parse_arms, parse_lanes, require_peer)
+    from tfq.bench import (Bench, BenchSettings, bench_window, build_report, check_against_plan, check_settings,
+                           measure_bandwidth, parse_arms, parse_lanes, require_peer)
+    from tfq.bench.peering import start_peer
+    from tfq.bench.rounds import apart_run_count, run_apart
     from tfq.cli.plan import resolve_plan
     from tfq.model.load import load_model
 
@@ -75,53 +79,33 @@ def bench_command(
                   f"{', '.join(settings.arms)}; peer {settings.peer}",
                   highlight=False, soft_wrap=True)
 
-    if settings.threads is not None:
-        import torch
+    import torch
 
+    if settings.threads is not None:
         torch.set_num_threads(settings.threads)
     load_before = os.getloadavg()
+
+    def say(line: str) -> None:
+        err.print(line, highlight=False, soft_wrap=True, style="yellow")
+
+    the_peer = start_peer(settings, the_plan, layout, say, progress=not quiet)
+    if the_peer is not None and the_peer.apart:
+        if not quiet:
+            err.print(f"the peer runs apart, first, before tfq loads: {the_peer.order.words()}", highlight=False,
+                      soft_wrap=True)
+        with _progress(err, quiet, apart_run_count(settings)) as progress:
+            run_apart(the_peer, settings, the_plan, config, torch.get_num_threads(), progress)
     with err.status("loading the model"):
         loaded = load_model(the_plan.model, progress=not quiet, device=layout.device,
                             weights=the_plan.weights, tp=the_plan.tp)
-    peer_engine = None
-    if settings.peer == "hf":
-        if quiet:
-            from transformers.utils import logging as hf_logging
-
-            hf_logging.disable_progress_bar()
-        from tfq.model.source import resolve_model
-
-        folder = resolve_model(the_plan.model, progress=not quiet)  # with its fp32 weights, which HF loads
-        with err.status("loading the peer (HF transformers)"):
-            peer_engine = HfPeer(folder)
-    elif settings.peer.startswith("llama.cpp"):
-        import torch
-
-        from tfq.bench.llama_peer import LlamaPeer, peer_gguf
-
-        quantized = settings.peer == "llama.cpp-gguf" or loaded.weights == "gguf"  # the weights tfq computes with
-        path = peer_gguf(the_plan.model, quantized, progress=not quiet)
-        with err.status(f"loading the peer (llama.cpp on {path.name})"):
-            peer_engine = LlamaPeer(path, torch.get_num_threads(), settings.peer)
-    bench = Bench(the_plan, config, loaded, settings, peer=peer_engine)
+    if the_peer is not None:
+        the_peer.load_beside(torch.get_num_threads(), not quiet, err.status)
+    bench = Bench(the_plan, config, loaded, settings, peer=the_peer)
     with err.status("measuring memory bandwidth"):
         bandwidth_start = measure_bandwidth()
     t0 = time.perf_counter()
-    if quiet:
-        bench.run()
-    else:
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=err, transient=True) as bar:
-            task = bar.add_task("bench", total=bench.run_count())
-            started = [False]
-
-            def progress(what: str) -> None:
-                if started[0]:
-                    bar.advance(task)
-                started[0] = True
-                bar.update(task, description=what)
-
-            bench.run(progress)
+    with _progress(err, quiet, bench.run_count()) as progress:
+        bench.run(progress)
     wall = time.perf_counter() - t0
     report = build_report(bench, (bandwidth_start, measure_bandwidth()), (load_before, os.getloadavg()), wall)
     out = err if json_file == "-" else Console()
@@ -131,6 +115,26 @@ def bench_command(
     elif json_file:
         with open(json_file, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2)
+
+
+@contextmanager
+def _progress(err: Console, quiet: bool, total: int) -> Iterator[Callable[[str], None]]:
+    """A progress bar on stderr (none when quiet), advanced each time it is told what runs next."""
+    if quiet:
+        yield lambda what: None
+        return
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=True) as bar:
+        task = bar.add_task("bench", total=total)
+        started = [False]
+
+        def progress(what: str) -> None:
+            if started[0]:
+                bar.advance(task)
+            started[0] = True
+            bar.update(task, description=what)
+
+        yield progress
 
 
 def _num(x, fmt: str = ".1f") -> str:
@@ -173,10 +177,12 @@ def _print_table(report: dict, console: Console) -> None:
                   f"GB of weights plus the cache; load average {la[0]:.2f} before, {lb[0]:.2f} after, on "
                   f"{m['cpus']} CPUs", highlight=False)
     console.print("roofline: the least time a decode step can take (bytes it reads / bandwidth) over the time it took; "
-                  "vs peer: tfq/peer decode tokens/s, each round's pair side by side; run +MiB: resident memory a "
+                  f"vs peer: tfq/peer decode tokens/s, {_pairs(report['peer'])}; run +MiB: resident memory a "
                   "run added (the peer's includes its cache); = peer: replies equal to the peer's up to their first EOS (which the peer may not draw), and tokens before they part" + ("" if m["rss_peak_is_per_run"] else
                                                                  "; peak RSS is the process's lifetime peak here"),
                   highlight=False, style="dim")
+    if report["peer"] and report["peer"]["failure"]:
+        console.print(f"peer: {report['peer']['failure']}", highlight=False, style="yellow")
     if la[0] > m["cpus"] - m["torch_threads"] + 0.5:
         console.print(f"the machine was busy (load average {la[0]:.2f} on {m['cpus']} CPUs, {m['torch_threads']} torch "
                       f"thread{'s' * (m['torch_threads'] > 1)} each engine): a thread that waits for a busy core stalls "
@@ -193,6 +199,18 @@ def _print_table(report: dict, console: Console) -> None:
     for g in report["targets"]:
         mark = "[green]met[/green]" if g["met"] else "[yellow]missed[/yellow]"
         console.print(f"target: {g['target']}: {g['value']:.2f} (goal {g['goal']}) {mark}", highlight=False)
+
+
+def _pairs(peer: dict | None) -> str:
+    """Whose runs each ratio pairs: side by side, or apart (and why), and whose memory the peer's row is."""
+    if peer is None or peer["order"] == "interleaved":
+        pairs = "each round's pair side by side"
+    else:
+        pairs = f"each round's pair of runs apart (the peer ran first, alone: {peer['order_why']})"
+    if peer and peer["process"] == "child":
+        pairs += "; the peer's peak RSS is its own process's" + (
+            "" if peer["rss_peak_is_per_run"] is not False else " (its lifetime peak there)")
+    return pairs
 
 
 def _no_options_before(ctx: typer.Context) -> None:

@@ -1,0 +1,138 @@
+"""The bench's peer: which engine, in which process, and whether it runs beside tfq's arms or apart.
+
+HF transformers runs in tfq's process, beside the arms. llama.cpp runs in a child process
+(tfq.bench.child_peer), so a crash of it never takes tfq down: the bench prints one line and carries on with
+tfq's arms. When the two engines do not fit in memory together, llama.cpp runs apart: all its rounds, every
+lane count, before tfq loads its model (tfq.bench.rounds.run_apart), and its process has exited by then."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, ContextManager
+
+from tfq.bench.child_peer import ChildPeer, PeerFailed
+from tfq.bench.peer import HfPeer
+from tfq.bench.record import Run
+from tfq.bench.settings import BenchSettings
+from tfq.plan import Layout, Plan, available_memory, human_bytes
+
+Say = Callable[[str], None]  # prints one line
+Status = Callable[[str], ContextManager]  # shows what is under way while it lasts
+
+
+@dataclass(frozen=True)
+class Order:
+    """Side by side (interleaved) or apart, and the bytes that decided it."""
+
+    apart: bool
+    tfq_bytes: int  # the plan's total and its fixed overhead: what tfq keeps
+    peer_bytes: int  # the peer's GGUF file
+    available_bytes: int
+
+    @property
+    def name(self) -> str:
+        return "apart" if self.apart else "interleaved"
+
+    def words(self) -> str:
+        return (f"tfq's plan {human_bytes(self.tfq_bytes)} + the peer's file {human_bytes(self.peer_bytes)} "
+                f"{'>' if self.apart else '<='} {human_bytes(self.available_bytes)} available")
+
+
+def peer_order(tfq_bytes: int, peer_bytes: int, available_bytes: int) -> Order:
+    """Apart when both engines' memory together is more than the machine has. llama.cpp maps its file and may
+    repack some tensors into a copy (Q4_K on AVX2): the file's size is counted as its need, not its pages."""
+    return Order(tfq_bytes + peer_bytes > available_bytes, tfq_bytes, peer_bytes, available_bytes)
+
+
+@dataclass
+class PeerSide:
+    """One bench's peer: its engine, where and when it runs, and what the report says of it."""
+
+    name: str
+    model: str  # the plan's model spec
+    say: Say
+    engine: HfPeer | ChildPeer | None = None
+    path: Path | None = None  # the GGUF file llama.cpp runs
+    order: Order | None = None  # None: in tfq's process, always beside the arms
+    failure: str | None = None
+    runs: list[Run] = field(default_factory=list)  # made apart, before tfq loaded
+
+    @property
+    def apart(self) -> bool:
+        return self.order is not None and self.order.apart
+
+    @property
+    def beside(self) -> HfPeer | ChildPeer | None:
+        """The engine that runs interleaved with tfq's arms: none when apart or failed."""
+        return None if self.apart or self.failure else self.engine
+
+    @property
+    def version(self) -> str | None:
+        return self.engine.version if self.engine is not None else None
+
+    def fail(self, e: PeerFailed) -> None:
+        """Its one line printed and kept for the report; the engine ended."""
+        self.failure = str(e)
+        self.say(self.failure)
+        if isinstance(self.engine, ChildPeer):
+            self.engine.close()
+
+    def load_beside(self, threads: int, progress: bool, status: Status) -> None:
+        """After tfq loaded its model: the peer's engine, when it runs beside the arms."""
+        if self.name == "hf":
+            from tfq.model.source import resolve_model
+
+            if not progress:
+                from transformers.utils import logging as hf_logging
+
+                hf_logging.disable_progress_bar()
+            folder = resolve_model(self.model, progress=progress)  # with its fp32 weights, which HF loads
+            with status("loading the peer (HF transformers)"):
+                self.engine = HfPeer(folder)
+        elif self.beside is not None:
+            with status(f"loading the peer ({self.name} on {self.path.name})"):
+                try:
+                    self.engine.load(self.path, threads)
+                except PeerFailed as e:
+                    self.fail(e)
+
+    def report(self) -> dict:
+        child = isinstance(self.engine, ChildPeer)
+        return {"name": self.name, "version": self.version, "process": "child" if child else "tfq",
+                "order": self.order.name if self.order else "interleaved" if self.name == "hf" else None,
+                "order_why": self.order.words() if self.order else None,
+                "memory": None if self.order is None else {
+                    "tfq_bytes": self.order.tfq_bytes, "peer_bytes": self.order.peer_bytes,
+                    "available_bytes": self.order.available_bytes},
+                "file": str(self.path) if self.path else None, "failure": self.failure,
+                "rss_peak_is_per_run": self.engine.rss_peak_is_per_run if child else None}
+
+
+def start_peer(settings: BenchSettings, plan: Plan, layout: Layout, say: Say, progress: bool) -> PeerSide | None:
+    """Before tfq loads its model. llama.cpp: its child starts (and says llama-cpp-python's version, or the one
+    line on installing it), its file is chosen (the F32 twin written once) and the order decided."""
+    if settings.peer == "none":
+        return None
+    side = PeerSide(settings.peer, plan.model, say)
+    if settings.peer == "hf":
+        return side
+    from tfq.bench.llama_peer import peer_gguf
+    from tfq.model.load import weights_kind
+
+    side.engine = ChildPeer(settings.peer)
+    try:
+        side.engine.start()
+    except PeerFailed as e:
+        side.fail(e)
+        return side
+    # the weights tfq will compute with (load_model's choice; were tfq's kernels to fail to build, it would
+    # fall back to fp32 while the peer runs the GGUF as shipped)
+    quantized = settings.peer == "llama.cpp-gguf" or weights_kind(plan.weights, plan.model, layout.device)[0] == "gguf"
+    try:
+        side.path = peer_gguf(plan.model, quantized, progress)
+    except BaseException:
+        side.engine.close()
+        raise
+    side.order = peer_order(layout.total_bytes + layout.overhead_bytes, side.path.stat().st_size,
+                            available_memory())
+    return side
