@@ -40,7 +40,8 @@ def step_breakdown(engine, steps: int, top: int = 0) -> dict:
     linear, attention = _Clock(), _Clock()
     backend, layers, head = model.backend, model.layers, model.lm_head
     one_call = model.runs_in_one_call(layers[0])
-    if one_call:  # the layer is one C++ call: its own clock times the linear layers and attention inside
+    if one_call:  # each layer is one C++ call: its own clock times the linear layers and attention inside (a
+        # hybrid's DeltaNet recurrence counts as its attention there; op by op it counts in the rest)
         model.layer_clock = torch.zeros(2, dtype=torch.float64)
     else:
         model.backend = dataclasses.replace(backend, attend=attention.wrap(backend.attend))
