@@ -125,24 +125,24 @@ std::vector<Segment> segments_of(const at::Tensor& blob) {
 template <int BITS>
 inline V qfloat(const uint8_t* row, int j) {
 #if defined(__AVX512F__)
-  __m512i q;
-  if (BITS == 8) {
-    q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * j)));
-  } else {
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * (j & 1))));
-    q = j < 2 ? _mm512_and_si512(b, _mm512_set1_epi32(15)) : _mm512_srli_epi32(b, 4);
-    if (BITS >= 5) {
-      uint16_t m;
-      std::memcpy(&m, row + 32 + 2 * j, 2);
-      q = _mm512_mask_add_epi32(q, m, q, _mm512_set1_epi32(16));
-    }
-    if (BITS == 6) {
-      uint16_t m;
-      std::memcpy(&m, row + 40 + 2 * j, 2);
-      q = _mm512_mask_add_epi32(q, m, q, _mm512_set1_epi32(32));
-    }
+  if (BITS == 8)
+    return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * j))))};
+  // a nibble's float by a 16-entry table: the permute reads only each lane's low 4 bits, so the low nibble
+  // needs no mask, and the table stands in for the conversion (one operation instead of two; the same floats)
+  const __m512 table = _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f, 14.f, 15.f);
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * (j & 1))));
+  __m512 q = _mm512_permutexvar_ps(j < 2 ? b : _mm512_srli_epi32(b, 4), table);
+  if (BITS >= 5) {  // the bit planes add 16 and 32 where set: exact in fp32
+    uint16_t m;
+    std::memcpy(&m, row + 32 + 2 * j, 2);
+    q = _mm512_mask_add_ps(q, m, q, _mm512_set1_ps(16.f));
   }
-  return {_mm512_cvtepi32_ps(q)};
+  if (BITS == 6) {
+    uint16_t m;
+    std::memcpy(&m, row + 40 + 2 * j, 2);
+    q = _mm512_mask_add_ps(q, m, q, _mm512_set1_ps(32.f));
+  }
+  return {q};
 #elif defined(__AVX2__) && defined(__FMA__)
   __m256 half[2];
   const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
