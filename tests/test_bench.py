@@ -139,3 +139,17 @@ def test_arm_plans_change_only_their_keys():
     assert arm_plan(base, "drafted", 2, 512).draft == "ngram:4"
     assert arm_plan(base.set("draft", "ngram:2"), "drafted", 2, 512).draft == "ngram:2"
     assert arm_plan(base.set("draft", "ngram:2"), "whole", 2, 512).draft == "none"
+
+
+def test_the_warm_up_meets_every_shape_without_the_whole_prompt():
+    """A long-context bench's warm-up round cuts its prompts to WARMUP_PROMPT tokens (or the plan's prefill chunk,
+    if longer): prompt chunks and decode rows are all met, and a 32k prompt is not prefilled twice."""
+    from types import SimpleNamespace
+
+    from tfq.bench.rounds import WARMUP_PROMPT, round_prompts
+
+    long, short = [list(range(3000))] * 2, [list(range(40))]
+    assert [len(p) for p in round_prompts(long, SimpleNamespace(prefill_chunk=512), -1)] == [WARMUP_PROMPT] * 2
+    assert [len(p) for p in round_prompts(long, SimpleNamespace(prefill_chunk=2048), -1)] == [2048] * 2
+    assert round_prompts(long, SimpleNamespace(prefill_chunk=512), 0) == long  # timed rounds: the whole prompt
+    assert round_prompts(short, SimpleNamespace(prefill_chunk=512), -1) == short

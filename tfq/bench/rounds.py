@@ -17,7 +17,11 @@ from tfq.bench.settings import BenchSettings, arm_plan, bench_window, skipped_ar
 from tfq.model.config import ModelConfig
 from tfq.plan import Plan
 
-WARMUP_TOKENS = 8  # reply tokens of the warm-up round (the prompt is full length: every shape is met)
+WARMUP_TOKENS = 8  # reply tokens of the warm-up round
+# prompt tokens of the warm-up round, at least: it meets every shape a round meets (prompt chunks of up to
+# prefill_chunk rows, decode rows), and a longer prompt only repeats them (a 32k prompt's warm-up would
+# double a long-context bench)
+WARMUP_PROMPT = 1024
 BREAKDOWN_STEPS = 4  # decode steps each pass of the per-op breakdown times (tfq.bench.breakdown)
 
 Progress = Callable[[str], None]  # called before each run with what runs next
@@ -74,7 +78,8 @@ class Bench:
                     name = runner.name if isinstance(runner, TfqArm) else f"peer ({runner.name})"
                     progress(f"lanes {lanes}: {name}, {round_words(round_, s.repeats)}")
                     try:
-                        run = runner.run(prompts, round_tokens(s, round_), round_, probe)
+                        run = runner.run(round_prompts(prompts, self.base, round_), round_tokens(s, round_),
+                                         round_, probe)
                     except PeerFailed as e:
                         self._drop_peer(e, lanes)
                         runners.remove(runner)
@@ -120,7 +125,7 @@ def run_apart(peer: PeerSide, settings: BenchSettings, plan: Plan, config: Model
             engine.prepare(lanes, window)
             for round_ in range(-1, settings.repeats):
                 progress(f"lanes {lanes}: peer ({peer.name}) apart, {round_words(round_, settings.repeats)}")
-                run = engine.run(prompts, round_tokens(settings, round_), round_, probe)
+                run = engine.run(round_prompts(prompts, plan, round_), round_tokens(settings, round_), round_, probe)
                 if round_ >= 0:
                     peer.runs.append(run)
     except PeerFailed as e:
@@ -137,6 +142,11 @@ def apart_run_count(settings: BenchSettings) -> int:
 def bench_prompts(s: BenchSettings, lanes: int, vocab: int) -> list[list[int]]:
     """The prompts of a lane count: the same for every arm and the peer, beside or apart."""
     return random_prompts(lanes, s.prompt_tokens, vocab, s.seed + lanes)
+
+
+def round_prompts(prompts: list[list[int]], plan: Plan, round_: int) -> list[list[int]]:
+    """A round's prompts: the warm-up's cut to WARMUP_PROMPT tokens, or to the plan's prefill chunk if longer."""
+    return [p[:max(WARMUP_PROMPT, plan.prefill_chunk)] for p in prompts] if round_ < 0 else prompts
 
 
 def round_tokens(s: BenchSettings, round_: int) -> int:
