@@ -32,8 +32,10 @@ def test_logits_match_transformers(tiny_dirs, tiny_models, family):
 
 @pytest.mark.slow
 def test_default_model_greedy_tokens_equal_transformers(default_model):
+    from tfq.model.source import resolve_model
+
     loaded = default_model
-    hf = hf_model(loaded.folder)
+    hf = hf_model(resolve_model("default", progress=False))  # the folder with its fp32 weights, written once for HF
     engine = Engine(loaded.model, EngineSettings(window=1024, lanes=2), loaded.tokenizer)
     prompts = ["Write a Python function that checks whether a number is prime.",
                "Write a bash one-liner that counts the lines of every .py file in a folder."]
