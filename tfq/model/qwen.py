@@ -282,9 +282,7 @@ class Qwen:
         if layer.in_proj is None:  # a tensor-parallel rank holding no DeltaNet head: its share of the rest only
             o = layer.out_proj(self.joined("values", x[:, :0]))
             return self.mlp(layer, x + self.joined("o", tap("out_proj", o)), tap)
-        proj = tap("in_proj", layer.in_proj(h))  # qkv | z | b | a
-        mixed, z = proj[:, :n.channels], proj[:, n.channels:n.channels + v]
-        b, a = proj[:, n.channels + v:n.channels + v + n.value_heads], proj[:, n.channels + v + n.value_heads:]
+        mixed, z, b, a = self.projections(tap("in_proj", layer.in_proj(h)))
         state = cache.state
         if chunked:
             o = deltanet_chunks(mixed, a, b, layer.mixer, state.conv[index], state.rec[index], segments, self.sizes)
@@ -300,6 +298,14 @@ class Qwen:
                                              z.reshape(rows * n.value_heads, n.value_dim), c.rms_eps).reshape(rows, v))
         x = tap("attention residual", x + self.joined("o", tap("out_proj", layer.out_proj(self.joined("values", o)))))
         return self.mlp(layer, x, tap)
+
+    def projections(self, proj: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A DeltaNet layer's in_proj output split into its parts (views): the convolution's channels (q, k, v),
+        z, b and a."""
+        n = self.config.deltanet
+        v = n.value_heads * n.value_dim
+        return (proj[:, :n.channels], proj[:, n.channels:n.channels + v],
+                proj[:, n.channels + v:n.channels + v + n.value_heads], proj[:, n.channels + v + n.value_heads:])
 
     def roll_back(self, cache, slot: int, rows: int) -> None:
         """A hybrid's DeltaNet states in `slot` as they were after the first `rows` rows of the verify that last
@@ -348,9 +354,8 @@ class Qwen:
                 state.saved_conv[index], state.saved_rec[index], self.sizes, layer.out_proj, layer.post_norm,
                 layer.gate_up, layer.down, c.intermediate_size, c.rms_eps, self.layer_clock)
             if state.verify_rows:  # the recurrence's inputs of a verify's rows, to roll rejected ones back
-                n, v = c.deltanet, c.deltanet.value_heads * c.deltanet.value_dim
-                state.keep_inputs(index, segments, proj[:, :n.channels], proj[:, n.channels + v + n.value_heads:],
-                                  proj[:, n.channels + v:n.channels + v + n.value_heads])
+                mixed, _, b, a = self.projections(proj)
+                state.keep_inputs(index, segments, mixed, a, b)
             return out
         return self.backend.layer(x, layer.input_norm, layer.qkv, layer.q_norm, layer.k_norm, cos, sin,
                                   cache.k[index], cache.v[index], cache_rows, cache.dtype_name, batch, self.scale,
