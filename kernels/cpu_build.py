@@ -16,12 +16,13 @@ import os
 import platform
 from pathlib import Path
 
-SOURCES = ("linear.cpp", "attention.cpp", "rowwise.cpp", "layer.cpp", "quant.cpp", "delta.cpp", "delta_layer.cpp")
-HEADERS = ("lanes.h", "panel.h", "layer_parts.h")
+SOURCES = ("linear.cpp", "attention.cpp", "rowwise.cpp", "layer.cpp", "quant.cpp", "quant_q8.cpp", "delta.cpp",
+           "delta_layer.cpp")
+HEADERS = ("lanes.h", "panel.h", "layer_parts.h", "quant_blob.h")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
 CHOICES = ("auto", "tfq", "torch")
 OPS = ("pack", "linear", "attend", "rms_norm", "silu", "layer", "qpack", "qcat", "qlinear", "deltanet", "gated_rms_norm",
-       "sigmoid_gate", "delta_layer")
+       "sigmoid_gate", "delta_layer", "qpack_q8")
 
 _state: dict[str, object] = {}  # once a process: "ok" -> bool, "why" -> str
 

@@ -16,6 +16,7 @@ This module reads block bytes with numpy and imports nothing from the engine.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,9 +44,17 @@ def kept_bytes(bits: int, group: int, offsets: bool, n: int, k: int, super_block
     return 64 + -(-n // 64) * (supers + k // group * per_group)
 
 
-def format_bytes(kind: str, n: int, k: int) -> int:
-    """kept_bytes of an [n, k] matrix of GGUF type `kind`, as from_blocks keeps it."""
-    return kept_bytes(*KEPT[kind], n, k, SUPER.get(kind, 0))
+def kept_bytes_q8(bits: int, group: int, offsets: bool, n: int, k: int, super_block: int = 0) -> int:
+    """kept_bytes for kernels/cpu/quant_q8.cpp's layout (activations rounded to 8 bits): panels of 16 outputs,
+    each group's integers at `bits`, its scales as in kept_bytes."""
+    per_group = (1 if super_block else 4) * 16 * (2 if offsets else 1) + 16 * group * bits // 8
+    supers = k // super_block * 4 * 16 * (2 if offsets else 1) if super_block else 0
+    return 64 + -(-n // 16) * (supers + k // group * per_group)
+
+
+def format_bytes(kind: str, n: int, k: int, activations: str = "fp32") -> int:
+    """kept_bytes of an [n, k] matrix of GGUF type `kind`, as from_blocks keeps it (for `activations`)."""
+    return (kept_bytes_q8 if activations == "q8" else kept_bytes)(*KEPT[kind], n, k, SUPER.get(kind, 0))
 
 
 ROW_BYTES = {4: 32, 5: 40, 6: 48, 8: 64}  # one input's integers for a panel's 64 outputs
@@ -86,6 +95,7 @@ class Quantized:
     kind: str  # the GGUF type it came from, or "MLX"
     rounding: str = "fma"  # fma (GGUF: one rounding), fp32 or bf16 (MLX: the product and the sum each rounded)
     levels: "Levels | None" = None  # the K formats' scales as the file holds them (s and o are their products)
+    activations: str = "fp32"  # fp32, or q8: rounded to 8 bits per block of 32 (kernels/cpu/quant_q8.cpp)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -93,7 +103,14 @@ class Quantized:
 
     def nbytes(self) -> int:
         """Bytes a forward reads: the integers at their width, the scales and offsets."""
-        return kept_bytes(self.bits, self.group, self.o is not None, *self.shape, self.levels.block if self.levels else 0)
+        count = kept_bytes_q8 if self.activations == "q8" else kept_bytes
+        return count(self.bits, self.group, self.o is not None, *self.shape, self.levels.block if self.levels else 0)
+
+    def with_activations(self, activations: str) -> "Quantized":
+        """The matrix computed with activations `activations` (q8 only for GGUF's formats: one rounding)."""
+        if activations == "q8" and self.rounding != "fma":
+            raise ValueError(f"activations q8 are for GGUF's formats, not {self.kind}")
+        return dataclasses.replace(self, activations=activations)
 
     def ints(self, ids: torch.Tensor | None = None) -> torch.Tensor:
         """q - zero as int32, of rows `ids` or all of them."""
@@ -116,7 +133,8 @@ class Quantized:
     def select(self, ids: torch.Tensor) -> "Quantized":
         """Rows `ids` of the matrix, still quantized (a hybrid's q_proj splits into queries and gates)."""
         return Quantized(self.q[ids], self.s[ids], None if self.o is None else self.o[ids], self.bits, self.group,
-                         self.zero, self.kind, self.rounding, self.levels and self.levels.select(ids))
+                         self.zero, self.kind, self.rounding, self.levels and self.levels.select(ids),
+                         self.activations)
 
     def dequantized(self) -> torch.Tensor:
         return self.rows(torch.arange(self.shape[0]))
@@ -137,7 +155,7 @@ class Quantized:
         groups = order.reshape(-1, self.group)[:, 0] // self.group
         return Quantized(self.q[:, order].contiguous(), self.s[:, groups].contiguous(),
                          None if self.o is None else self.o[:, groups].contiguous(), self.bits, self.group,
-                         self.zero, self.kind, self.rounding)
+                         self.zero, self.kind, self.rounding, activations=self.activations)
 
 
 def from_blocks(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> Quantized:
@@ -234,8 +252,12 @@ def join(parts: list) -> "Quantized | Stacked":
 
 
 def pack(weight: Quantized) -> torch.Tensor:
-    """One matrix as one segment of a blob (kernels/cpu/quant.cpp's qpack)."""
+    """One matrix as one segment of a blob (kernels/cpu/quant.cpp's qpack, or quant_q8.cpp's qpack_q8)."""
     levels = weight.levels.args() if weight.levels is not None else (None, None, None, None)
+    if weight.activations == "q8":
+        return cpu_build.op("qpack_q8")(weight.q.contiguous(), weight.s.contiguous(),
+                                        None if weight.o is None else weight.o.contiguous(),
+                                        weight.bits, weight.group, weight.zero, *levels)
     return cpu_build.op("qpack")(weight.q.contiguous(), weight.s.contiguous(),
                                  None if weight.o is None else weight.o.contiguous(),
                                  weight.bits, weight.group, weight.zero, ROUNDINGS[weight.rounding], *levels)

@@ -47,6 +47,7 @@
 
 #include "lanes.h"
 #include "panel.h"
+#include "quant_blob.h"
 
 namespace {
 
@@ -57,8 +58,8 @@ using tfq::vstore;
 using tfq::vzero;
 
 constexpr int64_t PANEL = tfq::PANEL_OUTPUTS;
-constexpr int64_t HEADER = 64;
-constexpr int32_t MAGIC = 0x32514654;  // "TFQ2"
+using tfq::blob::HEADER;
+using tfq::blob::MAGIC;
 constexpr int64_t FUSED_ROWS = 8;  // up to this many rows, weights are unpacked in registers; beyond, into a buffer
 // How far ahead a register tile prefetches its stream, into L1 and L2 (bytes; one line each a row of the group).
 // Without them the default model's 97 quantized layers at one row took 41-43 ms here instead of 23-27:
@@ -71,55 +72,15 @@ alignas(64) constexpr float NEG_ZERO[PANEL] = {
     -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f};
 
 enum Rounding : int16_t { ROUND_FMA = 0, ROUND_FP32 = 1, ROUND_BF16 = 2 };  // GGUF's one rounding; MLX's two
-// How a group's scales are kept: an fp32 number per output (SCALES_FP32), or, for GGUF's K formats, the file's
-// two levels: an fp32 super scale per output and super block, times a small integer per output and group
-// (SCALES_TWO_LEVEL). The product is exact in fp32 (an fp16 times a 6- or 8-bit integer), so both give the same
-// scale to the bit; the second costs a K weight 0.75 bits of scales instead of 2.
-enum ScaleMode : int16_t { SCALES_FP32 = 0, SCALES_TWO_LEVEL = 1 };
+using tfq::blob::SCALES_FP32;
+using tfq::blob::SCALES_TWO_LEVEL;
 
-// One segment of a blob: its outputs' panels. A blob is one or more segments back to back, each with its own
-// header and format, whose outputs follow each other (q, k and v of different formats in one layer).
-struct Header {
-  int32_t magic;
-  int16_t bits, rounding;
-  int32_t group, zero;
-  int16_t has_offset, scale_mode, row_bytes, super_groups;  // super_groups: groups under one super scale
-  int64_t n, k, panels;
-  int32_t group_bytes, super_bytes;  // super_bytes: a panel's super scales, before its groups (two-level)
-  int64_t panel_bytes;
-};
-static_assert(sizeof(Header) == HEADER, "a segment's header is 64 bytes");
+using tfq::blob::Header;
+using tfq::blob::Segment;
+using tfq::blob::segment_bytes;
+using tfq::blob::segments_of;
 
 int16_t row_bytes(int64_t bits) { return bits == 8 ? 64 : bits == 4 ? 32 : bits == 5 ? 40 : 48; }
-
-int64_t segment_bytes(const Header& h) { return HEADER + h.panels * h.panel_bytes; }
-
-struct Segment {
-  Header h;
-  const uint8_t* panels;
-  int64_t first;  // its first output in the layer
-};
-
-std::vector<Segment> segments_of(const at::Tensor& blob) {
-  TORCH_CHECK(blob.scalar_type() == at::kByte && blob.dim() == 1 && blob.is_contiguous() && blob.numel() >= HEADER,
-              "tfq qlinear: a blob from qpack");
-  std::vector<Segment> out;
-  const uint8_t* base = blob.data_ptr<uint8_t>();
-  int64_t at = 0, first = 0;
-  while (at < blob.numel()) {
-    TORCH_CHECK(blob.numel() - at >= HEADER, "tfq qlinear: a blob from qpack");
-    Segment seg;
-    std::memcpy(&seg.h, base + at, sizeof seg.h);
-    TORCH_CHECK(seg.h.magic == MAGIC && at + segment_bytes(seg.h) <= blob.numel(), "tfq qlinear: a blob from qpack");
-    TORCH_CHECK(out.empty() || seg.h.k == out[0].h.k, "tfq qlinear: a blob's segments share their inputs");
-    seg.panels = base + at + HEADER;
-    seg.first = first;
-    first += seg.h.n;
-    at += segment_bytes(seg.h);
-    out.push_back(seg);
-  }
-  return out;
-}
 
 // Vector j (outputs 16j .. 16j + 15) of one row of a group: its integers q as fp32 (exact: |q| < 2^8)
 template <int BITS>
@@ -348,6 +309,10 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& blob, const c10::optio
   const int64_t M = x.size(0);
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
+  if (segs[0].h.magic == tfq::blob::MAGIC_Q8) {  // activations rounded to 8 bits (quant_q8.cpp)
+    tfq::q8::linear(x, segs, b.has_value() ? b->data_ptr<float>() : nullptr, y.data_ptr<float>(), N);
+    return y;
+  }
   // every panel of every segment is one job; a job's segment is found by its index
   std::vector<int64_t> job_start{0};
   std::vector<PanelFn> fns;

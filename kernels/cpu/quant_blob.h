@@ -1,0 +1,71 @@
+// A quantized layer's blob: one or more segments back to back, each a 64-byte header and its panels, whose
+// outputs follow each other (q, k and v of different formats in one layer). Two layouts share it: quant.cpp's
+// (activations fp32, panels of 64 outputs, magic "TFQ2") and quant_q8.cpp's (activations rounded to 8 bits,
+// panels of 16 outputs, magic "TFQ8"). A blob holds segments of one layout.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace tfq::blob {
+
+constexpr int64_t HEADER = 64;
+constexpr int32_t MAGIC = 0x32514654;     // "TFQ2"
+constexpr int32_t MAGIC_Q8 = 0x38514654;  // "TFQ8"
+
+// How a group's scales are kept: an fp32 number per output (SCALES_FP32), or, for GGUF's K formats, the file's
+// two levels: an fp32 super scale per output and super block, times a small integer per output and group
+// (SCALES_TWO_LEVEL). The product is exact in fp32 (an fp16 times a 6- or 8-bit integer).
+enum ScaleMode : int16_t { SCALES_FP32 = 0, SCALES_TWO_LEVEL = 1 };
+
+struct Header {
+  int32_t magic;
+  int16_t bits, rounding;
+  int32_t group, zero;
+  int16_t has_offset, scale_mode, row_bytes, super_groups;  // super_groups: groups under one super scale
+  int64_t n, k, panels;
+  int32_t group_bytes, super_bytes;  // super_bytes: a panel's super scales, before its groups (two-level)
+  int64_t panel_bytes;
+};
+static_assert(sizeof(Header) == HEADER, "a segment's header is 64 bytes");
+
+inline int64_t segment_bytes(const Header& h) { return HEADER + h.panels * h.panel_bytes; }
+
+struct Segment {
+  Header h;
+  const uint8_t* panels;
+  int64_t first;  // its first output in the layer
+};
+
+inline std::vector<Segment> segments_of(const at::Tensor& blob) {
+  TORCH_CHECK(blob.scalar_type() == at::kByte && blob.dim() == 1 && blob.is_contiguous() && blob.numel() >= HEADER,
+              "tfq qlinear: a blob from qpack");
+  std::vector<Segment> out;
+  const uint8_t* base = blob.data_ptr<uint8_t>();
+  int64_t at = 0, first = 0;
+  while (at < blob.numel()) {
+    TORCH_CHECK(blob.numel() - at >= HEADER, "tfq qlinear: a blob from qpack");
+    Segment seg;
+    std::memcpy(&seg.h, base + at, sizeof seg.h);
+    TORCH_CHECK((seg.h.magic == MAGIC || seg.h.magic == MAGIC_Q8) && at + segment_bytes(seg.h) <= blob.numel(),
+                "tfq qlinear: a blob from qpack");
+    TORCH_CHECK(out.empty() || (seg.h.k == out[0].h.k && seg.h.magic == out[0].h.magic),
+                "tfq qlinear: a blob's segments share their inputs and their layout");
+    seg.panels = base + at + HEADER;
+    seg.first = first;
+    first += seg.h.n;
+    at += segment_bytes(seg.h);
+    out.push_back(seg);
+  }
+  return out;
+}
+
+}  // namespace tfq::blob
+
+namespace tfq::q8 {
+// y = x W^T + b on a blob of quant_q8.cpp's layout (`segs` from segments_of, y [M, N] to fill)
+void linear(const at::Tensor& x, const std::vector<blob::Segment>& segs, const float* bias, float* y, int64_t N);
+}  // namespace tfq::q8

@@ -1,0 +1,487 @@
+// tfq's linear layer on quantized weights with activations rounded to 8 bits (`weights: gguf-q8`): llama.cpp's
+// kind of arithmetic, integer dot products, written as one recipe that is exact by tfq's rule.
+//
+// The recipe, for one row x and one output n:
+//   1. x is rounded per block of 32 inputs: amax = max |x_k|, d = amax / 127, q_k = round(x_k * (127 / amax))
+//      (to nearest, ties to even; in [-127, 127]). A block whose amax is below 2^-100 is zero (d = 0); one with a
+//      NaN or an infinity has d = NaN. Each operation rounds once, in this order, on every path.
+//   2. For each group of G weights (w = s (q - zero) + o, as quant.cpp keeps them): the integer
+//      i = sum_k (q_w,k - zero) q_x,k, exact in int32 whatever the order, and b = sum_k q_x,k.
+//   3. t = s * float(i), then, with offsets, t = t + o * float(b); acc = acc + d * t, groups in input order,
+//      acc starting at +0; then y = acc + bias. Separate multiplies and adds, each rounding once (no fma).
+// The integers are exact, so how they are summed (VNNI's four-byte dot products, AVX2's pairs, plain C++) never
+// matters; the floats are one fixed sequence per output. So a row's result does not depend on the other rows,
+// the thread count, or the instruction set: exact by construction, as the fp32 recipe is. It is another
+// arithmetic than `weights: gguf` (whose bits are the dequantized model's): the activations lose bits here.
+//
+// Layout: a segment (quant_blob.h) of panels of 16 outputs. A panel holds, for the K formats, each super block's
+// d [16] fp32 (and -dmin [16]); then its groups: scales (sc [16] int8, and m [16] int8; or s [16] fp32, and
+// o [16] fp32), then the integers in chunks of 64 bytes, 16 lanes of 4 bytes, lane n for output n:
+//   4, 5, 6 bits: a chunk covers 8 inputs: byte 4n + j holds input 8c + j in its low nibble and 8c + 4 + j in its
+//     high one; 5 and 6 bits add one 64-byte plane of the high bits a group (5 bits, groups of 32: bit c of byte
+//     4n + j is input 8c + j's bit 4, bit 4 + c input 8c + 4 + j's; 6 bits, groups of 16: bits 2c, 2c + 1 are
+//     input 8c + j's bits 4 and 5, bits 4 + 2c, 5 + 2c input 8c + 4 + j's);
+//   8 bits: a chunk covers 4 inputs, q + 128 as unsigned bytes (the zero is raised by 128).
+// So a lane's four bytes are four consecutive inputs: one VNNI instruction takes 64 products.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "lanes.h"
+#include "panel.h"
+#include "quant_blob.h"
+
+namespace tfq::q8 {
+
+using blob::Header;
+using blob::Segment;
+using tfq::V;
+
+constexpr int64_t OUT = 16;    // outputs a panel
+constexpr int64_t BLOCK = 32;  // inputs sharing an activation scale
+constexpr float TINY = 7.8886091e-31f;  // 2^-100: a block below it is zero
+constexpr int64_t AHEAD = 2048;  // bytes a tile prefetches ahead of its stream
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+constexpr int TILE = 8;  // rows a tile: each of them an int32 and an fp32 accumulator
+#else
+constexpr int TILE = 4;
+#endif
+
+// 64 bytes of weights (16 lanes of 4) and 16 int32 lanes, on each instruction set
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+struct B { __m512i a; };
+inline B bload(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
+inline B band(B x, uint8_t m) { return {_mm512_and_si512(x.a, _mm512_set1_epi8(static_cast<char>(m)))}; }
+inline B bor(B x, B y) { return {_mm512_or_si512(x.a, y.a)}; }
+// shifts by 16-bit units: callers mask the result so that only the byte's own bits remain
+inline B bshl(B x, int s) { return {_mm512_sll_epi16(x.a, _mm_cvtsi32_si128(s))}; }
+inline B bshr(B x, int s) { return {_mm512_srl_epi16(x.a, _mm_cvtsi32_si128(s))}; }
+struct I { __m512i a; };
+inline I izero() { return {_mm512_setzero_si512()}; }
+// acc + sum over each lane's 4 bytes of w (unsigned) times x4's 4 bytes (signed); `wide`: w may exceed 127
+template <bool wide>
+inline I idot(I acc, B w, int32_t x4) {
+  const __m512i x = _mm512_set1_epi32(x4);
+#if defined(__AVX512VNNI__)
+  return {_mm512_dpbusd_epi32(acc.a, w.a, x)};
+#else
+  const __m512i ones = _mm512_set1_epi16(1);
+  if (wide) {  // pairs of 255 * 127 would saturate int16: w = (w & 127) + 128 (w >> 7), each part apart
+    const __m512i low = _mm512_and_si512(w.a, _mm512_set1_epi8(0x7F));
+    const __m512i top = _mm512_and_si512(_mm512_srli_epi16(w.a, 7), _mm512_set1_epi8(1));
+    const __m512i p = _mm512_madd_epi16(_mm512_maddubs_epi16(low, x), ones);
+    const __m512i t = _mm512_madd_epi16(_mm512_maddubs_epi16(top, x), ones);
+    return {_mm512_add_epi32(acc.a, _mm512_add_epi32(p, _mm512_slli_epi32(t, 7)))};
+  }
+  return {_mm512_add_epi32(acc.a, _mm512_madd_epi16(_mm512_maddubs_epi16(w.a, x), ones))};
+#endif
+}
+inline V tofloat(I v, int32_t minus) { return {_mm512_cvtepi32_ps(_mm512_sub_epi32(v.a, _mm512_set1_epi32(minus)))}; }
+#elif defined(__AVX2__)
+struct B { __m256i lo, hi; };
+inline B bload(const uint8_t* p) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+}
+inline B band(B x, uint8_t m) {
+  const __m256i v = _mm256_set1_epi8(static_cast<char>(m));
+  return {_mm256_and_si256(x.lo, v), _mm256_and_si256(x.hi, v)};
+}
+inline B bor(B x, B y) { return {_mm256_or_si256(x.lo, y.lo), _mm256_or_si256(x.hi, y.hi)}; }
+inline B bshl(B x, int s) {
+  const __m128i c = _mm_cvtsi32_si128(s);
+  return {_mm256_sll_epi16(x.lo, c), _mm256_sll_epi16(x.hi, c)};
+}
+inline B bshr(B x, int s) {
+  const __m128i c = _mm_cvtsi32_si128(s);
+  return {_mm256_srl_epi16(x.lo, c), _mm256_srl_epi16(x.hi, c)};
+}
+struct I { __m256i lo, hi; };
+inline I izero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+inline __m256i dot_half(__m256i acc, __m256i w, __m256i x, bool wide) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if (!wide) return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
+  // pairs of 255 * 127 would saturate int16: w = (w & 127) + 128 (w >> 7), each part apart
+  const __m256i low = _mm256_and_si256(w, _mm256_set1_epi8(0x7F));
+  const __m256i top = _mm256_and_si256(_mm256_srli_epi16(w, 7), _mm256_set1_epi8(1));
+  const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(low, x), ones);
+  const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(top, x), ones);
+  return _mm256_add_epi32(acc, _mm256_add_epi32(p, _mm256_slli_epi32(t, 7)));
+}
+template <bool wide>
+inline I idot(I acc, B w, int32_t x4) {
+  const __m256i x = _mm256_set1_epi32(x4);
+  return {dot_half(acc.lo, w.lo, x, wide), dot_half(acc.hi, w.hi, x, wide)};
+}
+inline V tofloat(I v, int32_t minus) {
+  alignas(64) float f[16];
+  const __m256i m = _mm256_set1_epi32(minus);
+  _mm256_storeu_ps(f, _mm256_cvtepi32_ps(_mm256_sub_epi32(v.lo, m)));
+  _mm256_storeu_ps(f + 8, _mm256_cvtepi32_ps(_mm256_sub_epi32(v.hi, m)));
+  return tfq::vload(f);
+}
+#else
+struct B { uint8_t b[64]; };
+inline B bload(const uint8_t* p) { B r; std::memcpy(r.b, p, 64); return r; }
+inline B band(B x, uint8_t m) { for (auto& v : x.b) v &= m; return x; }
+inline B bor(B x, B y) { for (int i = 0; i < 64; i++) x.b[i] |= y.b[i]; return x; }
+inline B bshl(B x, int s) {  // by 16-bit units, as the vector paths (little-endian pairs of bytes)
+  for (int i = 0; i < 64; i += 2) {
+    uint16_t v = static_cast<uint16_t>(x.b[i] | (x.b[i + 1] << 8));
+    v = static_cast<uint16_t>(v << s);
+    x.b[i] = static_cast<uint8_t>(v), x.b[i + 1] = static_cast<uint8_t>(v >> 8);
+  }
+  return x;
+}
+inline B bshr(B x, int s) {
+  for (int i = 0; i < 64; i += 2) {
+    uint16_t v = static_cast<uint16_t>(x.b[i] | (x.b[i + 1] << 8));
+    v = static_cast<uint16_t>(v >> s);
+    x.b[i] = static_cast<uint8_t>(v), x.b[i + 1] = static_cast<uint8_t>(v >> 8);
+  }
+  return x;
+}
+struct I { int32_t v[16]; };
+inline I izero() { I r; for (auto& v : r.v) v = 0; return r; }
+template <bool wide>
+inline I idot(I acc, B w, int32_t x4) {
+  int8_t x[4];
+  std::memcpy(x, &x4, 4);
+  for (int l = 0; l < 16; l++)
+    for (int j = 0; j < 4; j++) acc.v[l] += static_cast<int32_t>(w.b[4 * l + j]) * x[j];
+  return acc;
+}
+inline V tofloat(I v, int32_t minus) {
+  alignas(64) float f[16];
+  for (int l = 0; l < 16; l++) f[l] = static_cast<float>(v.v[l] - minus);
+  return tfq::vload(f);
+}
+#endif
+
+// 16 int8 numbers as fp32 (exact)
+inline V int8s(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+#elif defined(__AVX2__) && defined(__FMA__)
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))),
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))))};
+#else
+  alignas(64) float f[16];
+  for (int l = 0; l < 16; l++) f[l] = static_cast<float>(static_cast<int8_t>(p[l]));
+  return tfq::vload(f);
+#endif
+}
+
+// The activations rounded (step 1): q [M, K] int8, d [M, K / 32] fp32, and the sums of q by 16 and by 32
+struct Rounded {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int32_t> sums16, sums32;
+};
+
+Rounded round_rows(const float* x, int64_t M, int64_t K) {
+  Rounded r{std::vector<int8_t>(static_cast<size_t>(M * K)), std::vector<float>(static_cast<size_t>(M * K / BLOCK)),
+            std::vector<int32_t>(static_cast<size_t>(M * K / 16)), std::vector<int32_t>(static_cast<size_t>(M * K / 32))};
+  at::parallel_for(0, M * K / BLOCK, 64, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; b++) {
+      const float* xb = x + b * BLOCK;
+      int8_t* qb = r.q.data() + b * BLOCK;
+      float amax = 0.f;
+      bool finite = true;
+      for (int64_t j = 0; j < BLOCK; j++) {
+        const float a = std::fabs(xb[j]);
+        if (!(a <= FLT_MAX)) finite = false;
+        else if (a > amax) amax = a;
+      }
+      float d = 0.f;
+      if (!finite) {
+        d = NAN;
+        std::memset(qb, 0, BLOCK);
+      } else if (amax < TINY) {
+        std::memset(qb, 0, BLOCK);
+      } else {
+        d = amax / 127.f;
+        const float inv = 127.f / amax;
+        for (int64_t j = 0; j < BLOCK; j++) {
+          const float v = std::nearbyint(xb[j] * inv);
+          qb[j] = static_cast<int8_t>(v > 127.f ? 127.f : v < -127.f ? -127.f : v);
+        }
+      }
+      r.d[b] = d;
+      for (int h = 0; h < 2; h++) {
+        int32_t s = 0;
+        for (int j = 0; j < 16; j++) s += qb[16 * h + j];
+        r.sums16[2 * b + h] = s;
+      }
+      r.sums32[b] = r.sums16[2 * b] + r.sums16[2 * b + 1];
+    }
+  });
+  return r;
+}
+
+// A group's scales as fp32 vectors: s, and o (offsets)
+struct Scales {
+  V s, o;
+  const uint8_t* ints;
+};
+
+template <bool OFF>
+inline Scales scales_at(const Header& h, const uint8_t* panel, int64_t g) {
+  Scales r;
+  constexpr int off = OFF;
+  const uint8_t* base = panel + h.super_bytes + g * h.group_bytes;
+  if (h.scale_mode == blob::SCALES_TWO_LEVEL) {  // s = d sc, o = (-dmin) m: exact products
+    const float* d = reinterpret_cast<const float*>(panel + (g / h.super_groups) * 4 * OUT * (1 + off));
+    r.s = tfq::vmul(tfq::vload(d), int8s(base));
+    if (OFF) r.o = tfq::vmul(tfq::vload(d + OUT), int8s(base + OUT));
+    r.ints = base + OUT * (1 + off);
+  } else {
+    const float* s = reinterpret_cast<const float*>(base);
+    r.s = tfq::vload(s);
+    if (OFF) r.o = tfq::vload(s + OUT);
+    r.ints = base + 4 * OUT * (1 + off);
+  }
+  return r;
+}
+
+// Rows row0 .. row0 + R - 1 of one panel (steps 2 and 3); y and bias start at the panel's first output
+template <int BITS, bool OFF, int R>
+void tile(const Header& h, const uint8_t* panel, const Rounded& x, int64_t row0, const float* bias, float* y,
+          int64_t N, int64_t outputs) {
+  constexpr int64_t G = BITS == 6 ? 16 : 32;  // GGUF's groups: Q6_K's 16, the others' 32
+  constexpr int chunks = BITS == 8 ? G / 4 : G / 8;
+  const int64_t K = h.k;
+  const int32_t zero = h.zero;
+  const int8_t* xq[R];
+  const int32_t* xs[R];
+  const float* xd[R];
+  for (int i = 0; i < R; i++) {
+    xq[i] = x.q.data() + (row0 + i) * K;
+    xs[i] = (G == 16 ? x.sums16.data() : x.sums32.data()) + (row0 + i) * (K / G);
+    xd[i] = x.d.data() + (row0 + i) * (K / BLOCK);
+  }
+  V acc[R];
+  for (int i = 0; i < R; i++) acc[i] = tfq::vzero();
+  for (int64_t g = 0; g < K / G; g++) {
+    const Scales sc = scales_at<OFF>(h, panel, g);
+    TFQ_PREFETCH(sc.ints - OUT * 2 + AHEAD);  // the group's scales, ahead
+    const int64_t k0 = g * G;
+    I dot[R];
+    for (int i = 0; i < R; i++) dot[i] = izero();
+    B plane;
+    if (BITS == 5 || BITS == 6) {
+      TFQ_PREFETCH(sc.ints + 64 * chunks + AHEAD);
+      plane = bload(sc.ints + 64 * chunks);
+    }
+    for (int c = 0; c < chunks; c++) {
+      TFQ_PREFETCH(sc.ints + 64 * c + AHEAD);
+      const B a = bload(sc.ints + 64 * c);
+      if (BITS == 8) {
+        for (int i = 0; i < R; i++) {
+          int32_t x4;
+          std::memcpy(&x4, xq[i] + k0 + 4 * c, 4);
+          dot[i] = idot<true>(dot[i], a, x4);
+        }
+        continue;
+      }
+      B lo = band(a, 15), hi = band(bshr(a, 4), 15);
+      if (BITS == 5 || BITS == 6) {
+        constexpr int H = BITS - 4;
+        constexpr uint8_t MASK = BITS == 5 ? 0x10 : 0x30;
+        lo = bor(lo, band(bshl(plane, 4 - c * H), MASK));
+        hi = bor(hi, band(bshr(plane, c * H), MASK));
+      }
+      for (int i = 0; i < R; i++) {
+        int32_t x4[2];
+        std::memcpy(x4, xq[i] + k0 + 8 * c, 8);
+        dot[i] = idot<false>(dot[i], lo, x4[0]);
+        dot[i] = idot<false>(dot[i], hi, x4[1]);
+      }
+    }
+    for (int i = 0; i < R; i++) {
+      const int32_t b = xs[i][g];
+      V t = tfq::vmul(sc.s, tofloat(dot[i], zero * b));
+      if (OFF) t = tfq::vadd(t, tfq::vmul(sc.o, tfq::vbroadcast(static_cast<float>(b))));
+      acc[i] = tfq::vadd(acc[i], tfq::vmul(tfq::vbroadcast(xd[i][k0 / BLOCK]), t));
+    }
+  }
+  alignas(64) float out[16];
+  for (int i = 0; i < R; i++) {
+    tfq::vstore(out, acc[i]);
+    for (int64_t n = 0; n < outputs; n++) y[(row0 + i) * N + n] = out[n] + (bias ? bias[n] : 0.f);
+  }
+}
+
+template <int BITS, bool OFF>
+void panel_rows(const Header& h, const uint8_t* panel, const Rounded& x, int64_t M, const float* bias, float* y,
+                int64_t N, int64_t outputs) {
+  int64_t r = 0;
+  for (; r + TILE <= M; r += TILE) tile<BITS, OFF, TILE>(h, panel, x, r, bias, y, N, outputs);
+  switch (M - r) {  // the rest, in one narrower tile
+    case 0: break;
+    case 1: tile<BITS, OFF, 1>(h, panel, x, r, bias, y, N, outputs); break;
+    case 2: tile<BITS, OFF, 2>(h, panel, x, r, bias, y, N, outputs); break;
+    case 3: tile<BITS, OFF, 3>(h, panel, x, r, bias, y, N, outputs); break;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    case 4: tile<BITS, OFF, 4>(h, panel, x, r, bias, y, N, outputs); break;
+    case 5: tile<BITS, OFF, 5>(h, panel, x, r, bias, y, N, outputs); break;
+    case 6: tile<BITS, OFF, 6>(h, panel, x, r, bias, y, N, outputs); break;
+    default: tile<BITS, OFF, 7>(h, panel, x, r, bias, y, N, outputs); break;
+#endif
+  }
+}
+
+using PanelFn = void (*)(const Header&, const uint8_t*, const Rounded&, int64_t, const float*, float*, int64_t,
+                         int64_t);
+
+template <bool OFF>
+PanelFn with_bits(int bits) {
+  switch (bits) {
+    case 4: return &panel_rows<4, OFF>;
+    case 5: return &panel_rows<5, OFF>;
+    case 6: return &panel_rows<6, OFF>;
+    default: return &panel_rows<8, OFF>;
+  }
+}
+
+PanelFn panel_fn(const Header& h) { return h.has_offset ? with_bits<true>(h.bits) : with_bits<false>(h.bits); }
+
+void linear(const at::Tensor& x, const std::vector<Segment>& segs, const float* bias, float* y, int64_t N) {
+  const int64_t M = x.size(0), K = segs[0].h.k;
+  const Rounded rounded = round_rows(x.data_ptr<float>(), M, K);
+  std::vector<int64_t> job_start{0};
+  std::vector<PanelFn> fns;
+  for (const Segment& s : segs) {
+    job_start.push_back(job_start.back() + s.h.panels);
+    fns.push_back(panel_fn(s.h));
+  }
+  at::parallel_for(0, job_start.back(), 1, [&](int64_t p0, int64_t p1) {
+    size_t s = 0;
+    for (int64_t p = p0; p < p1; p++) {
+      while (p >= job_start[s + 1]) s++;
+      const Segment& seg = segs[s];
+      const int64_t local = p - job_start[s], out = seg.first + local * OUT;
+      fns[s](seg.h, seg.panels + local * seg.h.panel_bytes, rounded, M, bias ? bias + out : nullptr, y + out, N,
+             std::min(OUT, seg.h.n - local * OUT));
+    }
+  });
+}
+
+namespace {
+
+bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; }
+
+// qpack's arguments (quant.cpp), for GGUF's formats (one rounding): q [N, K] uint8 (int8 bit patterns for 8
+// bits), s and o [N, K / G] fp32, and for the K formats the two levels sd, sq (od, oq). One segment.
+at::Tensor qpack_q8(const at::Tensor& q, const at::Tensor& s, const c10::optional<at::Tensor>& o, int64_t bits,
+                    int64_t group, int64_t zero, const c10::optional<at::Tensor>& sd,
+                    const c10::optional<at::Tensor>& sq, const c10::optional<at::Tensor>& od,
+                    const c10::optional<at::Tensor>& oq) {
+  TORCH_CHECK(bits == 4 || (bits == 5 && group == 32) || (bits == 6 && group == 16) || bits == 8,
+              "tfq qpack_q8: 4 or 8 bits, 5 bits in groups of 32, 6 bits in groups of 16");
+  TORCH_CHECK(group == 16 || group == 32, "tfq qpack_q8: groups of 16 or 32 inputs");
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && q.is_contiguous() && q.size(1) % BLOCK == 0,
+              "tfq qpack_q8: q [N, K] uint8 with K a multiple of 32");
+  const int64_t N = q.size(0), K = q.size(1), groups = K / group;
+  TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.dim() == 2 && s.size(0) == N &&
+              s.size(1) == groups, "tfq qpack_q8: s [N, K / group] fp32");
+  TORCH_CHECK(!o.has_value() || (o->scalar_type() == at::kFloat && o->is_contiguous() && o->sizes() == s.sizes()),
+              "tfq qpack_q8: o like s");
+  const bool two = sd.has_value();
+  const int off = o.has_value() ? 1 : 0;
+  int64_t supers = 0;
+  if (two) {
+    TORCH_CHECK(sq.has_value() && od.has_value() == o.has_value() && oq.has_value() == o.has_value(),
+                "tfq qpack_q8: two-level scales are GGUF's (sd, sq; od, oq with offsets)");
+    supers = sd->size(1);
+    TORCH_CHECK(sd->scalar_type() == at::kFloat && sd->is_contiguous() && sd->dim() == 2 && sd->size(0) == N &&
+                supers > 0 && groups % supers == 0 && sq->scalar_type() == at::kChar && sq->is_contiguous() &&
+                sq->sizes() == s.sizes(), "tfq qpack_q8: sd [N, K / SB] fp32, sq [N, K / G] int8");
+    TORCH_CHECK(!off || (od->sizes() == sd->sizes() && od->scalar_type() == at::kFloat && od->is_contiguous() &&
+                oq->sizes() == sq->sizes() && oq->scalar_type() == at::kChar && oq->is_contiguous()),
+                "tfq qpack_q8: od like sd, oq like sq");
+  }
+  const int64_t int_bytes = OUT * group * bits / 8;
+  Header h{blob::MAGIC_Q8, static_cast<int16_t>(bits), 0, static_cast<int32_t>(group),
+           static_cast<int32_t>(bits == 8 ? zero + 128 : zero), static_cast<int16_t>(off),
+           static_cast<int16_t>(two ? blob::SCALES_TWO_LEVEL : blob::SCALES_FP32), 0,
+           static_cast<int16_t>(two ? groups / supers : 0), N, K, (N + OUT - 1) / OUT, 0, 0, 0};
+  h.group_bytes = static_cast<int32_t>((two ? 1 : 4) * OUT * (1 + off) + int_bytes);
+  h.super_bytes = static_cast<int32_t>(two ? supers * 4 * OUT * (1 + off) : 0);
+  h.panel_bytes = h.super_bytes + groups * h.group_bytes;
+  auto out = tfq::weights_memory(blob::segment_bytes(h));
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  std::memcpy(dst, &h, sizeof h);
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const float* sp = s.data_ptr<float>();
+  const float* op = off ? o->data_ptr<float>() : nullptr;
+  const float* sdp = two ? sd->data_ptr<float>() : nullptr;
+  const float* odp = two && off ? od->data_ptr<float>() : nullptr;
+  const int8_t* sqp = two ? sq->data_ptr<int8_t>() : nullptr;
+  const int8_t* oqp = two && off ? oq->data_ptr<int8_t>() : nullptr;
+  std::atomic<bool> agree{true};
+  at::parallel_for(0, h.panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; p++) {
+      uint8_t* panel = dst + blob::HEADER + p * h.panel_bytes;
+      std::memset(panel, 0, static_cast<size_t>(h.panel_bytes));
+      for (int64_t j = 0; j < OUT; j++) {
+        const int64_t n = p * OUT + j;
+        if (n >= N) continue;  // outputs past N: zero bytes, never stored
+        for (int64_t u = 0; u < supers; u++) {
+          float* d = reinterpret_cast<float*>(panel + u * 4 * OUT * (1 + off));
+          d[j] = sdp[n * supers + u];
+          if (off) d[OUT + j] = -odp[n * supers + u];
+        }
+        for (int64_t g = 0; g < groups; g++) {
+          uint8_t* base = panel + h.super_bytes + g * h.group_bytes;
+          const int64_t i = n * groups + g;
+          if (two) {
+            const int64_t u = n * supers + g / h.super_groups;
+            base[j] = static_cast<uint8_t>(sqp[i]);
+            if (off) base[OUT + j] = static_cast<uint8_t>(oqp[i]);
+            if (!same_bits(sdp[u] * static_cast<float>(sqp[i]), sp[i]) ||
+                (off && !same_bits(-odp[u] * static_cast<float>(oqp[i]), op[i])))
+              agree = false;
+          } else {
+            float* gs = reinterpret_cast<float*>(base);
+            gs[j] = sp[i];
+            if (off) gs[OUT + j] = op[i];
+          }
+          uint8_t* ints = base + (two ? 1 : 4) * OUT * (1 + off);
+          const uint8_t* row = qp + n * K + g * group;
+          for (int64_t k = 0; k < group; k++) {
+            const uint8_t v = row[k];
+            if (bits == 8) {
+              ints[64 * (k / 4) + 4 * j + k % 4] = static_cast<uint8_t>(v ^ 0x80);
+              continue;
+            }
+            const int64_t c = k / 8, half = (k % 8) / 4, b = k % 4;
+            ints[64 * c + 4 * j + b] |= static_cast<uint8_t>((v & 15) << (4 * half));
+            if (bits == 4) continue;
+            uint8_t* plane = ints + 64 * (group / 8) + 4 * j + b;
+            const int H = static_cast<int>(bits) - 4;
+            for (int t = 0; t < H; t++)
+              *plane |= static_cast<uint8_t>(((v >> (4 + t)) & 1) << (4 * half + c * H + t));
+          }
+        }
+      }
+    }
+  });
+  TORCH_CHECK(agree.load(), "tfq qpack_q8: the two-level scales do not multiply to s and o");
+  return out;
+}
+
+}  // namespace
+}  // namespace tfq::q8
+
+TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) {
+  m.def("qpack_q8(Tensor q, Tensor s, Tensor? o, int bits, int group, int zero, Tensor? sd=None, Tensor? sq=None, "
+        "Tensor? od=None, Tensor? oq=None) -> Tensor", tfq::q8::qpack_q8);
+}
