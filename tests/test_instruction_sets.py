@@ -26,7 +26,7 @@ else:
     from pathlib import Path
     from tfq.kernels.cpu_build import clear_stale_lock
     clear_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)))
-    cpp_extension.load(name=name, sources=[f"{src}/{s}" for s in ("linear.cpp", "attention.cpp", "rowwise.cpp", "quant.cpp", "delta.cpp")],
+    cpp_extension.load(name=name, sources=[f"{src}/{s}" for s in ("linear.cpp", "attention.cpp", "rowwise.cpp", "quant.cpp", "quant_q8.cpp", "delta.cpp")],
                        extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     ops = torch.ops.tfq_cpu
 g = torch.Generator().manual_seed(5)
@@ -57,6 +57,15 @@ for bits, group, zero, offsets in ((4, 32, 8, False), (5, 32, 16, False), (6, 16
     for m in (1, 3, 9):  # registers, and the buffer
         res[f"quantized linear, {bits} bits, {'offsets, ' if offsets else ''}{m} rows"] = ops.qlinear(
             xs[:m].contiguous(), blob, None, 200)
+    # activations rounded to 8 bits (quant_q8.cpp): ties in the rounding, a zero block, a NaN, tiles of 1-8 rows
+    ties = torch.cat([torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5]).repeat(4), torch.zeros(32),
+                      torch.randn(832, generator=g)])
+    nan = torch.randn(896, generator=g)
+    nan[100] = float("nan")
+    x8 = torch.cat([ties[None], nan[None], xs]).contiguous()
+    blob8 = ops.qpack_q8(qi, s, o, bits, group, zero)
+    for m in (1, 5, 11):
+        res[f"q8 linear, {bits} bits, {'offsets, ' if offsets else ''}{m} rows"] = ops.qlinear(x8[:m].contiguous(), blob8, None, 200)
 for bits, rounding in ((4, 1), (4, 2), (6, 2), (8, 2)):  # MLX's groups of 64: the product and the sum rounded
     top = 2 ** bits
     qi = torch.randint(0, top, (200, 896), generator=g).to(torch.uint8)

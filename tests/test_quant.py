@@ -190,32 +190,37 @@ def test_the_plan_counts_the_bytes_the_model_keeps(loaded, tiny_file):
     assert held_bytes(loaded["fp32"].model) != kept_summary(read_header(tiny_file)).resident
 
 
+def mixed_requests(vocab: int, seed: int) -> list:
+    """Greedy and sampled requests of several lengths, one longer than a 64-row chunk and the 6-page pool."""
+    from tfq.stream import Request
+
+    g = torch.Generator().manual_seed(seed)
+    return [Request(prompt=tuple(torch.randint(0, vocab, (n,), generator=g).tolist()), max_tokens=t,
+                    temperature=temp, seed=i) for i, (n, t, temp) in
+            enumerate([(120, 20, 0.0), (121, 20, 0.8), (125, 16, 0.0), (5, 9, 0.0), (300, 4, 0.0)])]
+
+
+def run_engine(model, requests, **kw) -> tuple[list, int]:
+    """(each stream's (ids, digests), the preemptions) of an engine of 4 lanes on `requests`."""
+    from tfq.engine import Engine, EngineSettings
+
+    engine = Engine(model, EngineSettings(window=512, lanes=4, **kw), eos_ids=())
+    return [(r.ids, r.digests) for r in engine.generate(requests)], engine.scheduler.preemptions
+
+
+CROWDED = dict(prefill_chunk=64, page_rows=64, pool_pages=6)  # chunked prompts on 6 pages: preempted streams
+
+
 def test_engine_streams_on_gguf_weights_equal_fp32_and_their_runs_alone(loaded):
     """Greedy and sampled streams, chunked prompts, paged and contiguous: on gguf weights each stream's ids and
     logits digests equal its run alone and equal the fp32 weights' run (the same file, dequantized)."""
-    from tfq.engine import Engine, EngineSettings
-    from tfq.stream import Request
-
-    g = torch.Generator().manual_seed(0)
-    vocab = loaded["gguf"].config.vocab_size
-    requests = [Request(prompt=tuple(torch.randint(0, vocab, (n,), generator=g).tolist()), max_tokens=t,
-                        temperature=temp, seed=i) for i, (n, t, temp) in
-                enumerate([(120, 20, 0.0), (121, 20, 0.8), (125, 16, 0.0), (5, 9, 0.0), (300, 4, 0.0)])]
-
-    preempted = []
-
-    def run(model, reqs, **kw):
-        engine = Engine(model, EngineSettings(window=512, lanes=4, **kw), eos_ids=())
-        out = [(r.ids, r.digests) for r in engine.generate(reqs)]
-        preempted.append(engine.scheduler.preemptions)
-        return out
-
+    requests = mixed_requests(loaded["gguf"].config.vocab_size, seed=0)
     gguf, fp32 = loaded["gguf"].model, loaded["fp32"].model
-    together = run(gguf, requests, prefill_chunk=64, page_rows=64, pool_pages=6)
-    assert preempted[-1] > 0  # the 6-page pool cannot hold them all: streams were preempted and recomputed
-    assert together == run(fp32, requests, prefill_chunk=64, page_rows=64, pool_pages=6)
+    together, preempted = run_engine(gguf, requests, **CROWDED)
+    assert preempted > 0  # the 6-page pool cannot hold them all: streams were preempted and recomputed
+    assert together == run_engine(fp32, requests, **CROWDED)[0]
     for r, got in zip(requests, together):
-        assert got == run(gguf, [r])[0]
+        assert got == run_engine(gguf, [r])[0][0]
 
 
 def test_the_one_call_layer_runs_quantized_layers(loaded):
@@ -246,7 +251,7 @@ def test_cli_bad_weights_value_exits_2(tiny_file):
     done = subprocess.run([sys.executable, "-m", "tfq", "plan", "--model", str(tiny_file), "--set", "weights=int3"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
-    assert "weights must be one of auto | fp32 | gguf" in done.stderr and "Traceback" not in done.stderr
+    assert "weights must be one of auto | fp32 | gguf | gguf-q8" in done.stderr and "Traceback" not in done.stderr
 
 
 @pytest.mark.slow

@@ -127,7 +127,7 @@ def start_peer(settings: BenchSettings, plan: Plan, layout: Layout, say: Say, pr
         return side
     # the weights tfq will compute with (load_model's choice; were tfq's kernels to fail to build, it would
     # fall back to fp32 while the peer runs the GGUF as shipped)
-    quantized = settings.peer == "llama.cpp-gguf" or weights_kind(plan.weights, plan.model, layout.device)[0] == "gguf"
+    quantized = settings.peer == "llama.cpp-gguf" or weights_kind(plan.weights, plan.model, layout.device)[0] in ("gguf", "gguf-q8")
     try:
         side.path = peer_gguf(plan.model, quantized, progress)
     except BaseException:

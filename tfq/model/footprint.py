@@ -17,8 +17,8 @@ def weight_bytes(spec: str, choice: str, config: ModelConfig, device: str = "cpu
     from tfq.model.load import weights_kind
 
     kind = weights_kind(choice, spec, device)[0]
-    if kind == "gguf":
-        kept = gguf_kept(spec)
+    if kind in ("gguf", "gguf-q8"):
+        kept = gguf_kept(spec, "q8" if kind == "gguf-q8" else "fp32")
         if kept is not None:
             return kept.resident
     if kind == "mlx":
@@ -35,7 +35,7 @@ def weight_bytes(spec: str, choice: str, config: ModelConfig, device: str = "cpu
     return config.param_count() * 4
 
 
-def gguf_kept(spec: str):
+def gguf_kept(spec: str, activations: str = "fp32"):
     """kept_summary of the model's GGUF header (the default model's parts are joined first), or None for a
     folder."""
     from tfq.model.gguf_header import read_header
@@ -43,7 +43,7 @@ def gguf_kept(spec: str):
     from tfq.model.source import gguf_path
 
     path = gguf_path(spec, progress=False)
-    return None if path is None else kept_summary(read_header(path))
+    return None if path is None else kept_summary(read_header(path), activations)
 
 
 def activation_row_bytes(config: ModelConfig) -> int:

@@ -229,11 +229,12 @@ class FileBytes:
 class BlockRows:
     """A table (the embedding) left in its file's blocks on the mapped file: a lookup dequantizes just the rows
     it reads, with the same values a kept matrix unpacks to (`Quantized.rows`), and only those rows' pages become
-    resident."""
+    resident. `activations`: how a head tied to it computes (Quantized.activations)."""
 
-    def __init__(self, kind: str, raw: np.ndarray, shape: tuple[int, int], h: GgufHeader, t: TensorInfo):
+    def __init__(self, kind: str, raw: np.ndarray, shape: tuple[int, int], h: GgufHeader, t: TensorInfo,
+                 activations: str = "fp32"):
         self.kind, self.raw, self.shape = kind, raw.reshape(shape[0], -1), tuple(shape)
-        self._h, self._t = h, t
+        self._h, self._t, self.activations = h, t, activations
 
     def rows(self, ids):
         import torch
@@ -253,7 +254,7 @@ class BlockRows:
         from tfq.kernels.quant import FORMATS, from_blocks
 
         if self.kind in FORMATS:
-            return from_blocks(self.kind, self.raw, self.shape)
+            return from_blocks(self.kind, self.raw, self.shape).with_activations(self.activations)
         whole = dataclasses.replace(self._t, offset=0)  # offsets into `raw`, the tensor's own bytes
         return torch.from_numpy(np.array(dequantized(self._h, self.raw.reshape(-1), whole)))
 
@@ -261,11 +262,11 @@ class BlockRows:
 EMBEDDING = "model.embed_tokens.weight"
 
 
-def kept_tensors(h: GgufHeader):
+def kept_tensors(h: GgufHeader, activations: str = "fp32"):
     """Every tensor by its HF name, each read from the mapped file when the model takes it (LazyTensors): a
-    matrix in a format tfq's quantized kernel computes with (tfq.kernels.quant.FORMATS) as `Quantized`, the
-    embedding as `BlockRows` on the file, anything else (F32, F16, other quantizations, vectors) dequantized
-    to a float32 torch tensor, as `weights: fp32` has it."""
+    matrix in a format tfq's quantized kernel computes with (tfq.kernels.quant.FORMATS) as `Quantized` (its
+    activations fp32, or q8 for weights: gguf-q8), the embedding as `BlockRows` on the file, anything else
+    (F32, F16, other quantizations, vectors) dequantized to a float32 torch tensor, as `weights: fp32` has it."""
     from gguf.constants import GGMLQuantizationType
 
     from tfq.model.lazy import LazyTensors
@@ -283,10 +284,10 @@ def kept_tensors(h: GgufHeader):
         kind = GGMLQuantizationType(t.ggml_type).name
         layout = layouts.get(t.name)
         if name == EMBEDDING and len(t.shape) == 2:
-            return BlockRows(kind, data.of(t), t.shape, h, t)
+            return BlockRows(kind, data.of(t), t.shape, h, t, activations)
         out = None
         if kind in FORMATS and len(t.shape) == 2:
-            out = from_blocks(kind, data.of(t), t.shape)
+            out = from_blocks(kind, data.of(t), t.shape).with_activations(activations)
             if layout is not None:  # value heads back in grouped order: whole rows, or whole groups of inputs
                 out = out.select(torch.from_numpy(layout.rows)) if layout.rows is not None else out
                 out = out.permute_inputs(torch.from_numpy(layout.cols)) if layout.cols is not None else out
@@ -309,12 +310,15 @@ class KeptWeights:
     counts: dict  # matrices by how they are kept: their GGUF type, or "fp32"
 
 
-def kept_summary(h: GgufHeader) -> KeptWeights:
-    """The bytes `kept_tensors` and the model keep, counted as kernels/cpu/quant.cpp lays each matrix out
-    (tfq.kernels.quant.kept_bytes, as `read` keeps it): what the plan's weights line says and its total counts."""
+def kept_summary(h: GgufHeader, activations: str = "fp32") -> KeptWeights:
+    """The bytes `kept_tensors` and the model keep, counted as kernels/cpu/quant.cpp (quant_q8.cpp for activations
+    q8) lays each matrix out (tfq.kernels.quant.kept_bytes, as `read` keeps it): what the plan's weights line says
+    and its total counts."""
     from gguf.constants import GGMLQuantizationType
 
-    from tfq.kernels.quant import KEPT, SUPER, Quantized, kept_bytes
+    from tfq.kernels.quant import KEPT, SUPER, Quantized, kept_bytes, kept_bytes_q8
+
+    count = kept_bytes_q8 if activations == "q8" else kept_bytes
 
     counts: dict[str, int] = {}
     resident = step = fp32 = embedding = 0
@@ -335,7 +339,7 @@ def kept_summary(h: GgufHeader) -> KeptWeights:
             n, k = t.shape
             whole = 0 if cols is not None else SUPER.get(kind, 0)  # reordered inputs give up the super blocks
             halves = 2 if hybrid and t.name.endswith("attn_q.weight") else 1  # queries and gates apart
-            matrix = halves * kept_bytes(*KEPT[kind], n // halves, k, whole)
+            matrix = halves * count(*KEPT[kind], n // halves, k, whole)
         if t.name == "token_embd.weight":
             embedding = t.n_bytes if len(t.shape) == 2 else 4 * size
             resident += embedding

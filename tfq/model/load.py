@@ -25,7 +25,8 @@ def load_model(spec: str, progress: bool = True, device: str | torch.device = "c
                weights: str = "auto", tp: int = 1, group=None, reduce: bool = False) -> LoadedModel:
     """device: where the model runs (cpu: the torch kernels; cuda: the Triton kernels). weights: fp32 (every
     tensor as float32), gguf (a GGUF's quantized matrices kept in their blocks: tfq.kernels.quant), mlx (an MLX
-    checkpoint's affine groups kept: tfq.model.mlx) or auto (`weights_kind`). tp: split over this many ranks
+    checkpoint's affine groups kept: tfq.model.mlx), gguf-q8 (gguf, activations rounded to 8 bits: llama.cpp's
+    kind of arithmetic, docs/quantized.md) or auto (`weights_kind`). tp: split over this many ranks
     (tfq/parallel: rank 0's shard is returned, the other ranks load theirs); group: a rank's end of the group
     (the ranks call this with it); reduce: the all-reduce control's split."""
     if tp > 1:
@@ -123,13 +124,18 @@ def model_weights(spec: str, folder: Path, weights: str, backend: Backend, progr
             return lazy_state_dict(folder)
         return load_mlx_state(folder, quant, keep=weights == "mlx")
     if backend.quant_linear is None:
-        raise TfqError(f"weights: gguf computes with tfq's CPU kernels, which this run does not have "
+        raise TfqError(f"weights: {weights} computes with tfq's CPU kernels, which this run does not have "
                        f"({backend.where}); set weights: fp32")
     path = gguf_path(spec, progress)
     if path is None:
-        raise TfqError(f"weights: gguf keeps a GGUF file's quantized blocks, and {spec} is an HF folder; "
+        raise TfqError(f"weights: {weights} keeps a GGUF file's quantized blocks, and {spec} is an HF folder; "
                        f"set weights: fp32, or run a .gguf model")
-    return kept_tensors(read_header(path))
+    return kept_tensors(read_header(path), activations=activations_of(weights))
+
+
+def activations_of(weights: str) -> str:
+    """How a kept GGUF model's activations enter its quantized layers: q8 for weights: gguf-q8, else fp32."""
+    return "q8" if weights == "gguf-q8" else "fp32"
 
 
 def _say_if_building(device: torch.device) -> None:

@@ -19,7 +19,7 @@ DTYPE_ALIASES = {
 }
 PAGED = ("more", "all")
 ATTENTION = ("rows", "partial")
-WEIGHTS = ("auto", "fp32", "gguf", "mlx")
+WEIGHTS = ("auto", "fp32", "gguf", "gguf-q8", "mlx")
 NGRAM_MAX = 16
 MAX_INT = 2**62  # any size past this is a typo, and keeps byte arithmetic printable
 

@@ -213,9 +213,14 @@ def _weights_lines(plan: Plan, config: ModelConfig, lay: Layout) -> list[str]:
                 f"{config.param_count() / 1e6:.1f}M parameters, {human_bytes(lay.weights_bytes)}"]
     if kind == "mlx":
         return _mlx_lines(plan, config, lay, said)
-    first = (f"weights: gguf{tag(plan, 'weights')}{said}: the file's quantized blocks are kept and computed with; "
-             f"activations stay fp32 and each weight is unpacked exactly, so the bits are weights: fp32's")
-    summary = gguf_kept(plan.model)
+    if kind == "gguf-q8":
+        first = (f"weights: gguf-q8{tag(plan, 'weights')}: the file's quantized blocks are kept and computed with; "
+                 f"activations are rounded to 8 bits per block of 32 and summed in integers (llama.cpp's kind of "
+                 f"arithmetic: exact alone or together, but not weights: fp32's bits)")
+    else:
+        first = (f"weights: gguf{tag(plan, 'weights')}{said}: the file's quantized blocks are kept and computed "
+                 f"with; activations stay fp32 and each weight is unpacked exactly, so the bits are weights: fp32's")
+    summary = gguf_kept(plan.model, "q8" if kind == "gguf-q8" else "fp32")
     kinds = " + ".join(f"{n} {k}" for k, n in sorted(summary.counts.items(), key=lambda kv: -kv[1]))
     return [first, f"weights kept: {human_bytes(summary.resident)} ({kinds} matrices packed for the kernel, the "
                    f"embedding's {human_bytes(summary.embedding)} left on the mapped file, its rows read as "

@@ -126,6 +126,7 @@ def check_quantized(backend: Backend, hidden: int, repeats: int, seed: int) -> l
                  "bound": bool((err <= bound).all()), "fp32": torch.equal(full, backend.linear(w, b)(x))}
         cases.append(Case("rows", name, backend.name, "fp32", all(flags.values()), err.max().item(),
                           bound.max().item(), _notes(flags)))
+    cases += check_q8(backend, n_out, n_in, repeats, rng, g)
     kind = FORMATS[-1]
     raw = random_blocks(kind, n_out, n_in, rng)
     w = dequantized(kind, raw, n_out, n_in)
@@ -187,7 +188,38 @@ def check_rowwise(backend: Backend, heads: int, head_dim: int, repeats: int, see
     return cases
 
 
+def check_q8(backend: Backend, n_out: int, n_in: int, repeats: int, rng, g) -> list[Case]:
+    """weights: gguf-q8: each GGUF format with activations rounded to 8 bits: repeats, batch, and the bits of the
+    recipe written in torch (tfq.kernels.quant_q8.reference). Its control: the reference on weights with one
+    integer changed, where a one-hot input row shows it."""
+    from tfq.kernels.quant import FORMATS, from_blocks
+    from tfq.kernels.quant_q8 import reference
+
+    cases = []
+    for kind in FORMATS:
+        weights = from_blocks(kind, random_blocks(kind, n_out, n_in, rng), (n_out, n_in)).with_activations("q8")
+        b = torch.randn(n_out, generator=g)
+        f = backend.quant_linear(weights, b)
+        x = torch.randn(ROWS, n_in, generator=g)
+        outs = [f(x) for _ in range(repeats)]
+        full = outs[0]
+        flags = {"repeats": all(torch.equal(o, full) for o in outs), "batch": _batch_ok(f, x, full),
+                 "recipe": torch.equal(full, reference(x, weights, b))}
+        cases.append(Case("rows", f"linear {kind}, activations q8", backend.name, "q8", all(flags.values()), 0.0, 0.0,
+                          _notes(flags)))
+    one_hot = torch.zeros(2, n_in)
+    one_hot[0, 5] = 1.0  # row 0's output 3 is d * s (q[3, 5] - zero) * 127 (+ the offset): q[3, 5] shows
+    nudged = weights.with_activations("q8")
+    nudged.q = weights.q.clone()
+    nudged.q[3, 5] ^= 1
+    cases.append(Case("control: one integer of the weights changed", f"linear {kind}, activations q8", backend.name,
+                      "q8", not torch.equal(backend.quant_linear(weights, None)(one_hot), reference(one_hot, nudged)),
+                      control=True, note="must fail: recipe"))
+    return cases
+
+
 def _notes(flags: dict[str, bool]) -> str:
     words = {"repeats": "repeats differ", "batch": "a row's bits change with the batch", "bound": "over the bound",
-             "fp32": "bits differ from the fp32 layer on the dequantized weights"}
+             "fp32": "bits differ from the fp32 layer on the dequantized weights",
+             "recipe": "bits differ from the recipe (tfq.kernels.quant_q8.reference)"}
     return "; ".join(words[k] for k, ok in flags.items() if not ok)
