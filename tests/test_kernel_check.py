@@ -35,14 +35,15 @@ def test_torch_backend_passes_with_controls_red():
     assert passed(cases)
     # stores and keep per dtype, queries and rows per attention kernel and dtype; five controls per dtype;
     # then the row-wise layers: two linear shapes and the norm, and one control; on tfq's kernels each GGUF
-    # format's quantized layer, MLX's groups in its two roundings, and a control
-    quantized = len(FORMATS) + len(MLX_CASES) if torch_backend().quant_linear else 0
+    # format's quantized layer, MLX's groups in its two roundings, each format with activations in 8 bits, and
+    # two controls (fp32 weights one ulp off; one integer changed against the q8 recipe)
+    quantized = 2 * len(FORMATS) + len(MLX_CASES) if torch_backend().quant_linear else 0
     assert len(plain) == len(cfg.dtypes) * (2 + 2 * len(cfg.attention)) + 3 + quantized
-    assert len(controls) == 5 * len(cfg.dtypes) + 1 + (quantized > 0) and all(c.result == "RED" for c in controls)
+    assert len(controls) == 5 * len(cfg.dtypes) + 1 + 2 * (quantized > 0) and all(c.result == "RED" for c in controls)
     assert {c.kernel for c in plain} >= {"linear", "linear (down)", "rms norm"} | {f"linear {k}" for k in
                                                                                   FORMATS[:quantized]}
     assert {c.kernel for c in plain} >= ({"linear MLX 4-bit, bfloat16 scales", "linear MLX 8-bit, float32 scales"}
-                                         if quantized else set())
+                                         | {f"linear {k}, activations q8" for k in FORMATS} if quantized else set())
     for c in plain:
         if c.bound is not None:
             assert c.worst <= c.bound

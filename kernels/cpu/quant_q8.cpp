@@ -47,7 +47,7 @@ using tfq::V;
 constexpr int64_t OUT = 16;    // outputs a panel
 constexpr int64_t BLOCK = 32;  // inputs sharing an activation scale
 constexpr float TINY = 7.8886091e-31f;  // 2^-100: a block below it is zero
-constexpr int64_t AHEAD = 2048;  // bytes a tile prefetches ahead of its stream
+constexpr int64_t AHEAD = 1536;  // bytes a tile prefetches ahead of its stream
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 constexpr int TILE = 8;  // rows a tile: each of them an int32 and an fp32 accumulator
 #else
