@@ -48,6 +48,7 @@ constexpr int64_t OUT = 16;    // outputs a panel
 constexpr int64_t BLOCK = 32;  // inputs sharing an activation scale
 constexpr float TINY = 7.8886091e-31f;  // 2^-100: a block below it is zero
 constexpr int64_t AHEAD = 1536;  // bytes a tile prefetches ahead of its stream
+constexpr int64_t CHUNK = 32;  // panels a thread takes at a time (fewer for a small layer)
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 constexpr int TILE = 8;  // rows a tile: each of them an int32 and an fp32 accumulator
 #else
@@ -189,7 +190,8 @@ struct Rounded {
 Rounded round_rows(const float* x, int64_t M, int64_t K) {
   Rounded r{std::vector<int8_t>(static_cast<size_t>(M * K)), std::vector<float>(static_cast<size_t>(M * K / BLOCK)),
             std::vector<int32_t>(static_cast<size_t>(M * K / 16)), std::vector<int32_t>(static_cast<size_t>(M * K / 32))};
-  at::parallel_for(0, M * K / BLOCK, 64, [&](int64_t b0, int64_t b1) {
+  // a few rows round on the calling thread: a parallel region costs more than they do
+  at::parallel_for(0, M * K / BLOCK, M <= TILE ? M * K / BLOCK : 64, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; b++) {
       const float* xb = x + b * BLOCK;
       int8_t* qb = r.q.data() + b * BLOCK;
@@ -362,14 +364,21 @@ void linear(const at::Tensor& x, const std::vector<Segment>& segs, const float* 
     job_start.push_back(job_start.back() + s.h.panels);
     fns.push_back(panel_fn(s.h));
   }
-  at::parallel_for(0, job_start.back(), 1, [&](int64_t p0, int64_t p1) {
-    size_t s = 0;
-    for (int64_t p = p0; p < p1; p++) {
-      while (p >= job_start[s + 1]) s++;
-      const Segment& seg = segs[s];
-      const int64_t local = p - job_start[s], out = seg.first + local * OUT;
-      fns[s](seg.h, seg.panels + local * seg.h.panel_bytes, rounded, M, bias ? bias + out : nullptr, y + out, N,
-             std::min(OUT, seg.h.n - local * OUT));
+  // Threads take chunks of panels as they come free (a shared counter), not a fixed half each: on a busy
+  // machine a thread that is held up then costs its chunk, not the call. Which thread computes a panel never
+  // changes its bits.
+  const int64_t jobs = job_start.back(), chunk = std::max<int64_t>(1, std::min<int64_t>(CHUNK, jobs / 64));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    for (int64_t p0 = next.fetch_add(chunk); p0 < jobs; p0 = next.fetch_add(chunk)) {
+      size_t s = 0;
+      for (int64_t p = p0; p < std::min(jobs, p0 + chunk); p++) {
+        while (p >= job_start[s + 1]) s++;
+        const Segment& seg = segs[s];
+        const int64_t local = p - job_start[s], out = seg.first + local * OUT;
+        fns[s](seg.h, seg.panels + local * seg.h.panel_bytes, rounded, M, bias ? bias + out : nullptr, y + out, N,
+               std::min(OUT, seg.h.n - local * OUT));
+      }
     }
   });
 }
