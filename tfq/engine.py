@@ -66,6 +66,7 @@ class EngineSettings:
     partial: bool = False
     prefix_cache: bool = False  # full pages found again by their tokens (tfq/prefix.py)
     logits_rows: int = 0  # logits rows one forward may hold; 0: auto (tfq.plan.layout.auto_logits_rows)
+    step_tokens: int = 0  # rows a forward holds at most while a stream decodes; 0: no bound
 
     @property
     def contiguous_lanes(self) -> int:
@@ -77,7 +78,7 @@ class EngineSettings:
         return cls(window=layout.window, lanes=layout.lanes, prefill_chunk=plan.prefill_chunk, kv_dtype=plan.kv.dtype,
                    page_rows=layout.page_rows, paged_all=plan.kv.paged == "all", pool_pages=layout.pool_pages,
                    partial=plan.attention == "partial", prefix_cache=plan.kv.prefix_cache == "on",
-                   logits_rows=layout.logits_rows)
+                   logits_rows=layout.logits_rows, step_tokens=layout.step_tokens)
 
 
 class Engine:
@@ -106,7 +107,8 @@ class Engine:
             raise TfqError(f"logits_rows {s.logits_rows} is fewer than the rows every lane draws from at once "
                            f"({s.lanes} lanes x {self.drawing_rows}); set logits_rows to {least} or more")
         self.scheduler = Scheduler(s.lanes, s.contiguous_lanes, s.prefill_chunk, s.window, self.pages, drafter,
-                                   s.logits_rows or auto_logits_rows(s.lanes, s.prefill_chunk, self.drawing_rows))
+                                   s.logits_rows or auto_logits_rows(s.lanes, s.prefill_chunk, self.drawing_rows),
+                                   s.step_tokens)
         self.runner = Runner(model, self.cache, attention or plan_arithmetic(s.partial), chunked_deltanet)
         self.streams: dict[int, Stream] = {}
         self._next_id = 0

@@ -2,7 +2,9 @@
 
 Each step it admits waiting streams into free lanes (oldest first), asks the drafter for guesses, and gives
 every running stream room in the cache for its rows (a prompt chunk of at most `prefill_chunk` rows, or the
-token it drew last plus its guesses). When the page pool runs dry it drops guesses first, then preempts the
+token it drew last plus its guesses). While some stream decodes, a forward holds at most `step_tokens` rows:
+the decodes and verifies first, then prompt chunks, oldest first, in what is left; so a long prompt holds
+back no stream's next token by more than one such forward. When the page pool runs dry it drops guesses first, then preempts the
 newest stream holding pages; a preempted stream goes back to the front of the queue and recomputes its
 cache when readmitted (its reply is unchanged: every row is computed the same way). The result is a plain
 `Step` record that the runner turns into tensors.
@@ -31,7 +33,7 @@ class Step:
 
 class Scheduler:
     def __init__(self, lanes: int, contiguous_lanes: int, prefill_chunk: int, window: int, pages: PagePool,
-                 drafter=None, logits_rows: int = 0):
+                 drafter=None, logits_rows: int = 0, step_tokens: int = 0):
         self.lanes: list[Stream | None] = [None] * lanes
         self.contiguous_lanes = contiguous_lanes  # lanes below this index are contiguous, the rest take pages
         self.prefill_chunk = prefill_chunk
@@ -40,6 +42,7 @@ class Scheduler:
         self.drafter = drafter  # tfq.draft.Drafter or None
         # logits rows one forward may hold (0: no bound); streams scoring their prompts share what drawing leaves
         self.logits_rows = logits_rows
+        self.step_tokens = step_tokens  # rows a forward holds at most while a stream decodes (0: no bound)
         self._chunks: dict[int, int] = {}  # this step's prompt rows for each stream scoring its prompt
         self.waiting: deque[Stream] = deque()
         self.admitted = 0
@@ -60,7 +63,7 @@ class Scheduler:
         self._admit()
         running = self.running()
         self._propose(running)
-        self._chunks = self._share_logits(running)
+        self._chunks = self._share_rows(running)
         step = Step()
         for st in self._reserve([st for st in running if self._chunk(st)], step):
             n = self._chunk(st)
@@ -127,18 +130,32 @@ class Scheduler:
             st.drafts = list(guess)
             st.proposed += len(st.drafts)
 
-    def _share_logits(self, running: list[Stream]) -> dict[int, int]:
-        """Prompt rows for each stream scoring its prompt, oldest first, within the forward's logits rows once
-        every other stream's drawing rows are counted (0: it sits this step out). The plan keeps logits_rows at
-        least lanes x drawing rows, so the oldest always gets a row. Chunking changes no bits (the rule)."""
-        scoring = sorted((st for st in running if st.scoring), key=lambda s: s.order)
-        if not self.logits_rows:
-            return {st.index: min(st.pending, self.prefill_chunk) for st in scoring}
-        left = self.logits_rows - sum(1 + len(st.drafts) for st in running if not st.scoring)
+    def _share_rows(self, running: list[Stream]) -> dict[int, int]:
+        """Rows of its own tokens each stream feeds this step. A decode (the last token, and its guesses) is
+        never cut. Prompt chunks, oldest first, take at most `prefill_chunk` rows each; while some stream
+        decodes, only what `step_tokens` leaves after the decodes; and a stream scoring its prompt only what
+        the forward's logits rows leave once every other stream's drawing rows are counted (the plan keeps
+        logits_rows at least lanes x drawing rows, so the oldest always gets a row). 0: it sits this step out.
+        Chunking changes no bits (the rule)."""
+        decoding = [st for st in running if st.pending == 1]
+        rows_left = self.step_tokens - sum(1 + len(st.drafts) for st in decoding) if self.step_tokens and decoding \
+            else None
+        logits_left = self.logits_rows - sum(1 + len(st.drafts) for st in running if not st.scoring) \
+            if self.logits_rows else None
         chunks = {}
-        for st in scoring:
-            chunks[st.index] = max(0, min(st.pending, self.prefill_chunk, left - len(st.drafts)))
-            left -= chunks[st.index]
+        for st in sorted(running, key=lambda s: s.order):
+            n = min(st.pending, self.prefill_chunk)
+            prompt = st.pending > 1
+            if prompt and rows_left is not None:
+                n = min(n, rows_left)
+            if st.scoring and logits_left is not None:
+                n = min(n, logits_left - len(st.drafts))
+            n = max(0, n)
+            if prompt and rows_left is not None:
+                rows_left -= n
+            if st.scoring and logits_left is not None:
+                logits_left -= n
+            chunks[st.index] = n
         return chunks
 
     def _chunk(self, st: Stream) -> int:

@@ -115,6 +115,7 @@ def auto_or_positive(name: str, what: str) -> Check:
 
 pool = auto_or_positive("kv.pool", "pages")
 logits_rows = auto_or_positive("logits_rows", "rows")
+step_tokens = auto_or_positive("step_tokens", "rows")
 
 
 _UNITS = {

@@ -80,6 +80,7 @@ class Layout:
     # inputs of this many verify rows, to roll rejected guesses back
     logits_rows: int = 0  # logits rows one forward may hold: every lane's drawing rows, and prompt rows scored
     logits_bytes: int = 0  # those rows in fp32 (in total_bytes)
+    step_tokens: int = 0  # rows a forward holds at most while a stream decodes
     forward_rows: int = 0  # rows of the largest forward: every lane's prompt chunk
     activation_bytes: int = 0  # what those rows hold at once in fp32 (in total_bytes)
     overhead_bytes: int = 0  # fixed: torch, the kernels, the tokenizer (not in total_bytes; the plan states it)
@@ -190,6 +191,29 @@ def auto_logits_rows(lanes: int, prefill_chunk: int, drawing_rows: int) -> int:
     return max(prefill_chunk, lanes * drawing_rows)
 
 
+# Prompt rows a CPU forward takes beside every lane's decode (step_tokens: auto). On the default model here a
+# prompt row costs about 4 ms and a decode step at 8 lanes about 85 ms, so 32 rows keep a forward within three
+# decode steps (tfq bench serve: time between tokens).
+STEP_PROMPT_ROWS = 32
+
+
+def step_tokens(plan: PlanView, device: str) -> int:
+    """Rows a forward holds at most while some stream decodes: every lane's drawing rows first, then prompt
+    chunks. auto: on the CPU those rows and STEP_PROMPT_ROWS more; on a GPU, where a prompt row costs a decode
+    step's fraction, no bound beyond the lanes' prompt chunks. A TfqError when fewer than every lane drawing."""
+    drawing = max(1, verify_rows(getattr(plan, "draft", "none")))
+    least = plan.lanes * drawing
+    chosen = getattr(plan, "step_tokens", "auto")
+    if chosen == "auto":
+        if device.startswith("cuda"):
+            return plan.lanes * max(getattr(plan, "prefill_chunk", 1), drawing)
+        return least + STEP_PROMPT_ROWS
+    if chosen < least:
+        raise fail(f"step_tokens {chosen}{tag(plan, 'step_tokens')} is fewer than the rows every lane decodes at "
+                   f"once ({plan.lanes} lanes x {drawing}); set step_tokens to {least} or more, or auto")
+    return int(chosen)
+
+
 def logits_rows(plan: PlanView) -> int:
     """Logits rows one forward may hold; a TfqError when fewer than every lane drawing at once."""
     drawing = max(1, verify_rows(getattr(plan, "draft", "none")))
@@ -254,6 +278,7 @@ def compute_layout(plan: PlanView, config: ModelConfig) -> Layout:
     )
     cache = lay.rows_total * row + state  # the bytes are the rows the engine allocates, counted in one place
     return dataclasses.replace(lay, cache_bytes=cache, logits_rows=scored, logits_bytes=logits,
+                               step_tokens=step_tokens(plan, device),
                                forward_rows=forward_rows, activation_bytes=activations, overhead_bytes=FIXED_OVERHEAD,
                                total_bytes=weights + cache + logits + activations)
 

@@ -30,6 +30,9 @@ def plan_lines(plan: Plan, config: ModelConfig, layout: Layout) -> list[str]:
         f"window: {plan.window} rows a stream may hold, prompt and reply together{t('window')}",
         f"lanes: {plan.lanes} stream{'s' * (plan.lanes > 1)} in one forward at most{t('lanes')}",
         f"prefill: prompts go in chunks of {plan.prefill_chunk} rows{t('prefill_chunk')}",
+        f"step: while any stream decodes, a forward holds at most {lay.step_tokens} rows{t('step_tokens')}: every "
+        f"lane's decode first, then prompt chunks in what is left, so a prompt holds back another stream's next "
+        f"token by one such forward at most",
         f"logits: at most {lay.logits_rows} rows a forward, {human_bytes(lay.logits_bytes)} in fp32{t('logits_rows')}: "
         f"every lane's drawing rows, and the prompt rows of streams that score their prompts, in chunks within it",
         f"cached row: {human_bytes(lay.row_bytes)} a row in {dtype}{t('kv.dtype')} ({len(config.attention_layers)} "
@@ -252,7 +255,7 @@ def plan_json(plan: Plan, config: ModelConfig, layout: Layout) -> dict:
     """The same facts as plan_lines, as JSON-ready data."""
     values = {
         "model": plan.model, "weights": plan.weights, "window": plan.window, "lanes": plan.lanes,
-        "prefill_chunk": plan.prefill_chunk, "logits_rows": plan.logits_rows,
+        "prefill_chunk": plan.prefill_chunk, "logits_rows": plan.logits_rows, "step_tokens": plan.step_tokens,
         "kv": dataclasses.asdict(plan.kv), "attention": plan.attention, "budget": plan.budget,
         "draft": plan.draft, "device": plan.device, "tp": plan.tp,
     }

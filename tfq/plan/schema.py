@@ -9,7 +9,7 @@ from typing import Any, Mapping
 
 from tfq.model.config import ModelConfig
 from tfq.plan.fields import (
-    ATTENTION, DTYPE_ALIASES, DTYPE_BYTES, PAGED, WEIGHTS, Bad, Check, budget, choice, device, draft, logits_rows,
+    ATTENTION, DTYPE_ALIASES, DTYPE_BYTES, PAGED, WEIGHTS, Bad, Check, budget, choice, device, draft, logits_rows, step_tokens,
     model, pages, pool, positive, switch,
 )
 from tfq.plan.layout import Layout, compute_layout, over_budget
@@ -30,6 +30,7 @@ SCHEMA: dict[str, Check] = {
     "lanes": positive("lanes"),
     "prefill_chunk": positive("prefill_chunk"),
     "logits_rows": logits_rows,
+    "step_tokens": step_tokens,
     "kv.dtype": choice("kv.dtype", tuple(DTYPE_BYTES), DTYPE_ALIASES),
     "kv.pages": pages,
     "kv.paged": choice("kv.paged", PAGED),
@@ -45,7 +46,7 @@ SCHEMA: dict[str, Check] = {
 # Environment variables that set one key from their text.
 ENV_VALUES = {
     "TFQ_MODEL": "model", "TFQ_WEIGHTS": "weights", "TFQ_WINDOW": "window", "TFQ_LANES": "lanes", "TFQ_PREFILL_CHUNK": "prefill_chunk",
-    "TFQ_LOGITS_ROWS": "logits_rows",
+    "TFQ_LOGITS_ROWS": "logits_rows", "TFQ_STEP_TOKENS": "step_tokens",
     "TFQ_KV_DTYPE": "kv.dtype", "TFQ_KV_PAGES": "kv.pages", "TFQ_KV_POOL": "kv.pool",
     "TFQ_KV_PREFIX_CACHE": "kv.prefix_cache",
     "TFQ_BUDGET": "budget", "TFQ_DRAFT": "draft", "TFQ_DEVICE": "device",
@@ -88,6 +89,7 @@ class Plan:
     lanes: int = DEFAULT_LANES
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     logits_rows: int | str = "auto"  # logits rows one forward may hold; auto: tfq.plan.layout.auto_logits_rows
+    step_tokens: int | str = "auto"  # rows a forward holds at most while a stream decodes; auto: layout.step_tokens
     kv: KVPlan = field(default_factory=KVPlan)
     attention: str = "rows"
     budget: int | str = "auto"
@@ -97,7 +99,7 @@ class Plan:
     sources: tuple[tuple[str, str], ...] = ()  # (dotted key, what set it: "TFQ_X", "--set", "--model")
 
     def __post_init__(self) -> None:
-        for name in ("model", "weights", "window", "lanes", "prefill_chunk", "logits_rows", "attention", "budget", "draft",
+        for name in ("model", "weights", "window", "lanes", "prefill_chunk", "logits_rows", "step_tokens", "attention", "budget", "draft",
                      "device", "tp"):
             object.__setattr__(self, name, checked(name, getattr(self, name)))
         if not isinstance(self.kv, KVPlan):
