@@ -65,11 +65,12 @@ def test_float64_bound_against_the_dequantized_weights(layer):
     assert (err <= linear_bound(x, ref)).all(), kind
 
 
-def test_row_bits_do_not_move_with_the_thread_count(restored_threads):
+@pytest.mark.parametrize("activations", ["fp32", "q8"])  # weights: gguf, and gguf-q8 (tests/test_quant_q8.py)
+def test_row_bits_do_not_move_with_the_thread_count(restored_threads, activations):
     """Every format, rows alone and among others, at 1, 2, 3, 4 and 8 threads: the bits of 1 thread."""
     for kind in FORMATS:
         n, k = 300, 768
-        q = from_blocks(kind, random_blocks(kind, n, k, seed=7), (n, k))
+        q = from_blocks(kind, random_blocks(kind, n, k, seed=7), (n, k)).with_activations(activations)
         f = QuantLinear(q, torch.randn(n))
         x = torch.randn(12, k)
         torch.set_num_threads(1)

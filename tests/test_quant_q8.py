@@ -1,7 +1,7 @@
 """weights: gguf-q8. A GGUF's quantized matrices kept in their blocks, with the activations rounded to 8 bits per
 block of 32 and summed in integers (kernels/cpu/quant_q8.cpp): every format gives the bits of the recipe written
-in torch (tfq.kernels.quant_q8.reference) at every row count and thread count, and a model on them is exact by
-tfq's rule (together, paged, chunked, preempted: the bits of each stream alone)."""
+in torch (tfq.kernels.quant_q8.reference) at every row count (thread counts: tests/test_quant.py), and a model
+on them is exact by tfq's rule (together, paged, chunked, preempted: the bits of each stream alone)."""
 from __future__ import annotations
 
 import pytest
@@ -10,8 +10,7 @@ from tfq.kernels import cpu_build
 from tfq.kernels.quant import FORMATS, QuantLinear, format_bytes, from_blocks, join
 from tfq.kernels.quant_q8 import reference, round_activations
 from cli import tfq
-from test_quant import (CROWDED, ROWS, THREADS, mixed_requests, random_blocks, restored_threads,  # noqa: F401
-                        run_engine, tiny_file)
+from test_quant import CROWDED, ROWS, mixed_requests, random_blocks, run_engine, tiny_file  # noqa: F401
 from tiny import held_bytes
 
 pytestmark = pytest.mark.skipif(not cpu_build.load()[0], reason="tfq's CPU kernels do not build here")
@@ -57,20 +56,6 @@ def test_the_rounding_of_the_activations():
     assert torch.isnan(d[0, 2]) and not q[0, 64:].any()
     y = QuantLinear(from_blocks("Q8_0", random_blocks("Q8_0", 16, 96, seed=3), (16, 96)).with_activations("q8"))(x)
     assert torch.isnan(y).all()  # the NaN reaches every output, as in fp32
-
-
-def test_q8_bits_do_not_move_with_the_thread_count(restored_threads):  # noqa: F811
-    for kind in FORMATS:
-        n, k = 300, 768
-        f = QuantLinear(from_blocks(kind, random_blocks(kind, n, k, seed=9), (n, k)).with_activations("q8"),
-                        torch.randn(n))
-        x = torch.randn(12, k)
-        torch.set_num_threads(1)
-        want = f(x)
-        for t in THREADS:
-            torch.set_num_threads(t)
-            assert torch.equal(f(x), want), (kind, t)
-            assert torch.equal(f(x[5:6]), want[5:6]), (kind, t)
 
 
 def test_control_the_comparison_sees_one_integer_of_the_weights_changed(q8):
