@@ -25,12 +25,6 @@ class RandomDrafter:
     def propose(self, streams, budgets):
         return [[self.rng.randrange(self.vocab) for _ in range(b)] for b in budgets]
 
-    def settle(self, stream):
-        pass
-
-    def forget(self, stream):
-        pass
-
 
 class OracleDrafter(RandomDrafter):
     """Knows the undrafted reply and guesses it, spoiling one guess in `spoil`: mostly accepted."""

@@ -100,7 +100,7 @@ def test_control_paged_partial_changes_the_contiguous_stream(model):
     reqs = long_requests(model, 2)
     base = dict(window=WINDOW, lanes=2, page_rows=KEY_TILE, pool_pages=20)
     fine = run(model, EngineSettings(**base), reqs)
-    faulty = run(model, EngineSettings(**base), reqs, attention=paged_partial)
+    faulty = run(model, EngineSettings(**base), reqs, arithmetic=paged_partial)
     first_alone = alone(model, reqs[0], "fp32")
     assert fine[0].digests == first_alone.digests
     # the first stream sits on the contiguous lane, yet a paged neighbour switches its arithmetic: RED

@@ -12,11 +12,12 @@ import json
 import pytest
 import torch
 
-from tfq.batch import Feed, forward
+from tfq.batch import Arithmetic, Feed, forward
 from tfq.cache import KVCache
 from tfq.draft import ModelDrafter, NgramDrafter
 from tfq.engine import Engine, EngineSettings
 from tfq.errors import TfqError
+from tfq.runner import chunked_deltanet
 from tfq.kernels.contract import KEY_TILE
 from tfq.model.config import ModelConfig
 from tfq.model.load import load_model
@@ -51,7 +52,7 @@ def prompt(n: int, salt: int = 0, vocab: int = 512) -> list[int]:
 
 def one_forward(loaded, ids: list[int]) -> torch.Tensor:
     cache = KVCache(loaded.config, lanes=1, window=WINDOW, slots=1)
-    return forward(loaded.model, cache, [Feed(cache.pages.lane(0), 0, ids, len(ids))], partial=False)[0]
+    return forward(loaded.model, cache, [Feed(cache.pages.lane(0), 0, ids, len(ids))])[0]
 
 
 def run(model, requests, lanes=1, **kw) -> list:
@@ -197,11 +198,11 @@ def test_rejected_guesses_need_the_roll_back(hybrid, alone, monkeypatch):
 def test_control_chunked_prefill_then_recurrent_decode_differs(hybrid, alone):
     """transformers' way (prompt chunks by the chunked algorithm, decode rows by the recurrence) gives other
     bits: tfq never mixes the two."""
-    results = run(hybrid.model, requests(), lanes=5, chunked_deltanet=True)
+    results = run(hybrid.model, requests(), lanes=5, arithmetic=chunked_deltanet(False))
     long = [i for i, r in enumerate(requests()) if len(r.prompt) > 1]
     assert all(results[i].digests[0] != alone[i].digests[0] for i in long)
     # and the chunked arithmetic depends on the chunking, which is why it is not tfq's
-    other = run(hybrid.model, requests(), lanes=5, chunked_deltanet=True, prefill_chunk=13)
+    other = run(hybrid.model, requests(), lanes=5, arithmetic=chunked_deltanet(False), prefill_chunk=13)
     assert any(a.digests != b.digests for a, b in zip(results, other))
 
 
@@ -209,7 +210,8 @@ def test_chunked_control_is_within_tolerance_of_the_recurrence(hybrid):
     """The control computes the same function (it is the arithmetic that differs, not the model)."""
     ids = prompt(150, salt=9)
     cache = KVCache(hybrid.config, lanes=1, window=WINDOW, slots=1)
-    chunked = forward(hybrid.model, cache, [Feed(cache.pages.lane(0), 0, ids, len(ids))], False, chunked=True)[0]
+    chunked = forward(hybrid.model, cache, [Feed(cache.pages.lane(0), 0, ids, len(ids))],
+                      Arithmetic(chunked_deltanet=True))[0]
     rows = one_forward(hybrid, ids)
     assert not torch.equal(chunked, rows)
     assert (chunked - rows).abs().max().item() <= 1e-4 * rows.abs().max().item()

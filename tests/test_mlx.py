@@ -92,7 +92,7 @@ def test_dequantizing_rounds_as_mlx_does():
 
 def one_forward(loaded, ids):
     cache = KVCache(loaded.config, lanes=1, window=512, slots=1)
-    return forward(loaded.model, cache, [Feed(cache.pages.lane(0), 0, ids, len(ids))], partial=False)[0]
+    return forward(loaded.model, cache, [Feed(cache.pages.lane(0), 0, ids, len(ids))])[0]
 
 
 def hf_on_dequantized(family, hf_folder, state):

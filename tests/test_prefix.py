@@ -13,6 +13,7 @@ from tfq.engine import Engine, EngineSettings
 from tfq.kernels.contract import KEY_TILE
 from tfq.pages import PagePool
 from tfq.prefix import PrefixCache, root_key
+from tfq.runner import ColdPartial
 from tfq.stream import Request
 
 WINDOW = 512
@@ -159,26 +160,17 @@ def test_drafted_streams_share_only_verified_rows(model):
     assert all_back(engine)
 
 
-class Switch:
-    """An attention policy the test flips: `partial` for the cold run, `rows` after."""
-
-    partial = True
-
-    def __call__(self, feeds) -> bool:
-        return self.partial
-
-
 def test_control_pages_computed_under_partial_reused_by_rows_streams_come_out_red(model):
     """The key names the arithmetic because the bits depend on it: reuse a page across arithmetics (here by
     flipping the engine's policy under one key) and the warm reply changes."""
     vocab = model.config.vocab_size
     system = tokens(420, 8, vocab)  # rows past the first 256 keys, where partial and rows differ, in full pages
     first, second = (Request(tuple(system + tokens(20, s, vocab)), max_tokens=6) for s in (1, 2))
-    switch = Switch()
+    switch = ColdPartial()  # `partial` for the cold run, `rows` after
     engine = Engine(model, EngineSettings(window=WINDOW, lanes=1, page_rows=KEY_TILE, paged_all=True, pool_pages=8,
-                                          prefix_cache=True), attention=switch)
+                                          prefix_cache=True), arithmetic=switch)
     engine.generate([first])
-    switch.partial = False
+    switch.warm()
     warm = engine.generate([second])[0]
     assert warm.reused == 6 * KEY_TILE
     assert warm.digests != cold(model, second)[1]  # RED

@@ -1,15 +1,18 @@
-"""The scheduler alone, without a model: which rows each stream feeds a step. Streams advance as the engine
-would advance them (`advance`: a feed's rows are cached, a stream at the end of its rows draws one token)."""
+"""The scheduler alone, without a model: which rows each stream feeds a step, and what its update books. Streams
+advance as the engine advances them (`advance`: a stream at the end of its rows draws, then `Scheduler.update`)."""
 from __future__ import annotations
 
 import pytest
 from tfq.pages import PagePool
 from tfq.scheduler import Scheduler
-from tfq.stream import Request, Stream
+from tfq.stream import Request, Status, Stream
 
 
-def scheduler(lanes: int = 4, prefill_chunk: int = 64, step_tokens: int = 0, window: int = 1024) -> Scheduler:
-    return Scheduler(lanes, lanes, prefill_chunk, window, PagePool(lanes, window), step_tokens=step_tokens)
+def scheduler(lanes: int = 4, prefill_chunk: int = 64, step_tokens: int = 0, window: int = 1024,
+              page_rows: int = 0) -> Scheduler:
+    """Contiguous lanes; with page_rows, every lane paged from a pool that holds every lane's window."""
+    pool = PagePool(0 if page_rows else lanes, window, page_rows, lanes * window // page_rows if page_rows else 0)
+    return Scheduler(lanes, 0 if page_rows else lanes, prefill_chunk, window, pool, step_tokens=step_tokens)
 
 
 def add(s: Scheduler, prompt: int, index: int, max_tokens: int = 100) -> Stream:
@@ -18,37 +21,49 @@ def add(s: Scheduler, prompt: int, index: int, max_tokens: int = 100) -> Stream:
     return st
 
 
-def advance(step) -> dict[int, int]:
-    """Cache each feed's rows and draw a token where a stream reached the end of its tokens; rows by stream."""
-    rows = {}
+def draw(s: Scheduler, step, draws: dict[int, list[int]] | None = None) -> list[int]:
+    """As the engine draws: a stream at the end of its rows draws token 7 (or draws[its index]), stopping where
+    it finishes or at the first draw that is not the guess fed after it. Tokens drawn, stream by stream."""
+    drawn = []
     for st, feed in zip(step.streams, step.feeds):
-        st.cached += len(feed.tokens)
-        if st.cached == len(st.tokens):
-            st.tokens.append(7)
-            st.digests.append("")
-        rows[st.index] = len(feed.tokens)
-    return rows
+        n = 0
+        if feed.start + len(feed.tokens) - feed.guesses == len(st.tokens) and st.finish is None:
+            guesses = feed.tokens[len(feed.tokens) - feed.guesses:]
+            for j, token in enumerate((draws or {}).get(st.index, [7])):
+                st.digests.append("")
+                st.append(token, frozenset(), s.window)
+                n += 1
+                if st.finish is not None or j == len(guesses) or token != guesses[j]:
+                    break
+        drawn.append(n)
+    return drawn
+
+
+def advance(s: Scheduler, step) -> dict[int, int]:
+    """Draw, then the scheduler's update; rows fed, by stream."""
+    s.update(step, draw(s, step))
+    return {st.index: len(feed.tokens) for st, feed in zip(step.streams, step.feeds)}
 
 
 def test_without_a_budget_a_prompt_goes_in_whole_chunks_beside_decodes():
     s = scheduler(prefill_chunk=64)
     add(s, 10, 0)
-    advance(s.schedule())  # stream 0's prompt: it now decodes
+    advance(s, s.schedule())  # stream 0's prompt: it now decodes
     add(s, 300, 1)
-    assert advance(s.schedule()) == {0: 1, 1: 64}
+    assert advance(s, s.schedule()) == {0: 1, 1: 64}
 
 
 def test_a_budget_cuts_prompt_chunks_while_a_stream_decodes():
     """Decodes first, whole; prompt chunks, oldest first, share what the budget leaves."""
     s = scheduler(lanes=4, prefill_chunk=64, step_tokens=20)
     a, b = add(s, 10, 0), add(s, 5, 1)
-    assert advance(s.schedule()) == {0: 10, 1: 5}  # nobody decodes yet: whole chunks
+    assert advance(s, s.schedule()) == {0: 10, 1: 5}  # nobody decodes yet: whole chunks
     add(s, 300, 2), add(s, 300, 3)
-    assert advance(s.schedule()) == {0: 1, 1: 1, 2: 18}  # 2 decodes, then 18 rows to the oldest prompt (3 waits)
-    assert advance(s.schedule()) == {0: 1, 1: 1, 2: 18}
+    assert advance(s, s.schedule()) == {0: 1, 1: 1, 2: 18}  # 2 decodes, then 18 rows to the oldest prompt (3 waits)
+    assert advance(s, s.schedule()) == {0: 1, 1: 1, 2: 18}
     a.finish = b.finish = "length"
     s.finish(a), s.finish(b)
-    assert advance(s.schedule()) == {2: 64, 3: 64}  # no decodes: whole chunks again
+    assert advance(s, s.schedule()) == {2: 64, 3: 64}  # no decodes: whole chunks again
 
 
 def test_a_budget_never_cuts_a_decode_and_every_prompt_finishes():
@@ -58,7 +73,7 @@ def test_a_budget_never_cuts_a_decode_and_every_prompt_finishes():
     for _ in range(200):
         step = s.schedule()
         decodes = sum(1 for st in step.streams if st.pending == 1)
-        rows = advance(step)
+        rows = advance(s, step)
         if decodes:
             assert sum(rows.values()) <= 4
         for i, n in rows.items():
@@ -80,3 +95,61 @@ def test_the_plan_refuses_a_budget_below_every_lane_decoding(budget, lanes):
             step_tokens(plan, "cpu")
     else:
         assert step_tokens(plan, "cpu") == lanes + 32 and step_tokens(plan, "cuda:0") == lanes * plan.prefill_chunk
+
+
+def decoding(s: Scheduler, prompt: int = 10, index: int = 0, max_tokens: int = 100) -> Stream:
+    """A stream past its prompt: it feeds one row a step (plus its guesses)."""
+    st = add(s, prompt, index, max_tokens)
+    advance(s, s.schedule())
+    assert st.pending == 1
+    return st
+
+
+@pytest.mark.parametrize("draws, kept", [([5, 6, 9], 3), ([5, 6, 8, 4], 4), ([2], 1)])
+def test_update_keeps_the_confirmed_guesses_and_gives_back_the_rest(draws, kept):
+    """A verify of guesses 5 6 8: its rows up to the last draw stand (cached), the draws that matched count as
+    accepted, the rest of its pages go back, and a verify that kept fewer rows than it fed is returned for the
+    hybrid's roll-back."""
+    s = scheduler(lanes=1, window=64, page_rows=4)
+    st = decoding(s, prompt=10)
+    start = st.cached
+    step = s.schedule({0: [5, 6, 8]})
+    assert step.feeds[0].tokens == [7, 5, 6, 8] and step.feeds[0].guesses == 3 and st.proposed == 3
+    assert len(st.placement.pages) == 4  # rows 0..13
+    verified = s.update(step, draw(s, step, {0: draws}))
+    assert st.cached == start + kept and st.accepted == kept - 1 and st.verifies == 1
+    assert len(st.placement.pages) == -(-st.cached // 4)  # rejected rows gave their pages back
+    assert [(v.stream, v.kept, v.rows) for v in verified] == ([(st, kept, 4)] if kept < 4 else [])
+
+
+def test_update_finishes_streams_and_forgets_their_roll_back():
+    """A stream whose draw ends it (its token budget here) is finished by the update: lane and pages back, and
+    no roll-back of a state nobody holds any more; one that failed drawing is finished with its rows untouched."""
+    s = scheduler(lanes=2, window=64, page_rows=4)
+    a = decoding(s, prompt=10, index=0, max_tokens=2)
+    b = decoding(s, prompt=10, index=1)
+    held = s.pages.available
+    step = s.schedule({0: [5, 6], 1: [5]})
+    b.fail("the stream failed while drawing its token: boom", fault=True)
+    verified = s.update(step, draw(s, step, {0: [5, 9], 1: []}))
+    assert a.finish == "length" and a.status is Status.FINISHED and b.status is Status.FINISHED
+    assert verified == [] and s.running() == [] and s.pages.available > held
+    assert b.cached == 10  # the failed stream's rows were not booked
+
+
+def test_guesses_only_for_decoding_streams_within_their_budgets():
+    s = scheduler(lanes=3, window=20)
+    a = decoding(s, prompt=10, index=0, max_tokens=4)  # two drawn (the second beside b's prompt): one guess left
+    b = decoding(s, prompt=17, index=1)  # 18 tokens of a 20-row window
+    c = add(s, 10, 2)  # not admitted yet
+    streams, budgets = s.guess_budgets(4)
+    assert streams == [a, b] and budgets == [1, 2]
+    step = s.schedule({0: [5], 1: [5, 6], 2: [5]})  # c is admitted with its prompt to feed: no guesses
+    assert [f.guesses for f in step.feeds] == [1, 2, 0] and c.guesses == []
+
+
+def test_a_prompt_longer_than_the_window_finishes_at_once():
+    s = scheduler(lanes=1, window=16)
+    st = add(s, 16, 0)
+    assert st.status is Status.FINISHED and st.finish == "error" and "window of 16 rows" in st.error
+    assert not s.has_work()

@@ -87,7 +87,7 @@ def test_under_load_with_the_prefix_cache(tiny):
 def test_control_paged_partial_under_load_comes_out_red(tiny, load, alone):
     """The field report's split: forwards holding a paged stream run `partial`. The two long prompts start
     together, so one of them runs on pages, past one 256-key split: its logits change."""
-    with serving(server(tiny, attention=paged_partial)) as base:
+    with serving(server(tiny, arithmetic=paged_partial)) as base:
         under = asyncio.run(fire(base, NAME, load))
     assert differences(under, alone, load) != []
 

@@ -99,9 +99,9 @@ def _requests(lengths, seed=0, tokens=5):
                     label=f"r{i}") for i, n in enumerate(lengths)]
 
 
-def _run(model, requests, drafter=None, seed=None, attention=None, **settings):
+def _run(model, requests, drafter=None, seed=None, arithmetic=None, **settings):
     engine = Engine(model, EngineSettings(**{"window": 384, "lanes": 1, **settings}), keep_logits=True,
-                    page_order_seed=seed, drafter=drafter, attention=attention)
+                    page_order_seed=seed, drafter=drafter, arithmetic=arithmetic)
     return engine.generate(requests)
 
 
@@ -145,5 +145,5 @@ def test_controls_are_red(tmp_path):
     long, short = _requests((262, 9), seed=7, tokens=2)
     rows = _run(model, [long])[0]
     assert not _same(rows, _run(model, [long], partial=True)[0])
-    split = _run(model, [long, short], lanes=2, page_rows=64, pool_pages=8, attention=paged_partial)[0]
+    split = _run(model, [long, short], lanes=2, page_rows=64, pool_pages=8, arithmetic=paged_partial)[0]
     assert not _same(rows, split)

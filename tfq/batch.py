@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator, NamedTuple
 
 import torch
 
@@ -21,6 +22,41 @@ class Feed:
     guesses: int = 0  # of its tokens, the last ones a drafter guessed (a verify: a hybrid saves its state first)
 
 
+@dataclass(frozen=True)
+class Arithmetic:
+    """How one forward computes: the plan's (the same for every forward, whatever it holds), or a check's
+    control (tfq/runner.py's policies). Carried by the forward's rows, never by a flag through the model."""
+
+    partial: bool = False  # attention by the `partial` recipe (tfq/kernels/attention.py)
+    chunked_deltanet: bool = False  # a hybrid's prompt chunks by the chunked DeltaNet algorithm: a control only
+
+
+class Segment(NamedTuple):
+    """One feed's rows in a forward, as a DeltaNet layer takes them."""
+
+    first: int  # its first row in the forward
+    rows: int
+    slot: int  # the state slot it reads and updates (its lane)
+    fresh: bool  # it starts at position 0: the state starts from zeros
+    save: bool  # a verify: the slot's state is saved first, to roll rejected guesses back
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Every feed's Segment, as the [feeds, 5] int64 table the kernels read (columns in Segment's order), and the
+    DeltaNet algorithm the forward runs them by."""
+
+    table: torch.Tensor
+    chunked: bool = False  # Arithmetic.chunked_deltanet
+
+    @classmethod
+    def of(cls, segments: list[Segment], chunked: bool = False) -> "Segments":
+        return cls(torch.tensor([tuple(map(int, s)) for s in segments], dtype=torch.long).reshape(-1, 5), chunked)
+
+    def __iter__(self) -> Iterator[Segment]:
+        return (Segment(r, n, slot, bool(fresh), bool(save)) for r, n, slot, fresh, save in self.table.tolist())
+
+
 @dataclass
 class StepRows:
     """A forward's tensors: every feed's rows concatenated in feed order."""
@@ -31,16 +67,16 @@ class StepRows:
     batch: AttentionBatch
     logit_rows: torch.Tensor  # rows whose logits are drawn from, feed by feed
     counts: list[int]  # logits rows of each feed
-    segments: torch.Tensor  # [feeds, 5] int64: first row, rows, state slot, fresh (start 0), save (a verify)
+    segments: Segments
 
 
-def step_rows(cache: KVCache, feeds: list[Feed], partial: bool) -> StepRows:
+def step_rows(cache: KVCache, feeds: list[Feed], arithmetic: Arithmetic) -> StepRows:
     ids, positions, write_rows, logit_rows = [], [], [], []
     decode, chunks, segments = [], [], []
     row = 0
     for f in feeds:
         n = len(f.tokens)
-        segments.append((row, n, f.placement.slot, int(f.start == 0), int(f.guesses > 0)))
+        segments.append(Segment(row, n, f.placement.slot, f.start == 0, f.guesses > 0))
         ids.extend(f.tokens)
         positions.extend(range(f.start, f.start + n))
         write_rows.append(cache.rows(f.placement, f.start, n))
@@ -51,16 +87,16 @@ def step_rows(cache: KVCache, feeds: list[Feed], partial: bool) -> StepRows:
         logit_rows.extend(range(row + n - f.logits, row + n))
         row += n
     return StepRows(torch.tensor(ids), torch.tensor(positions), torch.cat(write_rows),
-                    AttentionBatch(_decode_group(cache, decode), chunks, partial),
+                    AttentionBatch(_decode_group(cache, decode), chunks, arithmetic.partial),
                     torch.tensor(logit_rows, dtype=torch.long), [f.logits for f in feeds],
-                    torch.tensor(segments, dtype=torch.long).reshape(-1, 5))
+                    Segments.of(segments, arithmetic.chunked_deltanet))
 
 
-def forward(model, cache: KVCache, feeds: list[Feed], partial: bool, chunked: bool = False) -> list[torch.Tensor]:
-    """Run every feed in one forward (cache first); returns each feed's logits rows [logits, vocab]. chunked: a
-    hybrid's prompt chunks in the chunked DeltaNet arithmetic (the control of `tfq together`, never otherwise)."""
-    s = step_rows(cache, feeds, partial)
-    logits = model.forward(s.ids, s.positions, cache, s.cache_rows, s.batch, s.logit_rows, s.segments, chunked)
+def forward(model, cache: KVCache, feeds: list[Feed], arithmetic: Arithmetic = Arithmetic()) -> list[torch.Tensor]:
+    """Run every feed in one forward (cache first), in `arithmetic`; returns each feed's logits rows
+    [logits, vocab]."""
+    s = step_rows(cache, feeds, arithmetic)
+    logits = model.forward(s.ids, s.positions, cache, s.cache_rows, s.batch, s.logit_rows, s.segments)
     return list(logits.split(s.counts))
 
 

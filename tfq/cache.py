@@ -93,13 +93,14 @@ class StateCache:
         tensors = self.conv + self.rec + self.saved_conv + self.saved_rec + [t for i in self.inputs for t in i]
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def keep_inputs(self, index: int, segments: torch.Tensor, x: torch.Tensor, a: torch.Tensor,
+    def keep_inputs(self, index: int, segments, x: torch.Tensor, a: torch.Tensor,
                     b: torch.Tensor) -> None:
-        """Layer `index`'s inputs of the segments marked to save (a verify's rows), by their slots."""
-        for row0, count, slot, _, save in segments.tolist():
-            if save:
+        """Layer `index`'s inputs of the segments marked to save (a verify's rows), by their slots. segments:
+        tfq.batch.Segments."""
+        for s in segments:
+            if s.save:
                 for kept, t in zip(self.inputs[index], (x, a, b)):
-                    kept[slot, :count] = t[row0:row0 + count]
+                    kept[s.slot, :s.rows] = t[s.first:s.first + s.rows]
 
     def restore(self, slot: int) -> None:
         """The slot's states as they were before the verify that last ran in it."""
@@ -111,14 +112,14 @@ class StateCache:
         for state in self.conv + self.rec:
             state[target].copy_(state[source])
 
-    def fingerprint(self, index: int, segments: torch.Tensor, rows: int) -> torch.Tensor:
+    def fingerprint(self, index: int, segments, rows: int) -> torch.Tensor:
         """[rows, 8] fp32: for each row, an exact fingerprint of its stream's state in layer `index` after the
         forward (the start-up guard compares it; a float sum would round, so the bits are summed as integers,
         weighted by position, and the 64-bit sums split into 16-bit pieces that fp32 holds exactly)."""
         out = torch.zeros(rows, 8)
-        for row0, count, slot, _, _ in segments.tolist():
-            sums = [_bit_sum(t[slot]) for t in (self.conv[index], self.rec[index])]
-            out[row0:row0 + count] = torch.tensor([(s >> (16 * i)) & 0xFFFF for s in sums for i in range(4)],
+        for s in segments:
+            sums = [_bit_sum(t[s.slot]) for t in (self.conv[index], self.rec[index])]
+            out[s.first:s.first + s.rows] = torch.tensor([(s >> (16 * i)) & 0xFFFF for s in sums for i in range(4)],
                                                   dtype=torch.float32)
         return out
 

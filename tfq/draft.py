@@ -19,13 +19,8 @@ class Drafter(Protocol):
     k: int
 
     def propose(self, streams: list[Stream], budgets: list[int]) -> list[list[int]]:
-        """Up to budgets[i] guessed tokens to follow streams[i].tokens."""
-
-    def settle(self, stream: Stream) -> None:
-        """The target verified: stream.cached positions hold the stream's true tokens."""
-
-    def forget(self, stream: Stream) -> None:
-        """The stream left (finished or preempted)."""
+        """Up to budgets[i] guessed tokens to follow streams[i].tokens (the stream's first stream.cached tokens
+        are true: the target holds them; a drafter that keeps state trims what it ran past them first)."""
 
 
 class NgramDrafter:
@@ -36,12 +31,6 @@ class NgramDrafter:
 
     def propose(self, streams: list[Stream], budgets: list[int]) -> list[list[int]]:
         return [lookup(st.tokens, b) for st, b in zip(streams, budgets)]
-
-    def settle(self, stream: Stream) -> None:
-        pass
-
-    def forget(self, stream: Stream) -> None:
-        pass
 
 
 def lookup(tokens: list[int], k: int, longest: int = NGRAM_LONGEST) -> list[int]:
@@ -58,47 +47,54 @@ def lookup(tokens: list[int], k: int, longest: int = NGRAM_LONGEST) -> list[int]
 class ModelDrafter:
     """A small model guessing greedily, with its own contiguous cache per lane of the engine.
 
-    A hybrid drafter's state cannot be cut back to a position as its keys can: after catching up with a
-    stream's true tokens it copies its state to a checkpoint slot (lanes + lane), and a rejected guess brings
-    that checkpoint back."""
+    What a lane's cache holds belongs to one stream's one admission (its index and times preempted): another
+    starts over. Before guessing, a stream's rows are trimmed to the tokens the target holds (stream.cached),
+    which drops the guesses of the last verify whatever it kept. A hybrid drafter's state cannot be cut back
+    to a position as its keys can: after catching up with a stream's true tokens it copies its state to a
+    checkpoint slot (lanes + lane), and trimming past it brings that checkpoint back."""
 
     def __init__(self, model, lanes: int, window: int, k: int = 4):
         self.model = model
         self.k = k
         self.lanes = lanes
         self.cache = KVCache(model.config, lanes=lanes, window=window, backend=model.backend, slots=2 * lanes)
-        self.cached: dict[int, int] = {}  # stream index -> positions in the drafter's cache
-        self.checkpoint: dict[int, int] = {}  # hybrid: stream index -> positions its checkpoint holds
+        self.owner: dict[int, tuple[int, int]] = {}  # lane -> (stream index, times preempted) its rows are of
+        self.cached: dict[int, int] = {}  # lane -> positions in the drafter's cache
+        self.checkpoint: dict[int, int] = {}  # hybrid: lane -> positions its checkpoint holds
 
     def propose(self, streams: list[Stream], budgets: list[int]) -> list[list[int]]:
+        for st in streams:
+            self.settle(st)
         guesses: list[list[int]] = [[] for _ in streams]
-        feeds = {i: st.tokens[self.cached.get(st.index, 0):] for i, st in enumerate(streams)}
+        feeds = {i: st.tokens[self.cached[st.lane]:] for i, st in enumerate(streams)}
         for _ in range(max(budgets, default=0)):
             active = [i for i, st in enumerate(streams) if len(guesses[i]) < budgets[i]]
             if not active:
                 break
-            batch = [Feed(self.cache.pages.lane(streams[i].lane), self.cached.get(streams[i].index, 0), feeds[i])
+            batch = [Feed(self.cache.pages.lane(streams[i].lane), self.cached[streams[i].lane], feeds[i])
                      for i in active]
-            for i, logits in zip(active, forward(self.model, self.cache, batch, partial=False)):
-                st = streams[i]
-                self.cached[st.index] = self.cached.get(st.index, 0) + len(feeds[i])
+            for i, logits in zip(active, forward(self.model, self.cache, batch)):
+                lane = streams[i].lane
+                self.cached[lane] += len(feeds[i])
                 if self.cache.state is not None and not guesses[i]:  # caught up with the true tokens
-                    self.model.copy_state(self.cache, st.lane, self.lanes + st.lane)
-                    self.checkpoint[st.index] = self.cached[st.index]
+                    self.model.copy_state(self.cache, lane, self.lanes + lane)
+                    self.checkpoint[lane] = self.cached[lane]
                 guesses[i].append(int(logits[-1].argmax()))
                 feeds[i] = guesses[i][-1:]
         return guesses
 
     def settle(self, stream: Stream) -> None:
-        held = self.cached.get(stream.index, 0)
+        """The lane's rows trimmed to the stream's true tokens (stream.cached positions); none if they are
+        another stream's, or of an earlier admission of this one."""
+        lane, who = stream.lane, (stream.index, stream.preempted)
+        if self.owner.get(lane) != who:
+            self.owner[lane], self.cached[lane] = who, 0
+            self.checkpoint.pop(lane, None)
+        held = self.cached[lane]
         if self.cache.state is not None and held > stream.cached:  # it ran past a rejected guess
-            self.model.copy_state(self.cache, self.lanes + stream.lane, stream.lane)
-            held = self.checkpoint.get(stream.index, 0)
-        self.cached[stream.index] = min(held, stream.cached)
-
-    def forget(self, stream: Stream) -> None:
-        self.cached.pop(stream.index, None)
-        self.checkpoint.pop(stream.index, None)
+            self.model.copy_state(self.cache, self.lanes + lane, lane)
+            held = self.checkpoint.get(lane, 0)
+        self.cached[lane] = min(held, stream.cached)
 
 
 def make_drafter(spec: str, target, lanes: int, window: int) -> Drafter | None:

@@ -2,10 +2,12 @@
 
 `add(request)` queues a stream, `step()` runs one forward and returns what each stream drew, `abort(id)`
 ends a stream and gives its pages back, `has_work()` says whether anything is left; `generate()` is a loop
-over them. Each step the scheduler decides (tfq/scheduler.py: admission, guesses, pages, preemption), the
-runner computes (tfq/runner.py: one forward in the arithmetic the attention policy picks), and the engine
-applies the logits: a digest of their bits, the draw, the drafts the draw confirms, and the stream's stops.
-The batch's shape never chooses the arithmetic: only the plan does (or the check's paged-partial control).
+over them. A step is schedule -> run -> draw -> update: the scheduler decides (tfq/scheduler.py: admission,
+rows, pages, preemption), the runner computes (tfq/runner.py: the drafter's guesses, one forward in the
+arithmetic the attention policy picks), the engine draws from the logits (a digest of their bits, the draw,
+the stream's stops), and the scheduler books what changed (rows cached, guesses kept, pages, finishing), the
+runner rolling a hybrid's state back where a verify kept fewer rows than it fed. The batch's shape never
+chooses the arithmetic: only the plan does (or a check's control, handed over as a policy: tfq/runner.py).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from tfq.model.qwen import Qwen
 from tfq.prefix import PrefixCache, root_key
 from tfq.plan.layout import PREFIX_ON_HYBRID, auto_logits_rows, lane_split
 from tfq.proofs.startup import prove
-from tfq.runner import AttentionPolicy, Runner, plan_arithmetic
+from tfq.runner import Policy, Runner, plan_arithmetic
 from tfq.sampling import TokenLogprob, digest, logprob, sample
 from tfq.scheduler import Scheduler
 from tfq.stream import Request, Result, Status, Stream
@@ -84,13 +86,12 @@ class EngineSettings:
 class Engine:
     def __init__(self, model: Qwen, settings: EngineSettings, tokenizer=None, eos_ids: Sequence[int] = (),
                  page_order_seed: int | None = None, keep_logits: bool = False, drafter=None, threads=None,
-                 attention: AttentionPolicy | None = None, chunked_deltanet: bool = False):
+                 arithmetic: Policy | None = None):
         self.model = model
         self.settings = s = settings
         self.tokenizer = tokenizer
         self.eos_ids = frozenset(eos_ids or (tokenizer.eos_ids if tokenizer is not None else ()))
         self.keep_logits = keep_logits
-        self.drafter = drafter  # tfq.draft.Drafter or None
         self.threads = threads  # tfq.threads.Threads (the CPU thread count follows the load) or None
         prefix = None
         if s.prefix_cache and model.config.hybrid:
@@ -100,16 +101,16 @@ class Engine:
         self.cache = KVCache(model.config, lanes=s.contiguous_lanes, window=s.window, page_rows=s.page_rows,
                              pool_pages=s.pool_pages, dtype=s.kv_dtype, page_order_seed=page_order_seed,
                              backend=model.backend, prefix=prefix, slots=s.lanes,
-                             verify_rows=self.drawing_rows if drafter is not None else 0)
+                             verify_rows=1 + drafter.k if drafter is not None else 0)
         self.pages = self.cache.pages
+        self.runner = Runner(model, self.cache, arithmetic or plan_arithmetic(s.partial), drafter)
         least = s.lanes * self.drawing_rows
         if s.logits_rows and s.logits_rows < least:
             raise TfqError(f"logits_rows {s.logits_rows} is fewer than the rows every lane draws from at once "
                            f"({s.lanes} lanes x {self.drawing_rows}); set logits_rows to {least} or more")
-        self.scheduler = Scheduler(s.lanes, s.contiguous_lanes, s.prefill_chunk, s.window, self.pages, drafter,
+        self.scheduler = Scheduler(s.lanes, s.contiguous_lanes, s.prefill_chunk, s.window, self.pages,
                                    s.logits_rows or auto_logits_rows(s.lanes, s.prefill_chunk, self.drawing_rows),
                                    s.step_tokens)
-        self.runner = Runner(model, self.cache, attention or plan_arithmetic(s.partial), chunked_deltanet)
         self.streams: dict[int, Stream] = {}
         self._next_id = 0
         self.proof = None  # tfq.proofs.startup.LayerProof: the model's layer proved row-invariant here
@@ -121,6 +122,11 @@ class Engine:
     def largest_forward(self) -> int:
         """Most rows one forward can hold: a prompt chunk, or a drafted verify, in every lane."""
         return self.settings.lanes * max(self.settings.prefill_chunk, self.drawing_rows)
+
+    @property
+    def drafter(self):
+        """tfq.draft.Drafter or None (the runner's)."""
+        return self.runner.drafter
 
     @property
     def drawing_rows(self) -> int:
@@ -152,12 +158,7 @@ class Engine:
                     decoder=self.tokenizer.stream() if self.tokenizer else None)
         self._next_id += 1
         self.streams[st.index] = st
-        if len(st.tokens) >= self.settings.window:
-            st.fail(f"prompt of {len(st.tokens)} tokens does not fit the window of {self.settings.window} rows; "
-                    f"raise window (TFQ_WINDOW) or shorten the prompt")
-            st.status = Status.FINISHED
-        else:
-            self.scheduler.add(st)
+        self.scheduler.add(st)
         return st.index
 
     def has_work(self) -> bool:
@@ -165,22 +166,16 @@ class Engine:
 
     def step(self) -> list[Output]:
         """One forward: what every stream that reached the end of its rows drew."""
-        step = self.scheduler.schedule()
+        guesses = self.runner.propose(*self.scheduler.guess_budgets(self.drawing_rows - 1))
+        step = self.scheduler.schedule(guesses)
         outputs = [Output(st.index, -1, "", True) for st in step.failed]
         if step.feeds:
             if self.threads is not None:
                 self.threads.step(self._proved)
-            for st, feed, rows in zip(step.streams, step.feeds, self._forward(step)):
-                try:
-                    outputs += self._apply(st, feed, rows)
-                    self.pages.publish(st.placement, st.tokens, st.cached)  # its full pages, for later streams
-                except Exception as e:  # this stream's own work (draw, detokenize, stops): it alone fails
-                    log.exception("stream %d failed applying its logits", st.index)
-                    st.fail(f"the stream failed while drawing its token: {type(e).__name__}: {e}", fault=True)
-                    outputs.append(Output(st.index, -1, "", True))
-        for st in self.scheduler.running():
-            if st.finish is not None:
-                self.scheduler.finish(st)
+            drawn = [self._draw_rows(st, feed, rows) for st, feed, rows in zip(step.streams, step.feeds,
+                                                                                self._forward(step))]
+            self.runner.settle(self.scheduler.update(step, [len(d) for d in drawn]))
+            outputs += [out for d in drawn for out in d]
         return outputs
 
     def _forward(self, step) -> list[torch.Tensor]:
@@ -237,31 +232,24 @@ class Engine:
         return results
 
     # -- applying a forward ---------------------------------------------------------------------------------
-    def _apply(self, st: Stream, feed, rows: torch.Tensor) -> list[Output]:
-        """The logits of one stream's rows: draw, keep the guesses the draws confirm, settle the drafter."""
-        own = len(feed.tokens) - len(st.drafts)  # rows of the stream's own tokens, then its guesses
-        draws = 1 + len(st.drafts) if feed.start + own == len(st.tokens) else 0
-        if len(rows) > draws:  # rows before the drawing ones: the request scores its prompt
-            self._score_prompt(st, feed.start + len(feed.tokens) - feed.logits, rows[:len(rows) - draws])
-        if not draws:  # a prompt chunk short of the prompt's end: its rows are cached, nothing drawn
-            st.cached += len(feed.tokens)
-            return []
-        outputs = []
-        st.cached += own - 1  # rows before the one that draws
-        for j, row_logits in enumerate(rows[len(rows) - draws:]):
-            st.cached += 1
-            outputs.append(self._draw(st, row_logits))
-            if st.finish is not None or j == len(st.drafts) or st.tokens[-1] != st.drafts[j]:
-                break
-            st.accepted += 1
-        if st.drafts:
-            st.verifies += 1
-            self.pages.shrink(st.placement, st.cached)  # rejected rows give their pages back
-            kept = st.cached - feed.start  # rows of this verify whose tokens stand
-            if self.cache.state is not None and kept < len(feed.tokens):
-                self.model.roll_back(self.cache, st.placement.slot, kept)  # a hybrid's state after the last of them
-            self.drafter.settle(st)
-        return outputs
+    def _draw_rows(self, st: Stream, feed, rows: torch.Tensor) -> list[Output]:
+        """One stream's logits rows: the prompt rows score its prompt; then it draws row by row while each draw
+        confirms the guess fed after it. When its own work fails (draw, detokenize, stops), it alone fails."""
+        try:
+            own = len(feed.tokens) - feed.guesses  # rows of the stream's own tokens, then its guesses
+            draws = 1 + feed.guesses if feed.start + own == len(st.tokens) else 0  # 0: a chunk short of the end
+            if len(rows) > draws:  # rows before the drawing ones: the request scores its prompt
+                self._score_prompt(st, feed.start + len(feed.tokens) - feed.logits, rows[:len(rows) - draws])
+            outputs = []
+            for j, row_logits in enumerate(rows[len(rows) - draws:]):
+                outputs.append(self._draw(st, row_logits))
+                if st.finish is not None or j == feed.guesses or st.tokens[-1] != feed.tokens[own + j]:
+                    break
+            return outputs
+        except Exception as e:
+            log.exception("stream %d failed applying its logits", st.index)
+            st.fail(f"the stream failed while drawing its token: {type(e).__name__}: {e}", fault=True)
+            return [Output(st.index, -1, "", True)]
 
     def _draw(self, st: Stream, logits: torch.Tensor) -> Output:
         req = st.request

@@ -1,8 +1,11 @@
-"""The runner: a Step's feeds through the model in one forward, in the arithmetic an attention policy picks.
+"""The runner: everything a step computes. A Step's feeds through the model in one forward, in the arithmetic an
+attention policy picks; the drafter's guesses for the next step (its own forwards); a hybrid's state rolled back
+after a verify that kept fewer rows than it fed (tfq.scheduler.Verified).
 
-The policy is the plan's arithmetic (`rows`, or `partial` when the plan says so) for every forward; the
-together check hands the engine another one, `paged_partial`, to reproduce the field report's fault on
-purpose: the batch's shape picks the arithmetic there, which is exactly what tfq never does otherwise.
+The policy is the plan's arithmetic (`rows` attention, or `partial` when the plan says so) for every forward;
+the checks hand the engine others as data, to show on purpose what tfq never does: `paged_partial` (the field
+report's fault: the batch's shape picks the attention), `ColdPartial` (a prefix cached in another arithmetic),
+`chunked_deltanet` (a hybrid's prompt chunks by another DeltaNet algorithm than its decode rows).
 """
 from __future__ import annotations
 
@@ -10,20 +13,30 @@ from typing import Callable
 
 import torch
 
-from tfq.batch import Feed, forward
+from tfq.batch import Arithmetic, Feed, forward
 from tfq.cache import KVCache
+from tfq.scheduler import Verified
+from tfq.stream import Stream
 
-AttentionPolicy = Callable[[list[Feed]], bool]  # a forward's feeds -> whether it runs the `partial` arithmetic
+Policy = Callable[[list[Feed]], Arithmetic]  # a forward's feeds -> the arithmetic it runs
 
 
-def plan_arithmetic(partial: bool) -> AttentionPolicy:
+def plan_arithmetic(partial: bool) -> Policy:
     """The plan's arithmetic, the same for every forward whatever it holds."""
-    return lambda feeds: partial
+    arithmetic = Arithmetic(partial)
+    return lambda feeds: arithmetic
 
 
-def paged_partial(feeds: list[Feed]) -> bool:
+def paged_partial(feeds: list[Feed]) -> Arithmetic:
     """The control: forwards that hold a paged stream run `partial`, the others `rows` (the field report)."""
-    return any(f.placement.paged for f in feeds)
+    return Arithmetic(partial=any(f.placement.paged for f in feeds))
+
+
+def chunked_deltanet(partial: bool) -> Policy:
+    """The hybrid's control: the plan's attention, and prompt chunks by the chunked DeltaNet algorithm
+    (transformers' way) while decode rows run the recurrence."""
+    arithmetic = Arithmetic(partial, chunked_deltanet=True)
+    return lambda feeds: arithmetic
 
 
 class ColdPartial:
@@ -37,17 +50,31 @@ class ColdPartial:
     def warm(self) -> None:
         self.partial = False
 
-    def __call__(self, feeds: list[Feed]) -> bool:
-        return self.partial
+    def __call__(self, feeds: list[Feed]) -> Arithmetic:
+        return Arithmetic(self.partial)
 
 
 class Runner:
-    def __init__(self, model, cache: KVCache, policy: AttentionPolicy, chunked_deltanet: bool = False):
+    def __init__(self, model, cache: KVCache, policy: Policy, drafter=None):
         self.model, self.cache, self.policy = model, cache, policy
-        self.chunked = chunked_deltanet  # a hybrid's control: prompt chunks in the chunked DeltaNet arithmetic
+        self.drafter = drafter  # tfq.draft.Drafter or None
         self.forwards = 0
 
     def run(self, feeds: list[Feed]) -> list[torch.Tensor]:
         """Each feed's logits rows [logits, vocab] (fp32, on the CPU)."""
         self.forwards += 1
-        return forward(self.model, self.cache, feeds, self.policy(feeds), self.chunked)
+        return forward(self.model, self.cache, feeds, self.policy(feeds))
+
+    def propose(self, streams: list[Stream], budgets: list[int]) -> dict[int, list[int]]:
+        """The drafter's guesses for the next step: stream index -> up to budgets[i] tokens."""
+        if self.drafter is None or not streams:
+            return {}
+        return {st.index: list(g) for st, g in zip(streams, self.drafter.propose(streams, budgets)) if g}
+
+    def settle(self, verified: list[Verified]) -> None:
+        """A hybrid's DeltaNet state after only the rows of each verify that stand (the keys and values need
+        nothing: the rows past them are never read, and the scheduler gave their pages back)."""
+        if self.cache.state is None:
+            return
+        for v in verified:
+            self.model.roll_back(self.cache, v.slot, v.kept)

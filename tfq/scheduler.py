@@ -1,13 +1,15 @@
-"""The scheduler: which streams run in the next forward, and with which rows. It decides; it computes nothing.
+"""The scheduler: which streams run in the next forward, with which rows, and what the forward changed. It
+decides and keeps the books; it computes nothing (the runner does: tfq/runner.py).
 
-Each step it admits waiting streams into free lanes (oldest first), asks the drafter for guesses, and gives
-every running stream room in the cache for its rows (a prompt chunk of at most `prefill_chunk` rows, or the
-token it drew last plus its guesses). While some stream decodes, a forward holds at most `step_tokens` rows:
+`schedule(guesses)` admits waiting streams into free lanes (oldest first) and gives every running stream room
+in the cache for its rows (a prompt chunk of at most `prefill_chunk` rows, or the token it drew last plus the
+drafter's guesses). `update(step, drawn)` takes what each stream drew and owns everything that changes: rows
+cached, guesses kept, pages published and given back, the verifies a hybrid must roll back, finishing. While some stream decodes, a forward holds at most `step_tokens` rows:
 the decodes and verifies first, then prompt chunks, oldest first, in what is left; so a long prompt holds
 back no stream's next token by more than one such forward. When the page pool runs dry it drops guesses first, then preempts the
 newest stream holding pages; a preempted stream goes back to the front of the queue and recomputes its
 cache when readmitted (its reply is unchanged: every row is computed the same way). The result is a plain
-`Step` record that the runner turns into tensors.
+`Step` record that the runner turns into tensors; `update` returns `Verified` records for the runner.
 """
 from __future__ import annotations
 
@@ -31,15 +33,25 @@ class Step:
     failed: list[Stream] = field(default_factory=list)  # streams that cannot fit at all, finished with an error
 
 
+@dataclass(frozen=True)
+class Verified:
+    """A verify that kept fewer rows than it fed: a hybrid's state in `slot` must go back to its first `kept`
+    rows (tfq.runner.Runner.settle)."""
+
+    stream: Stream
+    slot: int
+    kept: int  # rows of the verify whose tokens stand
+    rows: int  # rows it fed
+
+
 class Scheduler:
     def __init__(self, lanes: int, contiguous_lanes: int, prefill_chunk: int, window: int, pages: PagePool,
-                 drafter=None, logits_rows: int = 0, step_tokens: int = 0):
+                 logits_rows: int = 0, step_tokens: int = 0):
         self.lanes: list[Stream | None] = [None] * lanes
         self.contiguous_lanes = contiguous_lanes  # lanes below this index are contiguous, the rest take pages
         self.prefill_chunk = prefill_chunk
         self.window = window
         self.pages = pages
-        self.drafter = drafter  # tfq.draft.Drafter or None
         # logits rows one forward may hold (0: no bound); streams scoring their prompts share what drawing leaves
         self.logits_rows = logits_rows
         self.step_tokens = step_tokens  # rows a forward holds at most while a stream decodes (0: no bound)
@@ -49,6 +61,12 @@ class Scheduler:
         self.preemptions = 0  # streams sent back to the queue, in all (the server's metrics)
 
     def add(self, st: Stream) -> None:
+        """Queue a stream; a prompt that cannot fit the window finishes at once with an error."""
+        if len(st.tokens) >= self.window:
+            st.fail(f"prompt of {len(st.tokens)} tokens does not fit the window of {self.window} rows; "
+                    f"raise window (TFQ_WINDOW) or shorten the prompt")
+            st.status = Status.FINISHED
+            return
         st.status = Status.WAITING
         self.waiting.append(st)
 
@@ -58,22 +76,32 @@ class Scheduler:
     def running(self) -> list[Stream]:
         return [st for st in self.lanes if st is not None]
 
+    def guess_budgets(self, k: int) -> tuple[list[Stream], list[int]]:
+        """The decoding streams and how many guesses each may take: at most k, within its token and window
+        budgets (a guess past either could never stand)."""
+        decoding = [st for st in self.running() if st.pending == 1]
+        return decoding, [max(0, min(k, st.request.max_tokens - len(st.digests) - 1, self.window - len(st.tokens)))
+                          for st in decoding]
+
     # -- one step -----------------------------------------------------------------------------------------
-    def schedule(self) -> Step:
+    def schedule(self, guesses: dict[int, list[int]] | None = None) -> Step:
+        """The next forward. guesses: stream index -> the drafter's guesses (tfq.runner.Runner.propose)."""
         self._admit()
         running = self.running()
-        self._propose(running)
+        for st in running:
+            st.guesses = list(guesses.get(st.index, ())) if guesses and st.pending == 1 else []
+            st.proposed += len(st.guesses)
         self._chunks = self._share_rows(running)
         step = Step()
         for st in self._reserve([st for st in running if self._chunk(st)], step):
             n = self._chunk(st)
             done = st.cached + n == len(st.tokens)
-            logits = (1 + len(st.drafts)) if done else 0
+            logits = (1 + len(st.guesses)) if done else 0
             if st.request.prompt_logprobs is not None and st.cached < len(st.request.prompt):
-                logits = n + len(st.drafts)  # every row of a prompt chunk: each scores the prompt's next token
+                logits = n + len(st.guesses)  # every row of a prompt chunk: each scores the prompt's next token
             step.streams.append(st)
-            step.feeds.append(Feed(st.placement, st.cached, st.tokens[st.cached:st.cached + n] + st.drafts, logits,
-                                   guesses=len(st.drafts)))
+            step.feeds.append(Feed(st.placement, st.cached, st.tokens[st.cached:st.cached + n] + st.guesses, logits,
+                                   guesses=len(st.guesses)))
         return step
 
     def _admit(self) -> None:
@@ -117,19 +145,6 @@ class Scheduler:
                 return True
         return False
 
-    def _propose(self, running: list[Stream]) -> None:
-        """Guesses for streams past their prompt, within their token and window budgets."""
-        for st in running:
-            st.drafts = []
-        if self.drafter is None:
-            return
-        decoding = [st for st in running if st.pending == 1]
-        budgets = [max(0, min(self.drafter.k, st.request.max_tokens - len(st.digests) - 1,
-                              self.window - len(st.tokens))) for st in decoding]
-        for st, guess in zip(decoding, self.drafter.propose(decoding, budgets)):
-            st.drafts = list(guess)
-            st.proposed += len(st.drafts)
-
     def _share_rows(self, running: list[Stream]) -> dict[int, int]:
         """Rows of its own tokens each stream feeds this step. A decode (the last token, and its guesses) is
         never cut. Prompt chunks, oldest first, take at most `prefill_chunk` rows each; while some stream
@@ -138,9 +153,9 @@ class Scheduler:
         logits_rows at least lanes x drawing rows, so the oldest always gets a row). 0: it sits this step out.
         Chunking changes no bits (the rule)."""
         decoding = [st for st in running if st.pending == 1]
-        rows_left = self.step_tokens - sum(1 + len(st.drafts) for st in decoding) if self.step_tokens and decoding \
+        rows_left = self.step_tokens - sum(1 + len(st.guesses) for st in decoding) if self.step_tokens and decoding \
             else None
-        logits_left = self.logits_rows - sum(1 + len(st.drafts) for st in running if not st.scoring) \
+        logits_left = self.logits_rows - sum(1 + len(st.guesses) for st in running if not st.scoring) \
             if self.logits_rows else None
         chunks = {}
         for st in sorted(running, key=lambda s: s.order):
@@ -149,7 +164,7 @@ class Scheduler:
             if prompt and rows_left is not None:
                 n = min(n, rows_left)
             if st.scoring and logits_left is not None:
-                n = min(n, logits_left - len(st.drafts))
+                n = min(n, logits_left - len(st.guesses))
             n = max(0, n)
             if prompt and rows_left is not None:
                 rows_left -= n
@@ -163,7 +178,7 @@ class Scheduler:
         return self._chunks.get(st.index, min(st.pending, self.prefill_chunk))
 
     def _rows(self, st: Stream) -> int:
-        return self._chunk(st) + len(st.drafts)
+        return self._chunk(st) + len(st.guesses)
 
     def _reserve(self, running: list[Stream], step: Step) -> list[Stream]:
         """Room for each stream's rows, oldest first; when the pool is dry, preempt the newest."""
@@ -172,8 +187,8 @@ class Scheduler:
             if st.status is not Status.RUNNING:
                 continue  # preempted by an older stream in this very loop
             while not self.pages.grow(st.placement, st.cached + self._rows(st)):
-                if st.drafts:  # first give up guessing, then preempt
-                    st.drafts = []
+                if st.guesses:  # first give up guessing, then preempt
+                    st.guesses = []
                     continue
                 newer = [s for s in running if s.order > st.order and s.status is Status.RUNNING and s.placement.pages]
                 if newer:
@@ -192,6 +207,31 @@ class Scheduler:
                 ready.append(st)
         return ready
 
+    def update(self, step: Step, drawn: list[int]) -> list[Verified]:
+        """What the step's forward changed. drawn[i]: tokens step.streams[i] drew (appended to its tokens, its
+        finish set, by the engine); a stream that failed drawing is finished. Its rows before the last drawn token
+        are cached; of its guesses, those its draws confirmed; a verify's rejected rows give their pages back;
+        every full page is published for later streams. Returns the verifies a hybrid rolls back."""
+        verified = []
+        for st, feed, n in zip(step.streams, step.feeds, drawn):
+            if st.finish == "error":
+                continue
+            own = len(feed.tokens) - feed.guesses
+            st.cached = feed.start + (own if not n else own - 1 + n)  # a chunk short of the prompt's end draws none
+            if feed.guesses:
+                st.accepted += n - 1  # every draw but the last confirmed a guess
+                st.verifies += 1
+                self.pages.shrink(st.placement, st.cached)
+                kept = st.cached - feed.start
+                if kept < len(feed.tokens) and st.finish is None:
+                    verified.append(Verified(st, st.placement.slot, kept, len(feed.tokens)))
+            st.guesses = []
+            self.pages.publish(st.placement, st.tokens, st.cached)  # its full pages, for later streams
+        for st in self.running():
+            if st.finish is not None:
+                self.finish(st)
+        return verified
+
     # -- leaving ------------------------------------------------------------------------------------------
     def preempt(self, st: Stream) -> None:
         """Free a stream's lane and pages and requeue it first; it recomputes its cache when readmitted."""
@@ -200,7 +240,7 @@ class Scheduler:
         st.preempted += 1
         self.preemptions += 1
         st.recomputed += st.cached > 0  # sent back with cached work, which it computes again
-        st.cached, st.drafts, st.status = 0, [], Status.WAITING
+        st.cached, st.guesses, st.status = 0, [], Status.WAITING
         self.waiting.appendleft(st)
 
     def finish(self, st: Stream) -> None:
@@ -214,8 +254,6 @@ class Scheduler:
                 len(st.digests), st.preempted, f": {st.error}" if st.error else "")
 
     def _vacate(self, st: Stream) -> None:
-        if self.drafter is not None:
-            self.drafter.forget(st)
         if st.placement is not None:
             self.pages.release(st.placement)
         if st.lane is not None:

@@ -129,7 +129,7 @@ class Stream:
     preempted: int = 0
     recomputed: int = 0
     reused: int = 0
-    drafts: list[int] = field(default_factory=list)  # this step's guesses, verified in the same forward
+    guesses: list[int] = field(default_factory=list)  # this step's guesses (a drafter's), verified in its forward
     proposed: int = 0
     accepted: int = 0
     verifies: int = 0

@@ -353,23 +353,9 @@ at::Tensor qpack(const at::Tensor& q, const at::Tensor& s, const c10::optional<a
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && q.is_contiguous() && q.size(1) % group == 0,
               "tfq qpack: q [N, K] uint8 with K a multiple of the group");
   const int64_t N = q.size(0), K = q.size(1), groups = K / group;
-  TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.dim() == 2 && s.size(0) == N &&
-              s.size(1) == groups, "tfq qpack: s [N, K / group] fp32");
-  TORCH_CHECK(!o.has_value() || (o->scalar_type() == at::kFloat && o->is_contiguous() && o->sizes() == s.sizes()),
-              "tfq qpack: o like s");
+  const int64_t supers = tfq::blob::checked_scales("tfq qpack", N, groups, s, o, sd, sq, od, oq);
   const bool two = sd.has_value();
-  int64_t supers = 0;
-  if (two) {
-    TORCH_CHECK(rounding == ROUND_FMA && sq.has_value() && od.has_value() == o.has_value() &&
-                oq.has_value() == o.has_value(), "tfq qpack: two-level scales are GGUF's (sd, sq; od, oq with offsets)");
-    supers = sd->size(1);
-    TORCH_CHECK(sd->scalar_type() == at::kFloat && sd->is_contiguous() && sd->dim() == 2 && sd->size(0) == N &&
-                supers > 0 && groups % supers == 0 && sq->scalar_type() == at::kChar && sq->is_contiguous() &&
-                sq->sizes() == s.sizes(), "tfq qpack: sd [N, K / SB] fp32, sq [N, K / G] int8");
-    TORCH_CHECK(!o.has_value() || (od->sizes() == sd->sizes() && od->scalar_type() == at::kFloat &&
-                od->is_contiguous() && oq->sizes() == sq->sizes() && oq->scalar_type() == at::kChar &&
-                oq->is_contiguous()), "tfq qpack: od like sd, oq like sq");
-  }
+  TORCH_CHECK(!two || rounding == ROUND_FMA, "tfq qpack: two-level scales are GGUF's, rounding 0");
   const int16_t off = o.has_value() ? 1 : 0;
   Header h{MAGIC, static_cast<int16_t>(bits), static_cast<int16_t>(rounding), static_cast<int32_t>(group),
            static_cast<int32_t>(zero), off, static_cast<int16_t>(two ? SCALES_TWO_LEVEL : SCALES_FP32),

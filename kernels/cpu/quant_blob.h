@@ -5,6 +5,8 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Optional.h>
 
 #include <cstdint>
 #include <cstring>
@@ -31,6 +33,30 @@ struct Header {
   int64_t panel_bytes;
 };
 static_assert(sizeof(Header) == HEADER, "a segment's header is 64 bytes");
+
+// The scales a pack takes (qpack and qpack_q8 alike), checked: s [N, groups] fp32 and o like it; for GGUF's K
+// formats also sd [N, supers] fp32 and sq like s int8 (od, oq likewise, with offsets), their products s and o.
+// Returns the super blocks per output (0: one level). `op` names the caller in the messages.
+inline int64_t checked_scales(const char* op, int64_t N, int64_t groups, const at::Tensor& s,
+                              const c10::optional<at::Tensor>& o, const c10::optional<at::Tensor>& sd,
+                              const c10::optional<at::Tensor>& sq, const c10::optional<at::Tensor>& od,
+                              const c10::optional<at::Tensor>& oq) {
+  TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.dim() == 2 && s.size(0) == N &&
+              s.size(1) == groups, op, ": s [N, K / group] fp32");
+  TORCH_CHECK(!o.has_value() || (o->scalar_type() == at::kFloat && o->is_contiguous() && o->sizes() == s.sizes()),
+              op, ": o like s");
+  if (!sd.has_value()) return 0;
+  TORCH_CHECK(sq.has_value() && od.has_value() == o.has_value() && oq.has_value() == o.has_value(), op,
+              ": two-level scales are GGUF's (sd, sq; od, oq with offsets)");
+  const int64_t supers = sd->size(1);
+  TORCH_CHECK(sd->scalar_type() == at::kFloat && sd->is_contiguous() && sd->dim() == 2 && sd->size(0) == N &&
+              supers > 0 && groups % supers == 0 && sq->scalar_type() == at::kChar && sq->is_contiguous() &&
+              sq->sizes() == s.sizes(), op, ": sd [N, K / SB] fp32, sq [N, K / G] int8");
+  TORCH_CHECK(!o.has_value() || (od->sizes() == sd->sizes() && od->scalar_type() == at::kFloat &&
+              od->is_contiguous() && oq->sizes() == sq->sizes() && oq->scalar_type() == at::kChar &&
+              oq->is_contiguous()), op, ": od like sd, oq like sq");
+  return supers;
+}
 
 inline int64_t segment_bytes(const Header& h) { return HEADER + h.panels * h.panel_bytes; }
 

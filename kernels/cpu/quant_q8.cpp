@@ -399,24 +399,9 @@ at::Tensor qpack_q8(const at::Tensor& q, const at::Tensor& s, const c10::optiona
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && q.is_contiguous() && q.size(1) % BLOCK == 0,
               "tfq qpack_q8: q [N, K] uint8 with K a multiple of 32");
   const int64_t N = q.size(0), K = q.size(1), groups = K / group;
-  TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.dim() == 2 && s.size(0) == N &&
-              s.size(1) == groups, "tfq qpack_q8: s [N, K / group] fp32");
-  TORCH_CHECK(!o.has_value() || (o->scalar_type() == at::kFloat && o->is_contiguous() && o->sizes() == s.sizes()),
-              "tfq qpack_q8: o like s");
+  const int64_t supers = blob::checked_scales("tfq qpack_q8", N, groups, s, o, sd, sq, od, oq);
   const bool two = sd.has_value();
   const int off = o.has_value() ? 1 : 0;
-  int64_t supers = 0;
-  if (two) {
-    TORCH_CHECK(sq.has_value() && od.has_value() == o.has_value() && oq.has_value() == o.has_value(),
-                "tfq qpack_q8: two-level scales are GGUF's (sd, sq; od, oq with offsets)");
-    supers = sd->size(1);
-    TORCH_CHECK(sd->scalar_type() == at::kFloat && sd->is_contiguous() && sd->dim() == 2 && sd->size(0) == N &&
-                supers > 0 && groups % supers == 0 && sq->scalar_type() == at::kChar && sq->is_contiguous() &&
-                sq->sizes() == s.sizes(), "tfq qpack_q8: sd [N, K / SB] fp32, sq [N, K / G] int8");
-    TORCH_CHECK(!off || (od->sizes() == sd->sizes() && od->scalar_type() == at::kFloat && od->is_contiguous() &&
-                oq->sizes() == sq->sizes() && oq->scalar_type() == at::kChar && oq->is_contiguous()),
-                "tfq qpack_q8: od like sd, oq like sq");
-  }
   const int64_t int_bytes = OUT * group * bits / 8;
   Header h{blob::MAGIC_Q8, static_cast<int16_t>(bits), 0, static_cast<int32_t>(group),
            static_cast<int32_t>(bits == 8 ? zero + 128 : zero), static_cast<int16_t>(off),

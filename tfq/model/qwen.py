@@ -27,6 +27,7 @@ from tfq.kernels.layer import fusable
 from tfq.kernels.quant import Quantized, Stacked, join, joinable
 from tfq.kernels.rowwise import rms_norm_fixed
 from tfq.proofs.startup_kernels import check_layers, ensure_exact
+from tfq.batch import Segment, Segments
 from tfq.errors import TfqError
 from tfq.model.config import ModelConfig
 from tfq.model.rope import rope_tables
@@ -194,19 +195,17 @@ class Qwen:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache, cache_rows: torch.Tensor,
-                batch: AttentionBatch, logit_rows: torch.Tensor, segments: torch.Tensor | None = None,
-                chunked: bool = False) -> torch.Tensor:
-        """ids, positions, cache_rows: [N] (cache_rows: where each row's key and value are stored); segments
-        [S, 5]: each stream's rows for the DeltaNet layers (tfq.batch.step_rows); chunked: the DeltaNet control's
-        arithmetic (never otherwise). Returns fp32 logits [len(logit_rows), vocab] on the CPU (where sampling and
-        digests run)."""
+                batch: AttentionBatch, logit_rows: torch.Tensor, segments: Segments | None = None) -> torch.Tensor:
+        """ids, positions, cache_rows: [N] (cache_rows: where each row's key and value are stored); segments:
+        each stream's rows for the DeltaNet layers, and their algorithm (tfq.batch.step_rows). Returns fp32
+        logits [len(logit_rows), vocab] on the CPU (where sampling and digests run)."""
         dev = self.backend.device
         ids, positions, logit_rows = ids.to(dev), positions.to(dev), logit_rows.to(dev)
         cos, sin = self._rope(positions)
         x = self.embedding(ids)
         for i, layer in enumerate(self.layers):
             x = self.decoder_layer(layer, x, cos, sin, cache, self.cache_index[i], cache_rows, batch,
-                                   segments=segments, chunked=chunked)
+                                   segments=segments)
         return self.logits(x[logit_rows])
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
@@ -215,15 +214,15 @@ class Qwen:
 
     def decoder_layer(self, layer: Layer | DeltaLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache,
                       index: int, cache_rows: torch.Tensor, batch: AttentionBatch, tap: Tap = untapped,
-                      segments: torch.Tensor | None = None, chunked: bool = False) -> torch.Tensor:
+                      segments: Segments | None = None) -> torch.Tensor:
         """One decoder layer over the forward's rows x [N, hidden]; its keys and values go to layer `index` of
         the cache (a DeltaNet layer's state to its state layer `index`, by `segments`). `tap` sees every op's
         output (the start-up guard compares them row by row). Untapped, on tfq's CPU kernels, the layer runs as
         one call (`one_call`): the same ops in the same order."""
-        if tap is untapped and not chunked and self.runs_in_one_call(layer):
+        if tap is untapped and not (segments is not None and segments.chunked) and self.runs_in_one_call(layer):
             return self.one_call(layer, x, cos, sin, cache, index, cache_rows, batch, segments)
         if isinstance(layer, DeltaLayer):
-            return self.deltanet_layer(layer, x, cache, index, segments, tap, chunked)
+            return self.deltanet_layer(layer, x, cache, index, segments, tap)
         c = self.config
         n = x.shape[0]
         norm = self.backend.rms_norm
@@ -272,8 +271,8 @@ class Qwen:
         mixed = tap("silu * up", tap("silu", self.act(gate)) * up)
         return tap("mlp residual", x + self.joined("down", tap("down", layer.down(self.joined("mlp", mixed)))))
 
-    def deltanet_layer(self, layer: DeltaLayer, x: torch.Tensor, cache, index: int, segments: torch.Tensor,
-                       tap: Tap = untapped, chunked: bool = False) -> torch.Tensor:
+    def deltanet_layer(self, layer: DeltaLayer, x: torch.Tensor, cache, index: int, segments: Segments,
+                       tap: Tap = untapped) -> torch.Tensor:
         """A Gated DeltaNet layer: projections, the recurrence over each stream's rows from its state slot
         (updated in place), the gated norm, the output projection, then the MLP."""
         c, n = self.config, self.config.deltanet
@@ -284,12 +283,13 @@ class Qwen:
             return self.mlp(layer, x + self.joined("o", tap("out_proj", o)), tap)
         mixed, z, b, a = self.projections(tap("in_proj", layer.in_proj(h)))
         state = cache.state
-        if chunked:
-            o = deltanet_chunks(mixed, a, b, layer.mixer, state.conv[index], state.rec[index], segments, self.sizes)
+        if segments.chunked:
+            o = deltanet_chunks(mixed, a, b, layer.mixer, state.conv[index], state.rec[index], segments.table,
+                                self.sizes)
         else:
             if state.verify_rows:
                 state.keep_inputs(index, segments, mixed, a, b)
-            o = deltanet_rows(mixed, a, b, layer.mixer, state.conv[index], state.rec[index], segments, self.sizes,
+            o = deltanet_rows(mixed, a, b, layer.mixer, state.conv[index], state.rec[index], segments.table, self.sizes,
                               state.saved_conv[index], state.saved_rec[index])
         tap("recurrence", o)
         if tap is not untapped:
@@ -315,7 +315,7 @@ class Qwen:
         state.restore(slot)
         if self.config.deltanet.key_heads == 0:  # a tensor-parallel rank without DeltaNet heads keeps no state
             return
-        segment = torch.tensor([[0, rows, slot, 0, 0]])
+        segment = Segments.of([Segment(0, rows, slot, False, False)]).table
         for i in self.config.deltanet_layers:
             index = self.cache_index[i]
             x, a, b = (t[slot, :rows] for t in state.inputs[index])
@@ -344,13 +344,13 @@ class Qwen:
 
     def one_call(self, layer: Layer | DeltaLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache,
                  index: int, cache_rows: torch.Tensor, batch: AttentionBatch,
-                 segments: torch.Tensor | None = None) -> torch.Tensor:
+                 segments: Segments | None = None) -> torch.Tensor:
         """decoder_layer in one call to the backend (kernels/layer.py)."""
         c = self.config
         if isinstance(layer, DeltaLayer):
             state = cache.state
             out, proj = self.backend.delta_layer(
-                x, layer.input_norm, layer.in_proj, layer.mixer, state.conv[index], state.rec[index], segments,
+                x, layer.input_norm, layer.in_proj, layer.mixer, state.conv[index], state.rec[index], segments.table,
                 state.saved_conv[index], state.saved_rec[index], self.sizes, layer.out_proj, layer.post_norm,
                 layer.gate_up, layer.down, c.intermediate_size, c.rms_eps, self.layer_clock)
             if state.verify_rows:  # the recurrence's inputs of a verify's rows, to roll rejected ones back

@@ -99,16 +99,16 @@ class ShardedQwen(Qwen):
         return cache.serial
 
     @torch.inference_mode()
-    def forward(self, ids, positions, cache, cache_rows, batch, logit_rows, segments=None, chunked=False):
+    def forward(self, ids, positions, cache, cache_rows, batch, logit_rows, segments=None):
         if self.local or self.shard.rank != 0:
-            return super().forward(ids, positions, cache, cache_rows, batch, logit_rows, segments, chunked)
+            return super().forward(ids, positions, cache, cache_rows, batch, logit_rows, segments)
         with sigint_deferred():  # the other ranks run this forward's collectives with rank 0 to the end
             serial = self._serial(cache)
             dropped = list(self.dropped)
             self.dropped.clear()
             self.group.send(("forward", self.what, serial, cache.spec, dropped,
-                             (ids, positions, cache_rows, batch, logit_rows, segments, chunked)))
-            return super().forward(ids, positions, cache, cache_rows, batch, logit_rows, segments, chunked)
+                             (ids, positions, cache_rows, batch, logit_rows, segments)))
+            return super().forward(ids, positions, cache, cache_rows, batch, logit_rows, segments)
 
 
 def _first_layer(weights: dict, config) -> dict:

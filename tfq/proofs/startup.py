@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from tfq.batch import Feed, step_rows
+from tfq.batch import Arithmetic, Feed, step_rows
 from tfq.cache import KVCache
 from tfq.pages import Placement, pages_for
 from tfq.errors import TfqError
@@ -278,7 +278,7 @@ class _Bench:
         self.restore()
         feeds = [Feed(self.places[s.name], s.start, self.tokens[s.name], s.logits,
                       guesses=s.count - 1 if s.logits == s.count > 1 else 0) for s in streams]
-        s = step_rows(self.cache, feeds, self.partial)
+        s = step_rows(self.cache, feeds, Arithmetic(self.partial))
         probes = {p.name for p in PROBES}
         keep, keep_logits, row, logit_row = {}, {}, 0, 0
         for st in streams:

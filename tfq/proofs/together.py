@@ -196,9 +196,8 @@ class Check:
         from tfq.engine import Engine
 
         self.listener.arm_started(run, self.group)
-        policy = run.arm.fresh_attention() if run.arm.fresh_attention else run.arm.attention
-        engine = Engine.from_plan(run.plan, run.layout, self._loaded(run), attention=policy,
-                                  chunked_deltanet=run.arm.chunked_deltanet)
+        policy = run.arm.arithmetic(run.plan.attention == "partial") if run.arm.arithmetic else None
+        engine = Engine.from_plan(run.plan, run.layout, self._loaded(run), arithmetic=policy)
         t0 = time.perf_counter()
         requests = self._requests(run)
         order = list(self.context.longest_first) if run.arm.longest_first else list(range(len(requests)))

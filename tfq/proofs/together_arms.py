@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 
 from tfq.errors import TfqError
 from tfq.kernels.contract import KEY_TILE, SPLIT_ROWS
-from tfq.runner import AttentionPolicy, ColdPartial, paged_partial
+from tfq.runner import ColdPartial, Policy, chunked_deltanet, paged_partial
 from tfq.plan import Plan, derive, pages_for
 from tfq.sampling import TokenLogprob
 from tfq.stream import Request, Result
@@ -47,14 +47,14 @@ class Arm:
     about: str
     changes: Callable[[Context], dict[str, Any]]  # plan keys this arm sets, beyond lanes and arithmetic
     control: bool = False  # changes the arithmetic on purpose: must come out RED
-    attention: AttentionPolicy | None = None  # a policy handed to the engine instead of the plan's arithmetic
-    fresh_attention: Callable[[], AttentionPolicy] | None = None  # a policy with a state: a new one per engine
+    # the arithmetic handed to the engine instead of the plan's: made, for each engine, from the plan's attention
+    # (partial or not), as a policy may keep a state (tfq/runner.py)
+    arithmetic: Callable[[bool], Policy] | None = None
     must_preempt: bool = False
     must_draft: bool = False
     warm: bool = False  # the suite in two passes through one engine: a first half cold, then all of it, mixed
     scores: bool = False  # every other chat asks for prompt scores, compared bit for bit with its scores alone
     longest_first: bool = False  # the chats go in longest prompt first, not in the suite's order
-    chunked_deltanet: bool = False  # a hybrid's prompt chunks in the chunked DeltaNet arithmetic (a control)
     models: str = "all"  # the models it applies to: all | hybrid (Qwen3.5) | attention (no DeltaNet layers)
     reduce: bool = False  # tensor parallelism's usual split (o and down summed across ranks): plans with tp > 1
 
@@ -98,15 +98,16 @@ ARMS: tuple[Arm, ...] = (
         lambda c: {"kv.pages": 0, "attention": "partial"}, control=True),
     Arm("paged-partial", True, "control: the field report's split (forwards holding a paged stream run "
         "partial); must differ", lambda c: {"kv.pages": c.page_rows, "kv.paged": "more"}, control=True,
-        attention=paged_partial),
+        arithmetic=lambda partial: paged_partial),
     Arm("prefix-partial", True, "control: the prefix arm with its first pass in partial, so warm rows streams "
         "map pages computed in partial; must differ (64-row pages: a prompt past 320 rows reuses rows past the "
         "first split; prompts scored in the cold pass differ past it too)",
         lambda c: {"kv.pages": SMALL_PAGE_ROWS, "kv.paged": "all", "kv.prefix_cache": "on"}, control=True,
-        fresh_attention=ColdPartial, warm=True, scores=True, models="attention"),
+        arithmetic=lambda partial: ColdPartial(), warm=True, scores=True, models="attention"),
     Arm("deltanet-chunks", True, "control: a hybrid's prompt chunks by the chunked DeltaNet algorithm (64-row "
         "blocks, as transformers prefills), decode rows by the recurrence; must differ",
-        lambda c: {"kv.pages": 0}, control=True, chunked_deltanet=True, models="hybrid"),
+        lambda c: {"kv.pages": 0}, control=True, arithmetic=chunked_deltanet,
+        models="hybrid"),
     Arm("all-reduce", True, "control: tensor parallelism split as usual (o and down by their inputs, the ranks' "
         "partial sums added by an all-reduce); must differ", lambda c: {"kv.pages": 0}, control=True, reduce=True),
 )
@@ -343,7 +344,7 @@ def judge(arm: Arm, comparisons: Sequence[ChatComparison], preemptions: int, lon
         scores = f", {compared - equal} of {compared} prompt scores" if compared else ""
         if differ or equal < compared:
             return RED, f"{differ} of {n} replies' logits{scores} differ, as they must"
-        if arm.chunked_deltanet:
+        if arm.arithmetic is chunked_deltanet:
             return FAIL, "its logits equal the reference: the chunked DeltaNet arithmetic did not show"
         if arm.reduce:
             return FAIL, "its logits equal the reference: the sums split across ranks did not show"
