@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tiny import write_tiny_checkpoint
 
@@ -47,3 +48,12 @@ def shared_default(monkeypatch, default_model):
 
     monkeypatch.setattr(load, "load_model", load_model)
     return default_model
+
+
+@pytest.fixture
+def restored_threads(monkeypatch):
+    """torch's thread count, and TFQ_THREADS (which --threads sets for the process), back after the test."""
+    before = torch.get_num_threads()
+    monkeypatch.delenv("TFQ_THREADS", raising=False)
+    yield
+    torch.set_num_threads(before)

@@ -9,9 +9,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tfq.draft import ModelDrafter, NgramDrafter, lookup
-from tfq.engine import Engine, EngineSettings
+from tfq.engine import EngineSettings
 from tfq.stream import Request
 from tfq.kernels.contract import KEY_TILE
+from engines import engine
 
 WINDOW = 512
 
@@ -45,8 +46,8 @@ class OracleDrafter(RandomDrafter):
 
 
 def run(model, cfg, requests, drafter=None):
-    engine = Engine(model, cfg, eos_ids=(), drafter=drafter)
-    return engine.generate(requests), engine
+    e = engine(model, cfg, drafter=drafter)
+    return e.generate(requests), e
 
 
 def make_requests(vocab, spec):

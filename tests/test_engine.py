@@ -12,6 +12,7 @@ from tfq.runner import paged_partial
 from tfq.errors import TfqError
 from tfq.stream import Request
 from tfq.kernels.contract import KEY_TILE
+import engines
 
 WINDOW = 512
 DTYPES = ["fp32", "bf16", "fp16", "fp8"]
@@ -23,7 +24,7 @@ def model(request, tiny_models):
 
 
 def run(model, cfg: EngineSettings, requests, seed=None, **kw):
-    return Engine(model, cfg, eos_ids=(), page_order_seed=seed, **kw).generate(requests)
+    return engines.run(model, requests, cfg, page_order_seed=seed, **kw)
 
 
 _alone_cache: dict = {}

@@ -7,6 +7,7 @@ import torch
 from tfq.engine import Engine, EngineSettings
 from tfq.stream import Request, Status
 from tfq.kernels.contract import KEY_TILE
+from engines import run, same
 
 WINDOW = 512
 
@@ -18,12 +19,7 @@ def requests(vocab: int) -> list[Request]:
 
 
 def alone(model, request: Request):
-    return Engine(model, EngineSettings(window=WINDOW, lanes=1), eos_ids=(), keep_logits=True).generate([request])[0]
-
-
-def same(a, b) -> bool:
-    return a.ids == b.ids and len(a.logits) == len(b.logits) and all(
-        torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+    return run(model, [request], keep_logits=True)[0]
 
 
 def test_add_step_abort(tiny_models):

@@ -7,13 +7,13 @@ import dataclasses
 import json
 
 import pytest
-import torch
 
 from tfq.kernels import cpu_build
 from tfq.model import gguf_tensors
 from tfq.model.gguf_header import read_header
 from tfq.model.gguf_tensors import kept_summary
 from tfq.model.load import load_model
+from engines import bits
 from test_hybrid import requests, run, shipped_hybrid_suite
 from tiny import held_bytes, llama_converted, llama_converter, tiny_model_dir
 
@@ -41,10 +41,6 @@ def hf_folder(tmp_path_factory):
 def files(converter, hf_folder, tmp_path_factory):
     out = tmp_path_factory.mktemp("qwen35-gguf")
     return {kind: llama_converted(converter, hf_folder, out / f"tiny-{kind}.gguf", kind) for kind in ("f32", "q8_0")}
-
-
-def bits(results) -> list:
-    return [(r.ids, r.digests) for r in results]
 
 
 def test_the_converters_f32_file_computes_as_its_hf_folder(files, hf_folder, monkeypatch):

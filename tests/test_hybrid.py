@@ -22,6 +22,8 @@ from tfq.kernels.contract import KEY_TILE
 from tfq.model.config import ModelConfig
 from tfq.model.load import load_model
 from tfq.stream import Request
+import engines
+from engines import one_forward
 from tiny import tiny_model_dir, write_tiny_checkpoint
 
 WINDOW = 512
@@ -50,15 +52,8 @@ def prompt(n: int, salt: int = 0, vocab: int = 512) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(1000 + n + salt)).tolist()
 
 
-def one_forward(loaded, ids: list[int]) -> torch.Tensor:
-    cache = KVCache(loaded.config, lanes=1, window=WINDOW, slots=1)
-    return forward(loaded.model, cache, [Feed(cache.pages.lane(0), 0, ids, len(ids))])[0]
-
-
 def run(model, requests, lanes=1, **kw) -> list:
-    settings = dict(window=WINDOW, lanes=lanes)
-    settings.update({k: kw.pop(k) for k in list(kw) if k in EngineSettings.__dataclass_fields__})
-    return Engine(model, EngineSettings(**settings), eos_ids=(), **kw).generate(requests)
+    return engines.run(model, requests, lanes=lanes, **kw)
 
 
 # ------------------------------------------------------------------------------------ against transformers

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tfq.proofs.case import same_bits
+
 KERNELS = Path(__file__).resolve().parents[1] / "kernels" / "cpu"
 
 RUN = r"""
@@ -114,19 +116,14 @@ def builds(tmp_path_factory) -> dict:
     return {march: _outputs(march, tmp) for march in ("tfq", "haswell", "x86-64")}
 
 
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal bit for bit, NaNs included (torch.equal calls no NaN equal, not even to itself)."""
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8),
-                                                                     b.contiguous().view(torch.uint8))
-
-
 @pytest.mark.parametrize("march", ["haswell", "x86-64"])
 def test_every_kernel_has_the_same_bits_on_every_instruction_set(builds, march):
     """The engine's build (-march=native) against AVX2 + FMA (haswell) and plain C++ (x86-64: no vector FMA,
     so every fused multiply-add is fmaf): every output equal bit for bit."""
     native, other = builds["tfq"], builds[march]
     assert [k for k in native if not same_bits(native[k], other[k])] == []
-    assert any(torch.isnan(t).any() for t in native.values())  # the NaN cases are in: compared by their bits
+    assert any(torch.isnan(t).any() for t in native.values())  # NaN cases: compared by their bits (torch.equal
+    # calls no NaN equal, not even to itself)
 
 
 def test_control_the_comparison_sees_one_sum_in_another_order(builds):

@@ -11,14 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from tfq.batch import Feed, forward
-from tfq.cache import KVCache
 from tfq.engine import Engine, EngineSettings
 from tfq.errors import TfqError
 from tfq.model.config import ModelConfig
 from tfq.model.load import load_model
 from tfq.model.mlx import dequantize, folder_quantization, load_mlx_state
 from tfq.stream import Request
+from engines import one_forward
 from tiny import tiny_model_dir, write_mlx_checkpoint
 
 KINDS = ("linear_attention", "linear_attention", "linear_attention", "full_attention")
@@ -88,11 +87,6 @@ def test_dequantizing_rounds_as_mlx_does():
     sf, bf = (torch.from_numpy(np.array(a.astype(mx.float32))).repeat_interleave(64, -1) for a in (s, b))
     once = (c * sf + bf).to(torch.bfloat16).float()
     assert not torch.equal(once, want)
-
-
-def one_forward(loaded, ids):
-    cache = KVCache(loaded.config, lanes=1, window=512, slots=1)
-    return forward(loaded.model, cache, [Feed(cache.pages.lane(0), 0, ids, len(ids))])[0]
 
 
 def hf_on_dequantized(family, hf_folder, state):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from tfq.errors import TfqError
 from tfq.kernels import cpu_build
-from tfq.kernels.quant import FORMATS, KEPT, QuantLinear, format_bytes, Quantized, Stacked, from_blocks, join
+from tfq.kernels.quant import FORMATS, KEPT, QuantLinear, format_bytes, Stacked, from_blocks, join
 from tfq.kernels.rowwise import FixedOrderLinear
 from tfq.proofs.kernel_check_rowwise import dequantized, linear_bound
 from tfq.proofs.kernel_check_rowwise import random_blocks as check_blocks
@@ -80,13 +80,6 @@ def test_row_bits_do_not_move_with_the_thread_count(restored_threads, activation
             assert torch.equal(f(x), want), (kind, t)
             assert torch.equal(f(x[5:6]), want[5:6]), (kind, t)
             assert torch.equal(f(x[:3]), want[:3]), (kind, t)
-
-
-@pytest.fixture
-def restored_threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
 
 
 def test_joining_formats_keeps_each_at_its_width():
@@ -203,9 +196,9 @@ def mixed_requests(vocab: int, seed: int) -> list:
 
 def run_engine(model, requests, **kw) -> tuple[list, int]:
     """(each stream's (ids, digests), the preemptions) of an engine of 4 lanes on `requests`."""
-    from tfq.engine import Engine, EngineSettings
+    from engines import engine as make_engine
 
-    engine = Engine(model, EngineSettings(window=512, lanes=4, **kw), eos_ids=())
+    engine = make_engine(model, lanes=4, **kw)
     return [(r.ids, r.digests) for r in engine.generate(requests)], engine.scheduler.preemptions
 
 

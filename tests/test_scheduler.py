@@ -4,19 +4,25 @@ from __future__ import annotations
 
 import pytest
 from tfq.pages import PagePool
+from tfq.prefix import PrefixCache, root_key
 from tfq.scheduler import Scheduler
 from tfq.stream import Request, Status, Stream
 
 
 def scheduler(lanes: int = 4, prefill_chunk: int = 64, step_tokens: int = 0, window: int = 1024,
-              page_rows: int = 0) -> Scheduler:
-    """Contiguous lanes; with page_rows, every lane paged from a pool that holds every lane's window."""
-    pool = PagePool(0 if page_rows else lanes, window, page_rows, lanes * window // page_rows if page_rows else 0)
+              page_rows: int = 0, pool_pages: int = 0, prefix: bool = False) -> Scheduler:
+    """Contiguous lanes; with page_rows, every lane paged from a pool (by default one that holds every lane's
+    window), and a prefix cache if asked."""
+    pool_pages = pool_pages or (lanes * window // page_rows if page_rows else 0)
+    pool = PagePool(0 if page_rows else lanes, window, page_rows, pool_pages,
+                    prefix=PrefixCache(root_key("test")) if prefix else None)
     return Scheduler(lanes, 0 if page_rows else lanes, prefill_chunk, window, pool, step_tokens=step_tokens)
 
 
-def add(s: Scheduler, prompt: int, index: int, max_tokens: int = 100) -> Stream:
-    st = Stream(index, Request(prompt=tuple(range(1, prompt + 1)), max_tokens=max_tokens), list(range(1, prompt + 1)))
+def add(s: Scheduler, prompt: int | list[int], index: int, max_tokens: int = 100) -> Stream:
+    """A stream of `prompt` tokens (1, 2, ...), or of the tokens given."""
+    tokens = list(range(1, prompt + 1)) if isinstance(prompt, int) else list(prompt)
+    st = Stream(index, Request(prompt=tuple(tokens), max_tokens=max_tokens), list(tokens))
     s.add(st)
     return st
 
@@ -153,3 +159,63 @@ def test_a_prompt_longer_than_the_window_finishes_at_once():
     st = add(s, 16, 0)
     assert st.status is Status.FINISHED and st.finish == "error" and "window of 16 rows" in st.error
     assert not s.has_work()
+
+
+def test_admission_is_oldest_first_into_free_lanes():
+    s = scheduler(lanes=2)
+    a, b, c = (add(s, 5, i) for i in range(3))
+    assert advance(s, s.schedule()) == {0: 5, 1: 5} and c.status is Status.WAITING
+    a.finish = "stop"
+    s.finish(a)
+    step = s.schedule()
+    assert c.lane == 0 and [st.index for st in step.streams] == [1, 2]  # oldest first: b (admitted before) then c
+    assert s.stats().running == 2 and s.stats().waiting == 0
+
+
+def test_a_dry_pool_drops_guesses_first_then_preempts_the_newest():
+    """A pool of 6 pages of 4 rows, two streams of 10 tokens (3 pages each): the oldest's guesses go first;
+    when it needs a fourth page, the newest stream is preempted (back to the front of the queue, its cache to
+    recompute), and the oldest runs on."""
+    s = scheduler(lanes=2, window=64, page_rows=4, pool_pages=6)
+    a, b = add(s, 10, 0), add(s, 10, 1)
+    advance(s, s.schedule())
+    step = s.schedule({0: [5, 5]})  # 13 rows would take a fourth page: the guesses are dropped
+    assert a.guesses == [] and a.proposed == 2 and step.feeds[0].guesses == 0 and s.preemptions == 0
+    advance(s, step)
+    advance(s, s.schedule())  # a: 12 rows, still 3 pages
+    step = s.schedule()  # a needs 13 rows: b, the newest holding pages, is preempted
+    assert [st.index for st in step.streams] == [0] and s.stats().preemptions == 1
+    assert b.status is Status.WAITING and b.cached == 0 and b.recomputed == 1 and list(s.waiting) == [b]
+
+
+def test_a_stream_maps_the_full_pages_another_computed():
+    """With a prefix cache, the full pages a finished stream's prompt filled are found again by their tokens:
+    a stream whose prompt starts with them begins with those rows cached (never its last token's page)."""
+    s = scheduler(lanes=2, window=64, page_rows=4, prefix=True)
+    shared = list(range(100, 112))  # three full pages
+    a = add(s, shared + [1, 2, 3], 0)
+    advance(s, s.schedule())
+    a.finish = "stop"
+    s.finish(a)
+    assert s.stats().cached_pages == 3  # no stream holds them; the cache keeps them
+    b = add(s, shared + [7], 1)
+    step = s.schedule()
+    assert b.cached == 12 and b.reused == 12 and step.feeds[0].start == 12 and step.feeds[0].tokens == [7]
+    assert s.stats().reused_rows == 12 and s.stats().cached_pages == 0
+    c = add(s, shared[:8] + [9, 9, 9, 9, 9], 2)  # shares two pages only
+    s.schedule()
+    assert c.cached == 8
+
+
+def test_a_dry_pool_preempts_a_newer_stream_the_budget_left_out_of_the_step():
+    """The step budget can leave a prompt out of a forward while it holds pages: when the pool runs dry, that
+    stream is the newest holder and is preempted; the decoding stream runs on (it was once failed instead, as
+    if nobody else held a page)."""
+    s = scheduler(lanes=2, window=64, page_rows=4, pool_pages=6, prefill_chunk=12, step_tokens=1)
+    a, b = add(s, 10, 0), add(s, 20, 1)
+    assert advance(s, s.schedule()) == {0: 10, 1: 12}  # 3 pages each: the pool is full
+    for _ in range(2):
+        assert advance(s, s.schedule()) == {0: 1}  # a decodes; the budget leaves b out (it holds its pages)
+    step = s.schedule()  # a needs a fourth page
+    assert [st.index for st in step.streams] == [0] and a.finish is None and step.failed == []
+    assert b.status is Status.WAITING and b.preempted == 1

@@ -35,7 +35,7 @@ def test_default_model_under_load_equals_alone_and_the_control_is_red(default_mo
         with serving(fresh()) as base:
             alone.append(asyncio.run(fire(base, "default", [call.__class__(**{**call.__dict__, "delay": 0.0})]))[0])
     rows.append(("each call alone, a fresh server each", tally(alone, alone), 0, time.perf_counter() - t0))
-    for name, kw in (("32 calls together (rows)", {}), ("control: paged streams partial", {"attention": paged_partial})):
+    for name, kw in (("32 calls together (rows)", {}), ("control: paged streams partial", {"arithmetic": paged_partial})):
         t0 = time.perf_counter()
         served = fresh(**kw)
         with serving(served) as base:

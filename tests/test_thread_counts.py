@@ -19,6 +19,8 @@ from tfq.proofs.startup import LayerProof
 from tfq.stream import Request
 from tfq.kernels.contract import KEY_TILE
 
+import engines
+from engines import same
 from tiny import write_tiny_checkpoint
 
 COUNTS = (1, 2, 3, 4, 5, 8, 16)
@@ -66,17 +68,11 @@ def run(model, arm: dict, reqs: list[Request]):
     kw = {k: v for k, v in arm.items() if k not in ("settings", "drafter")}
     if arm.get("drafter"):
         kw["drafter"] = NgramDrafter(4)
-    return Engine(model, arm["settings"], eos_ids=(), keep_logits=True, **kw).generate(reqs)
+    return engines.run(model, reqs, arm["settings"], keep_logits=True, **kw)
 
 
 def alone_runs(model, reqs: list[Request]):
-    one = EngineSettings(window=256, lanes=1)
-    return [Engine(model, one, eos_ids=(), keep_logits=True).generate([r])[0] for r in reqs]
-
-
-def same(a, b) -> bool:
-    return a.ids == b.ids and len(a.logits) == len(b.logits) and all(
-        torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+    return [engines.run(model, [r], window=256, keep_logits=True)[0] for r in reqs]
 
 
 @pytest.fixture(scope="module")

@@ -431,17 +431,6 @@ def test_default_model_few_tokens(tmp_path, monkeypatch, capsys, shared_default)
                                                                                      ("paged", EXACT, 12)]
 
 
-@pytest.fixture
-def restored_threads(monkeypatch):
-    """--threads sets torch's count and TFQ_THREADS for the process: both come back after the test."""
-    import torch
-
-    before = torch.get_num_threads()
-    monkeypatch.delenv("TFQ_THREADS", raising=False)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_threads_option_runs_exactly_n_and_the_evidence_names_the_build(tiny_dirs, suite_file, tmp_path, monkeypatch,
                                                                        capsys, restored_threads):
     code, out, err = tfq(base_args(tiny_dirs, suite_file, tmp_path) + ["--tokens", "4", "--arms", "whole",

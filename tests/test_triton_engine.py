@@ -16,13 +16,13 @@ from tfq.kernels.backend import torch_backend, triton_backend  # noqa: E402
 from tfq.proofs.case import same_bits  # noqa: E402
 from tfq.kernels.rowwise import rms_norm as torch_rms_norm  # noqa: E402
 from tfq.proofs.startup_kernels import check_rows  # noqa: E402
-from tfq.engine import Engine, EngineSettings  # noqa: E402
 from tfq.runner import paged_partial  # noqa: E402
 from tfq.errors import TfqError  # noqa: E402
 from tfq.model.config import ModelConfig  # noqa: E402
 from tfq.model.qwen import Qwen  # noqa: E402
 from tfq.model.weights import load_state_dict  # noqa: E402
 from tfq.stream import Request  # noqa: E402
+from engines import run, same  # noqa: E402
 from tiny import write_tiny_checkpoint  # noqa: E402
 
 BACKEND, WHY = triton_backend()
@@ -100,13 +100,8 @@ def _requests(lengths, seed=0, tokens=5):
 
 
 def _run(model, requests, drafter=None, seed=None, arithmetic=None, **settings):
-    engine = Engine(model, EngineSettings(**{"window": 384, "lanes": 1, **settings}), keep_logits=True,
-                    page_order_seed=seed, drafter=drafter, arithmetic=arithmetic)
-    return engine.generate(requests)
-
-
-def _same(a, b) -> bool:
-    return a.ids == b.ids and len(a.logits) == len(b.logits) and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+    return run(model, requests, **{"window": 384, **settings}, keep_logits=True, page_order_seed=seed,
+               drafter=drafter, arithmetic=arithmetic)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
@@ -125,7 +120,7 @@ def test_a_stream_is_the_same_alone_together_paged_chunked_and_drafted(models, f
     }
     for name, results in arms.items():
         for a, b in zip(alone, results):
-            assert _same(a, b), f"{name}: {a.label} differs from its run alone"
+            assert same(a, b), f"{name}: {a.label} differs from its run alone"
     # not exactness but sanity: the Triton arithmetic computes the same model as the torch one
     for a, ref in zip(alone, _run(torch_model, requests, lanes=3)):
         worst = max((x - y).abs().max().item() for x, y in zip(a.logits, ref.logits))
@@ -144,6 +139,6 @@ def test_controls_are_red(tmp_path):
     model = Qwen(ModelConfig.from_folder(folder), load_state_dict(folder), attention_only)
     long, short = _requests((262, 9), seed=7, tokens=2)
     rows = _run(model, [long])[0]
-    assert not _same(rows, _run(model, [long], partial=True)[0])
+    assert not same(rows, _run(model, [long], partial=True)[0])
     split = _run(model, [long, short], lanes=2, page_rows=64, pool_pages=8, arithmetic=paged_partial)[0]
-    assert not _same(rows, split)
+    assert not same(rows, split)

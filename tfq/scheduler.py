@@ -34,6 +34,18 @@ class Step:
 
 
 @dataclass(frozen=True)
+class Stats:
+    """The scheduler's counts at one moment (the server's metrics read them)."""
+
+    waiting: int  # streams queued for a lane
+    running: int  # lanes holding a stream
+    preemptions: int  # streams sent back to the queue, in all
+    free_pages: int  # pages of the pool no stream holds (cached idle pages included)
+    cached_pages: int  # of those, pages the prefix cache keeps
+    reused_rows: int  # prompt rows streams took from the prefix cache, in all
+
+
+@dataclass(frozen=True)
 class Verified:
     """A verify that kept fewer rows than it fed: a hybrid's state in `slot` must go back to its first `kept`
     rows (tfq.runner.Runner.settle)."""
@@ -75,6 +87,11 @@ class Scheduler:
 
     def running(self) -> list[Stream]:
         return [st for st in self.lanes if st is not None]
+
+    def stats(self) -> Stats:
+        prefix = self.pages.prefix
+        return Stats(len(self.waiting), sum(st is not None for st in self.lanes), self.preemptions,
+                     self.pages.unheld, len(prefix.idle) if prefix else 0, prefix.reused_rows if prefix else 0)
 
     def guess_budgets(self, k: int) -> tuple[list[Stream], list[int]]:
         """The decoding streams and how many guesses each may take: at most k, within its token and window
@@ -180,21 +197,23 @@ class Scheduler:
     def _rows(self, st: Stream) -> int:
         return self._chunk(st) + len(st.guesses)
 
-    def _reserve(self, running: list[Stream], step: Step) -> list[Stream]:
-        """Room for each stream's rows, oldest first; when the pool is dry, preempt the newest."""
+    def _reserve(self, feeding: list[Stream], step: Step) -> list[Stream]:
+        """Room for each feeding stream's rows, oldest first; when the pool is dry, preempt the newest stream
+        holding pages, whether it feeds this step or not (the step budget may leave a prompt out of it)."""
         ready: list[Stream] = []
-        for st in sorted(running, key=lambda s: s.order):
+        for st in sorted(feeding, key=lambda s: s.order):
             if st.status is not Status.RUNNING:
                 continue  # preempted by an older stream in this very loop
             while not self.pages.grow(st.placement, st.cached + self._rows(st)):
                 if st.guesses:  # first give up guessing, then preempt
                     st.guesses = []
                     continue
-                newer = [s for s in running if s.order > st.order and s.status is Status.RUNNING and s.placement.pages]
+                holding = [s for s in self.running() if s is not st and s.placement.pages]
+                newer = [s for s in holding if s.order > st.order]
                 if newer:
                     self.preempt(max(newer, key=lambda s: s.order))
                     continue
-                if not any(s.placement.pages for s in running if s is not st and s.status is Status.RUNNING):
+                if not holding:
                     st.fail(f"the page pool ({self.pages.pool_pages} pages of {self.pages.page_rows} rows) cannot "
                             f"hold this stream's {st.cached + self._rows(st)} rows; raise kv.pool (TFQ_KV_POOL) "
                             f"or the budget")

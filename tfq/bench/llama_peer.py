@@ -63,7 +63,7 @@ def write_f32_gguf(source: Path, dest: Path, progress: bool = True) -> None:
         value = F32 if field.name == gguf.Keys.General.FILE_TYPE else field.contents()
         sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, value, field.types[0], sub_type=sub)
-    for t in tqdm(reader.tensors, desc=f"writing the llama.cpp peer's F32 file", disable=not progress, leave=False):
+    for t in tqdm(reader.tensors, desc="writing the llama.cpp peer's F32 file", disable=not progress, leave=False):
         values = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         writer.add_tensor(t.name, np.ascontiguousarray(values))
     writer.write_header_to_file()

@@ -285,8 +285,4 @@ class EngineLoop:
     def _observe(self) -> None:
         if self.metrics is None:
             return
-        sched, pages = self.engine.scheduler, self.engine.pages
-        prefix = pages.prefix
-        self.metrics.engine(waiting=len(sched.waiting), busy=sum(st is not None for st in sched.lanes),
-                            free_pages=pages.unheld, preemptions=sched.preemptions, streams=self._in_flight,
-                            cached_pages=len(prefix.idle) if prefix else 0, reused=prefix.reused_rows if prefix else 0)
+        self.metrics.engine(self.engine.scheduler.stats(), streams=self._in_flight)

@@ -43,19 +43,19 @@ class Metrics:
         (self.ttft if first else self.tbt).observe(seconds)
         self.generation_tokens.inc()
 
-    def engine(self, waiting: int, busy: int, free_pages: int, preemptions: int, streams: int, cached_pages: int = 0,
-               reused: int = 0) -> None:
-        self.cached_pages.set(cached_pages)
-        if reused > self._reused:
-            self.reused.inc(reused - self._reused)
-            self._reused = reused
-        self.waiting.set(waiting)
-        self.busy.set(busy)
-        self.free_pages.set(free_pages)
+    def engine(self, stats, streams: int) -> None:
+        """stats: tfq.scheduler.Stats; streams: submitted and not finished."""
+        self.cached_pages.set(stats.cached_pages)
+        if stats.reused_rows > self._reused:
+            self.reused.inc(stats.reused_rows - self._reused)
+            self._reused = stats.reused_rows
+        self.waiting.set(stats.waiting)
+        self.busy.set(stats.running)
+        self.free_pages.set(stats.free_pages)
         self.streams.set(streams)
-        if preemptions > self._preempted:
-            self.preemptions.inc(preemptions - self._preempted)
-            self._preempted = preemptions
+        if stats.preemptions > self._preempted:
+            self.preemptions.inc(stats.preemptions - self._preempted)
+            self._preempted = stats.preemptions
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
