@@ -27,7 +27,7 @@ from tfq.proofs.startup import prove
 from tfq.runner import Policy, Runner, plan_arithmetic
 from tfq.sampling import TokenLogprob, digest, logprob, sample
 from tfq.scheduler import Scheduler
-from tfq.stream import Request, Result, Status, Stream
+from tfq.stream import Finish, Request, Result, Status, Stream
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +195,7 @@ class Engine:
         """End a stream now, wherever it is; its lane and pages go back at once."""
         st = self.streams[id]
         if st.status is not Status.FINISHED:
-            st.finish = st.finish or "abort"
+            st.finish = st.finish or Finish.ABORT
             self.scheduler.finish(st)
 
     def result(self, id: int) -> Result:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from tfq.batch import Feed
 from tfq.pages import PagePool
-from tfq.stream import Status, Stream
+from tfq.stream import Finish, Status, Stream
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +233,7 @@ class Scheduler:
         every full page is published for later streams. Returns the verifies a hybrid rolls back."""
         verified = []
         for st, feed, n in zip(step.streams, step.feeds, drawn):
-            if st.finish == "error":
+            if st.finish is Finish.ERROR:
                 continue
             own = len(feed.tokens) - feed.guesses
             st.cached = feed.start + (own if not n else own - 1 + n)  # a chunk short of the prompt's end draws none
@@ -268,7 +268,7 @@ class Scheduler:
             self.waiting.remove(st)
         self._vacate(st)
         st.status = Status.FINISHED
-        level = logging.WARNING if st.finish == "error" else logging.INFO
+        level = logging.WARNING if st.finish is Finish.ERROR else logging.INFO
         log.log(level, "stream %d finished (%s): %d tokens drawn, preempted %d times%s", st.index, st.finish,
                 len(st.digests), st.preempted, f": {st.error}" if st.error else "")
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, StrEnum
 
 import torch
 
@@ -18,6 +18,17 @@ class Status(Enum):
     WAITING = "waiting"  # queued (new, or preempted and to be recomputed)
     RUNNING = "running"  # holds a lane, and pages if it is paged
     FINISHED = "finished"  # done (eos, length, stop, window), failed or aborted: holds nothing
+
+
+class Finish(StrEnum):
+    """Why a stream ended (a string too: results and JSON carry the word)."""
+
+    EOS = "eos"  # it drew an end-of-sequence token
+    STOP = "stop"  # its text reached a stop string
+    LENGTH = "length"  # it drew max_tokens tokens
+    WINDOW = "window"  # its tokens filled the window
+    ERROR = "error"  # it failed: Result.fault says whose the error is
+    ABORT = "abort"  # it was ended from outside (a client gone, an interrupted run)
 
 
 @dataclass(frozen=True)
@@ -62,7 +73,7 @@ class Result:
     ids: list[int]  # reply token ids (an EOS that ended it included)
     text: str  # reply text (stop string and EOS excluded)
     digests: list[str]  # per reply step: hash of the fp32 logits that chose the token
-    finish: str  # eos | length | stop | window | error | abort
+    finish: Finish
     error: str | None = None
     fault: bool = False  # the error is tfq's (a fault while computing), not the request's (it cannot fit)
     prompt_tokens: int = 0
@@ -121,7 +132,7 @@ class Stream:
     decoder: object | None = None  # tfq.model.tokenizer.StreamDecoder: text as whole characters
     text: str = ""
     shown: int = 0  # characters of text returned by append so far
-    finish: str | None = None
+    finish: Finish | None = None
     error: str | None = None
     fault: bool = False
     added_s: float = field(default_factory=time.perf_counter)
@@ -164,7 +175,7 @@ class Stream:
         if len(self.digests) == 1:
             self.first_token_s = time.perf_counter() - self.added_s
         if token in eos_ids:
-            self.finish = "eos"
+            self.finish = Finish.EOS
         elif self.decoder is not None:
             before = len(self.text)
             self.text += self.decoder.feed(token)
@@ -173,12 +184,12 @@ class Stream:
             hit = first_stop(self.text, req.stop, max(0, before - longest + 1)) if req.stop else None
             if hit is not None:
                 self.text = self.text[:hit[0]]
-                self.finish = "stop"
+                self.finish = Finish.STOP
         if self.finish is None and len(self.digests) >= req.max_tokens:
-            self.finish = "length"
+            self.finish = Finish.LENGTH
         elif self.finish is None and len(self.tokens) >= window:
-            self.finish = "window"
-        if self.finish not in (None, "stop") and self.decoder is not None:
+            self.finish = Finish.WINDOW
+        if self.finish not in (None, Finish.STOP) and self.decoder is not None:
             self.text += self.decoder.flush()  # a character cut at the very end still shows
         # text that may be the start of a stop string is held back until the next token settles it
         visible = len(self.text) if self.finish is not None else len(self.text) - held_back(self.text, req.stop)
@@ -187,11 +198,11 @@ class Stream:
         return piece
 
     def fail(self, message: str, fault: bool = False) -> None:
-        self.finish, self.error, self.fault = "error", message, fault
+        self.finish, self.error, self.fault = Finish.ERROR, message, fault
 
     def result(self, keep_logits: bool, total_s: float | None = None) -> Result:
         return Result(label=self.request.label, ids=self.reply, text=self.text, digests=self.digests,
-                      finish=self.finish or "error", error=self.error, fault=self.fault, prompt_tokens=len(self.request.prompt),
+                      finish=self.finish or Finish.ERROR, error=self.error, fault=self.fault, prompt_tokens=len(self.request.prompt),
                       first_token_s=self.first_token_s,
                       total_s=time.perf_counter() - self.added_s if total_s is None else total_s,
                       preempted=self.preempted, recomputed=self.recomputed, reused=self.reused,

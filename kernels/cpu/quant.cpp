@@ -353,26 +353,21 @@ at::Tensor qpack(const at::Tensor& q, const at::Tensor& s, const c10::optional<a
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && q.is_contiguous() && q.size(1) % group == 0,
               "tfq qpack: q [N, K] uint8 with K a multiple of the group");
   const int64_t N = q.size(0), K = q.size(1), groups = K / group;
-  const int64_t supers = tfq::blob::checked_scales("tfq qpack", N, groups, s, o, sd, sq, od, oq);
+  const auto sc = tfq::blob::checked_scales("tfq qpack", N, groups, s, o, sd, sq, od, oq);
   const bool two = sd.has_value();
   TORCH_CHECK(!two || rounding == ROUND_FMA, "tfq qpack: two-level scales are GGUF's, rounding 0");
   const int16_t off = o.has_value() ? 1 : 0;
   Header h{MAGIC, static_cast<int16_t>(bits), static_cast<int16_t>(rounding), static_cast<int32_t>(group),
            static_cast<int32_t>(zero), off, static_cast<int16_t>(two ? SCALES_TWO_LEVEL : SCALES_FP32),
-           row_bytes(bits), static_cast<int16_t>(two ? groups / supers : 0), N, K, (N + PANEL - 1) / PANEL, 0, 0, 0};
+           row_bytes(bits), static_cast<int16_t>(two ? groups / sc.supers : 0), N, K, (N + PANEL - 1) / PANEL,
+           0, 0, 0};
   h.group_bytes = static_cast<int32_t>((two ? 1 : 4) * PANEL * (1 + off) + group * h.row_bytes);
-  h.super_bytes = static_cast<int32_t>(two ? supers * 4 * PANEL * (1 + off) : 0);
+  h.super_bytes = static_cast<int32_t>(two ? sc.supers * 4 * PANEL * (1 + off) : 0);
   h.panel_bytes = h.super_bytes + groups * h.group_bytes;
   auto blob = tfq::weights_memory(segment_bytes(h));
   uint8_t* out = blob.data_ptr<uint8_t>();
   std::memcpy(out, &h, sizeof h);
   const uint8_t* qp = q.data_ptr<uint8_t>();
-  const float* sp = s.data_ptr<float>();
-  const float* op = o.has_value() ? o->data_ptr<float>() : nullptr;
-  const float* sdp = two ? sd->data_ptr<float>() : nullptr;
-  const float* odp = two && off ? od->data_ptr<float>() : nullptr;
-  const int8_t* sqp = two ? sq->data_ptr<int8_t>() : nullptr;
-  const int8_t* oqp = two && off ? oq->data_ptr<int8_t>() : nullptr;
   std::atomic<bool> agree{true};
   at::parallel_for(0, h.panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; p++) {
@@ -381,24 +376,24 @@ at::Tensor qpack(const at::Tensor& q, const at::Tensor& s, const c10::optional<a
       for (int64_t j = 0; j < PANEL; j++) {
         const int64_t n = p * PANEL + j;
         if (n >= N) continue;  // outputs past N: zero bytes, never stored by qlinear
-        for (int64_t u = 0; u < supers; u++) {
+        for (int64_t u = 0; u < sc.supers; u++) {
           float* d = reinterpret_cast<float*>(panel + u * 4 * PANEL * (1 + off));
-          d[j] = sdp[n * supers + u];
-          if (off) d[PANEL + j] = odp[n * supers + u];
+          d[j] = sc.sd[n * sc.supers + u];
+          if (off) d[PANEL + j] = sc.od[n * sc.supers + u];
         }
         for (int64_t g = 0; g < groups; g++) {
           uint8_t* base = panel + h.super_bytes + g * h.group_bytes;
           if (two) {
-            const int64_t u = n * supers + g / h.super_groups, i = n * groups + g;
-            base[j] = static_cast<uint8_t>(sqp[i]);
-            if (off) base[PANEL + j] = static_cast<uint8_t>(oqp[i]);
-            if (!same_bits(sdp[u] * static_cast<float>(sqp[i]), sp[i]) ||
-                (off && !same_bits(-(odp[u] * static_cast<float>(oqp[i])), op[i])))
+            const int64_t u = n * sc.supers + g / h.super_groups, i = n * groups + g;
+            base[j] = static_cast<uint8_t>(sc.sq[i]);
+            if (off) base[PANEL + j] = static_cast<uint8_t>(sc.oq[i]);
+            if (!same_bits(sc.sd[u] * static_cast<float>(sc.sq[i]), sc.s[i]) ||
+                (off && !same_bits(-(sc.od[u] * static_cast<float>(sc.oq[i])), sc.o[i])))
               agree = false;
           } else {
             float* gs = reinterpret_cast<float*>(base);
-            gs[j] = sp[n * groups + g];
-            if (op) gs[PANEL + j] = op[n * groups + g];
+            gs[j] = sc.s[n * groups + g];
+            if (sc.o) gs[PANEL + j] = sc.o[n * groups + g];
           }
           uint8_t* rows = base + (two ? 1 : 4) * PANEL * (1 + off);
           for (int64_t r = 0; r < group; r++) {

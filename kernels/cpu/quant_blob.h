@@ -34,10 +34,16 @@ struct Header {
 };
 static_assert(sizeof(Header) == HEADER, "a segment's header is 64 bytes");
 
-// The scales a pack takes (qpack and qpack_q8 alike), checked: s [N, groups] fp32 and o like it; for GGUF's K
-// formats also sd [N, supers] fp32 and sq like s int8 (od, oq likewise, with offsets), their products s and o.
-// Returns the super blocks per output (0: one level). `op` names the caller in the messages.
-inline int64_t checked_scales(const char* op, int64_t N, int64_t groups, const at::Tensor& s,
+// The scales a pack takes (qpack and qpack_q8 alike): s [N, groups] fp32 and o like it; for GGUF's K formats
+// also sd [N, supers] fp32 and sq like s int8 (od, oq likewise, with offsets), their products s and o.
+struct Scales {
+  int64_t supers;  // super blocks per output (0: one level)
+  const float *s, *o, *sd, *od;  // o, od: nullptr without offsets; sd, od: nullptr with one level
+  const int8_t *sq, *oq;
+};
+
+// The scales checked, and their data. `op` names the caller in the messages.
+inline Scales checked_scales(const char* op, int64_t N, int64_t groups, const at::Tensor& s,
                               const c10::optional<at::Tensor>& o, const c10::optional<at::Tensor>& sd,
                               const c10::optional<at::Tensor>& sq, const c10::optional<at::Tensor>& od,
                               const c10::optional<at::Tensor>& oq) {
@@ -45,7 +51,8 @@ inline int64_t checked_scales(const char* op, int64_t N, int64_t groups, const a
               s.size(1) == groups, op, ": s [N, K / group] fp32");
   TORCH_CHECK(!o.has_value() || (o->scalar_type() == at::kFloat && o->is_contiguous() && o->sizes() == s.sizes()),
               op, ": o like s");
-  if (!sd.has_value()) return 0;
+  const float* offsets = o.has_value() ? o->data_ptr<float>() : nullptr;
+  if (!sd.has_value()) return Scales{0, s.data_ptr<float>(), offsets, nullptr, nullptr, nullptr, nullptr};
   TORCH_CHECK(sq.has_value() && od.has_value() == o.has_value() && oq.has_value() == o.has_value(), op,
               ": two-level scales are GGUF's (sd, sq; od, oq with offsets)");
   const int64_t supers = sd->size(1);
@@ -55,7 +62,9 @@ inline int64_t checked_scales(const char* op, int64_t N, int64_t groups, const a
   TORCH_CHECK(!o.has_value() || (od->sizes() == sd->sizes() && od->scalar_type() == at::kFloat &&
               od->is_contiguous() && oq->sizes() == sq->sizes() && oq->scalar_type() == at::kChar &&
               oq->is_contiguous()), op, ": od like sd, oq like sq");
-  return supers;
+  return Scales{supers, s.data_ptr<float>(), offsets, sd->data_ptr<float>(),
+                offsets ? od->data_ptr<float>() : nullptr, sq->data_ptr<int8_t>(),
+                offsets ? oq->data_ptr<int8_t>() : nullptr};
 }
 
 inline int64_t segment_bytes(const Header& h) { return HEADER + h.panels * h.panel_bytes; }

@@ -399,27 +399,21 @@ at::Tensor qpack_q8(const at::Tensor& q, const at::Tensor& s, const c10::optiona
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && q.is_contiguous() && q.size(1) % BLOCK == 0,
               "tfq qpack_q8: q [N, K] uint8 with K a multiple of 32");
   const int64_t N = q.size(0), K = q.size(1), groups = K / group;
-  const int64_t supers = blob::checked_scales("tfq qpack_q8", N, groups, s, o, sd, sq, od, oq);
+  const auto sc = blob::checked_scales("tfq qpack_q8", N, groups, s, o, sd, sq, od, oq);
   const bool two = sd.has_value();
   const int off = o.has_value() ? 1 : 0;
   const int64_t int_bytes = OUT * group * bits / 8;
   Header h{blob::MAGIC_Q8, static_cast<int16_t>(bits), 0, static_cast<int32_t>(group),
            static_cast<int32_t>(bits == 8 ? zero + 128 : zero), static_cast<int16_t>(off),
            static_cast<int16_t>(two ? blob::SCALES_TWO_LEVEL : blob::SCALES_FP32), 0,
-           static_cast<int16_t>(two ? groups / supers : 0), N, K, (N + OUT - 1) / OUT, 0, 0, 0};
+           static_cast<int16_t>(two ? groups / sc.supers : 0), N, K, (N + OUT - 1) / OUT, 0, 0, 0};
   h.group_bytes = static_cast<int32_t>((two ? 1 : 4) * OUT * (1 + off) + int_bytes);
-  h.super_bytes = static_cast<int32_t>(two ? supers * 4 * OUT * (1 + off) : 0);
+  h.super_bytes = static_cast<int32_t>(two ? sc.supers * 4 * OUT * (1 + off) : 0);
   h.panel_bytes = h.super_bytes + groups * h.group_bytes;
   auto out = tfq::weights_memory(blob::segment_bytes(h));
   uint8_t* dst = out.data_ptr<uint8_t>();
   std::memcpy(dst, &h, sizeof h);
   const uint8_t* qp = q.data_ptr<uint8_t>();
-  const float* sp = s.data_ptr<float>();
-  const float* op = off ? o->data_ptr<float>() : nullptr;
-  const float* sdp = two ? sd->data_ptr<float>() : nullptr;
-  const float* odp = two && off ? od->data_ptr<float>() : nullptr;
-  const int8_t* sqp = two ? sq->data_ptr<int8_t>() : nullptr;
-  const int8_t* oqp = two && off ? oq->data_ptr<int8_t>() : nullptr;
   std::atomic<bool> agree{true};
   at::parallel_for(0, h.panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; p++) {
@@ -428,25 +422,25 @@ at::Tensor qpack_q8(const at::Tensor& q, const at::Tensor& s, const c10::optiona
       for (int64_t j = 0; j < OUT; j++) {
         const int64_t n = p * OUT + j;
         if (n >= N) continue;  // outputs past N: zero bytes, never stored
-        for (int64_t u = 0; u < supers; u++) {
+        for (int64_t u = 0; u < sc.supers; u++) {
           float* d = reinterpret_cast<float*>(panel + u * 4 * OUT * (1 + off));
-          d[j] = sdp[n * supers + u];
-          if (off) d[OUT + j] = -odp[n * supers + u];
+          d[j] = sc.sd[n * sc.supers + u];
+          if (off) d[OUT + j] = -sc.od[n * sc.supers + u];
         }
         for (int64_t g = 0; g < groups; g++) {
           uint8_t* base = panel + h.super_bytes + g * h.group_bytes;
           const int64_t i = n * groups + g;
           if (two) {
-            const int64_t u = n * supers + g / h.super_groups;
-            base[j] = static_cast<uint8_t>(sqp[i]);
-            if (off) base[OUT + j] = static_cast<uint8_t>(oqp[i]);
-            if (!same_bits(sdp[u] * static_cast<float>(sqp[i]), sp[i]) ||
-                (off && !same_bits(-odp[u] * static_cast<float>(oqp[i]), op[i])))
+            const int64_t u = n * sc.supers + g / h.super_groups;
+            base[j] = static_cast<uint8_t>(sc.sq[i]);
+            if (off) base[OUT + j] = static_cast<uint8_t>(sc.oq[i]);
+            if (!same_bits(sc.sd[u] * static_cast<float>(sc.sq[i]), sc.s[i]) ||
+                (off && !same_bits(-sc.od[u] * static_cast<float>(sc.oq[i]), sc.o[i])))
               agree = false;
           } else {
             float* gs = reinterpret_cast<float*>(base);
-            gs[j] = sp[i];
-            if (off) gs[OUT + j] = op[i];
+            gs[j] = sc.s[i];
+            if (off) gs[OUT + j] = sc.o[i];
           }
           uint8_t* ints = base + (two ? 1 : 4) * OUT * (1 + off);
           const uint8_t* row = qp + n * K + g * group;

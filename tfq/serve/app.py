@@ -26,7 +26,7 @@ from tfq.serve.loop import Busy, Dead, Done, Ticket, Token
 from tfq.serve.protocol import ChatBody, CompletionBody
 from tfq.serve.replies import (Shape, chat_choice, chat_logprobs, extensions, finish_reason, text_choice,
                                text_logprobs, usage)
-from tfq.stream import Request, Result
+from tfq.stream import Finish, Request, Result
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ async def collect(served: Served, ticket: Ticket, http: HttpRequest) -> list[Res
 def finished(served: Served, results: list[Result]) -> list[Result]:
     for r in results:
         _check(r)
-    served.metrics.outcome("aborted" if any(r.finish == "abort" for r in results) else "finished")
+    served.metrics.outcome("aborted" if any(r.finish is Finish.ABORT for r in results) else "finished")
     return results
 
 
@@ -238,7 +238,7 @@ def _ended(served: Served, shape: Shape, results: list[Result], usage_of: int | 
 
 
 def _check(result: Result) -> Result:
-    if result.finish == "error":
+    if result.finish is Finish.ERROR:
         raise ApiError(500 if result.fault else 400, result.error or "the stream failed",
                        kind="server_error" if result.fault else "invalid_request_error", outcome="failed")
     return result

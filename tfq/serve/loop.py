@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from tfq.engine import Engine, ForwardFault, Output
-from tfq.stream import Request, Result
+from tfq.stream import Finish, Request, Result
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ class EngineLoop:
         log.error("the engine cannot serve: %s", reason)
         for ticket in tickets:
             for choice, request in enumerate(ticket.requests):
-                ticket.post(Done(choice, Result(request.label, [], "", [], "error",
+                ticket.post(Done(choice, Result(request.label, [], "", [], Finish.ERROR,
                                                 error=f"the engine stopped: {reason}", fault=True)))
         if self.on_dead is not None:
             self.on_dead(reason)

@@ -11,9 +11,10 @@ import uuid
 from dataclasses import dataclass
 
 from tfq.sampling import TokenLogprob
-from tfq.stream import Result
+from tfq.stream import Finish, Result
 
-FINISH = {"eos": "stop", "stop": "stop", "length": "length", "window": "length", "abort": "abort", "error": "error"}
+FINISH = {Finish.EOS: "stop", Finish.STOP: "stop", Finish.LENGTH: "length", Finish.WINDOW: "length", Finish.ABORT: "abort",
+          Finish.ERROR: "error"}  # tfq's finish -> OpenAI's finish_reason
 
 
 @dataclass
