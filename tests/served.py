@@ -7,8 +7,7 @@ import time
 from pathlib import Path
 
 from tfq.cli.plan import resolve_plan
-from tfq.engine import Engine
-from tfq.serve.background import served_engine
+from tfq.serve.background import build_served
 
 TINY_PLAN = str(Path(__file__).parent.parent / "plans" / "tiny.yaml")
 POOL = 8  # pages of 64 rows: four streams with long prompts cannot all hold theirs, so some are preempted
@@ -22,11 +21,10 @@ def tiny_served(tiny_dirs, tiny_models, sets=()):
 
 
 def server(tiny, queue: int = 64, api_key: str | None = None, served: dict | None = None, **engine_kw):
-    """A fresh engine behind a fresh app (the weights are shared; nothing else is); `served`: served_engine's
-    keywords (limits, hosts, stuck_after_s)."""
+    """A fresh engine behind a fresh app, built as `tfq serve` builds it (the weights are shared; nothing else
+    is); `served`: build_served's keywords (limits, hosts, stuck_after_s)."""
     plan, layout, loaded = tiny
-    return served_engine(Engine.from_plan(plan, layout, loaded, **engine_kw), loaded.tokenizer, NAME, queue, api_key,
-                         **(served or {}))
+    return build_served(plan, layout, loaded, NAME, queue, api_key, **(served or {}), **engine_kw)
 
 
 def metrics(base: str) -> dict[str, float]:

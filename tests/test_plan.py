@@ -392,8 +392,10 @@ def test_auto_budget_counts_what_this_process_holds_already(tiny):
 
     plan = Plan(weights="fp32")
     before, free_before = plan.layout(tiny).budget_bytes, mem_available()
-    held = torch.ones(2**29)  # 2 GiB, touched
+    held = torch.ones(2**30)  # 4 GiB, touched
     after, free_after = plan.layout(tiny).budget_bytes, mem_available()
-    assert held.numel() and _held_anon() >= 2**31
-    assert free_before - free_after > 1.5 * 2**30  # the control
-    assert abs(after - before) < 0.4 * 2**30
+    # MemAvailable is the machine's: other processes (a test's child still exiting) move it meanwhile, so the
+    # bounds leave 1 GiB for them, and still part what is counted (a change near 0) from what is not (3.2 GiB)
+    assert held.numel() and _held_anon() >= 2**32
+    assert free_before - free_after > 2 * 2**30  # the control
+    assert abs(after - before) < 2**30

@@ -19,7 +19,7 @@ from serve_load import calls, differences, fire
 from tfq.engine import Engine
 from tfq.runner import paged_partial
 from served import NAME, POOL, TINY_PLAN, idle, raw, server, tiny_served, until
-from tfq.serve.background import served_engine, serving
+from tfq.serve.background import build_served, serving
 
 @pytest.fixture(scope="module")
 def tiny(tiny_dirs, tiny_models):
@@ -74,7 +74,7 @@ def test_under_load_with_the_prefix_cache(tiny):
     for call in load:
         with serving(server(tiny)) as base:
             alone.append(asyncio.run(fire(base, NAME, [call.__class__(**{**call.__dict__, "delay": 0.0})]))[0])
-    served = served_engine(Engine.from_plan(on, layout, loaded), loaded.tokenizer, NAME)
+    served = build_served(on, layout, loaded, NAME)
     with serving(served) as base:
         under = asyncio.run(fire(base, NAME, load))
         after = idle(base)

@@ -12,9 +12,8 @@ from rich.table import Table
 
 from serve_load import calls, differences, fire, tally
 from tfq.cli.plan import resolve_plan
-from tfq.engine import Engine
 from tfq.runner import paged_partial
-from tfq.serve.background import served_engine, serving
+from tfq.serve.background import build_served, serving
 
 PAGED_PLAN = str(Path(__file__).parent.parent / "plans" / "paged.yaml")
 SETS = ["window=768", "kv.pages=64", "kv.pool=12"]  # 12 pages of 64 rows for 7 paged lanes: preemption
@@ -26,7 +25,7 @@ def test_default_model_under_load_equals_alone_and_the_control_is_red(default_mo
     load = calls(seed=1, long_chars=1400)
 
     def fresh(**kw):
-        return served_engine(Engine.from_plan(plan, layout, default_model, **kw), default_model.tokenizer, "default")
+        return build_served(plan, layout, default_model, "default", **kw)
 
     rows = []
     t0 = time.perf_counter()

@@ -189,8 +189,7 @@ def test_serve_at_tp_2_under_load_equals_one_process(tiny_dirs, tiny_models):
 
     from serve_load import calls, differences, fire
     from tfq.cli.plan import resolve_plan
-    from tfq.engine import Engine
-    from tfq.serve.background import served_engine, serving
+    from tfq.serve.background import build_served, serving
 
     plan, _, layout = resolve_plan(str(ROOT / "plans" / "tiny.yaml"), str(tiny_dirs["qwen2"]), ["kv.pool=8"], True,
                                    None)
@@ -198,8 +197,7 @@ def test_serve_at_tp_2_under_load_equals_one_process(tiny_dirs, tiny_models):
     replies = {}
     for name, loaded in (("one", tiny_models["qwen2"]),
                          ("tp2", load_model(str(tiny_dirs["qwen2"]), progress=False, tp=2))):
-        engine = Engine.from_plan(plan, layout, loaded)
-        with serving(served_engine(engine, loaded.tokenizer, "tiny", 64, None)) as base:
+        with serving(build_served(plan, layout, loaded, "tiny")) as base:
             replies[name] = asyncio.run(fire(base, "tiny", load))
     assert differences(replies["tp2"], replies["one"], load) == []
     assert all(r[0]["digests"] for r in replies["tp2"])

@@ -178,12 +178,10 @@ async def drive(base_url: str, model: str, chats: list[Chat], requests: int, con
 def serve_level(target: Target, chats: list[Chat], requests: int, concurrency: int, max_tokens: int,
                 done: Callable[[], None] = lambda: None) -> Level:
     """A fresh engine behind a fresh server, driven at one concurrency; the server stops after."""
-    from tfq.engine import Engine
-    from tfq.serve.background import served_engine, serving
+    from tfq.serve.background import build_served, serving
 
-    engine = Engine.from_plan(target.plan, target.layout, target.loaded)
     # a queue as deep as the level, so requests past the lanes wait for one instead of getting 429
-    served = served_engine(engine, target.loaded.tokenizer, target.name, queue=max(64, concurrency))
+    served = build_served(target.plan, target.layout, target.loaded, target.name, queue=max(64, concurrency))
     with serving(served) as base_url:
         return asyncio.run(drive(base_url, target.name, chats, requests, concurrency, max_tokens, done))
 

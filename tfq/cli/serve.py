@@ -53,9 +53,8 @@ def serve(
     """Serve the model over OpenAI's API (chat completions, completions, models) with /health and /metrics.
     Every reply is the one its request gets alone."""
     from tfq.cli.plan import resolve_plan
-    from tfq.engine import Engine
     from tfq.model.load import load_model
-    from tfq.serve.background import served_engine, uvicorn_server
+    from tfq.serve.background import build_served, uvicorn_server
     from tfq.serve.loop import STUCK_AFTER_S
 
     err = Console(stderr=True)
@@ -73,10 +72,9 @@ def serve(
     the_plan, config, layout = resolve_plan(plan, model, sets, quiet, err)
     with err.status("loading the model"):
         loaded = load_model(the_plan.model, device=layout.device, weights=the_plan.weights, tp=the_plan.tp)
-    engine = Engine.from_plan(the_plan, layout, loaded)
     limits = Limits(max_body_bytes, max_prompt_tokens, max_stop_chars)
-    served = served_engine(engine, loaded.tokenizer, name or served_name(the_plan.model), queue, api_key or None,
-                           limits, allowed_hosts(host, tuple(extra_hosts)), log_prompts, stuck_after or STUCK_AFTER_S)
+    served = build_served(the_plan, layout, loaded, name or served_name(the_plan.model), queue, api_key or None,
+                          limits, allowed_hosts(host, tuple(extra_hosts)), log_prompts, stuck_after or STUCK_AFTER_S)
     bound = sock.getsockname()[1]
     err.print(f"serving {served.model!r} at http://{host}:{bound}/v1 (OpenAI's API; /openapi.json, /health, /metrics)"
               + ("; API key required" if served.api_key else ""))

@@ -14,13 +14,16 @@ from tfq.serve.loop import STUCK_AFTER_S, EngineLoop
 from tfq.serve.metrics import Metrics
 
 
-def served_engine(engine: Engine, tokenizer, name: str, queue: int = 64, api_key: str | None = None,
-                  limits: Limits = Limits(), hosts: frozenset[str] | None = None, log_prompts: bool = False,
-                  stuck_after_s: float = STUCK_AFTER_S) -> Served:
-    """What `tfq serve` builds around an engine."""
+def build_served(plan, layout, loaded, name: str, queue: int = 64, api_key: str | None = None,
+                 limits: Limits = Limits(), hosts: frozenset[str] | None = None, log_prompts: bool = False,
+                 stuck_after_s: float = STUCK_AFTER_S, **engine_kw) -> Served:
+    """What `tfq serve` serves, from its plan (tfq.plan.Plan and its Layout) and loaded model: the engine, its
+    loop and metrics, the app's settings. The CLI, `tfq bench serve` and the tests all build it here; engine_kw
+    reach Engine.from_plan (a check's control: arithmetic=...)."""
+    engine = Engine.from_plan(plan, layout, loaded, **engine_kw)
     metrics = Metrics(engine.settings.lanes, engine.settings.pool_pages)
-    return Served(EngineLoop(engine, queue, metrics, stuck_after_s), tokenizer, name, engine.settings.window,
-                  tokenizer.vocab_size, metrics, api_key, limits, hosts, log_prompts)
+    return Served(EngineLoop(engine, queue, metrics, stuck_after_s), loaded.tokenizer, name, engine.settings.window,
+                  loaded.tokenizer.vocab_size, metrics, api_key, limits, hosts, log_prompts)
 
 
 def uvicorn_server(served: Served, graceful_s: float):
