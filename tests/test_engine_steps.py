@@ -94,9 +94,9 @@ def test_a_preempted_stream_keeps_its_age_and_newer_ones_go_first(tiny_models):
     while engine.has_work():
         engine.step()
         for st in engine.scheduler.running():
-            assert first.setdefault(st.index, st.order) == st.order
+            assert first.setdefault(st.id, st.order) == st.order
             if st.preempted:
-                back.add(st.index)
+                back.add(st.id)
     assert victims and all(order == newest for order, newest in victims) and back
     for i, req in zip(ids, reqs):
         assert same(engine.result(i), alone(model, req)), req.label

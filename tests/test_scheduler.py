@@ -28,14 +28,14 @@ def add(s: Scheduler, prompt: int | list[int], index: int, max_tokens: int = 100
 
 
 def draw(s: Scheduler, step, draws: dict[int, list[int]] | None = None) -> list[int]:
-    """As the engine draws: a stream at the end of its rows draws token 7 (or draws[its index]), stopping where
+    """As the engine draws: a stream at the end of its rows draws token 7 (or draws[its id]), stopping where
     it finishes or at the first draw that is not the guess fed after it. Tokens drawn, stream by stream."""
     drawn = []
     for st, feed in zip(step.streams, step.feeds):
         n = 0
         if feed.start + len(feed.tokens) - feed.guesses == len(st.tokens) and st.finish is None:
             guesses = feed.tokens[len(feed.tokens) - feed.guesses:]
-            for j, token in enumerate((draws or {}).get(st.index, [7])):
+            for j, token in enumerate((draws or {}).get(st.id, [7])):
                 st.digests.append("")
                 st.append(token, frozenset(), s.window)
                 n += 1
@@ -48,7 +48,7 @@ def draw(s: Scheduler, step, draws: dict[int, list[int]] | None = None) -> list[
 def advance(s: Scheduler, step) -> dict[int, int]:
     """Draw, then the scheduler's update; rows fed, by stream."""
     s.update(step, draw(s, step))
-    return {st.index: len(feed.tokens) for st, feed in zip(step.streams, step.feeds)}
+    return {st.id: len(feed.tokens) for st, feed in zip(step.streams, step.feeds)}
 
 
 def test_without_a_budget_a_prompt_goes_in_whole_chunks_beside_decodes():
@@ -168,7 +168,7 @@ def test_admission_is_oldest_first_into_free_lanes():
     a.finish = "stop"
     s.finish(a)
     step = s.schedule()
-    assert c.lane == 0 and [st.index for st in step.streams] == [1, 2]  # oldest first: b (admitted before) then c
+    assert c.lane == 0 and [st.id for st in step.streams] == [1, 2]  # oldest first: b (admitted before) then c
     assert s.stats().running == 2 and s.stats().waiting == 0
 
 
@@ -184,7 +184,7 @@ def test_a_dry_pool_drops_guesses_first_then_preempts_the_newest():
     advance(s, step)
     advance(s, s.schedule())  # a: 12 rows, still 3 pages
     step = s.schedule()  # a needs 13 rows: b, the newest holding pages, is preempted
-    assert [st.index for st in step.streams] == [0] and s.stats().preemptions == 1
+    assert [st.id for st in step.streams] == [0] and s.stats().preemptions == 1
     assert b.status is Status.WAITING and b.cached == 0 and b.recomputed == 1 and list(s.waiting) == [b]
 
 
@@ -217,5 +217,5 @@ def test_a_dry_pool_preempts_a_newer_stream_the_budget_left_out_of_the_step():
     for _ in range(2):
         assert advance(s, s.schedule()) == {0: 1}  # a decodes; the budget leaves b out (it holds its pages)
     step = s.schedule()  # a needs a fourth page
-    assert [st.index for st in step.streams] == [0] and a.finish is None and step.failed == []
+    assert [st.id for st in step.streams] == [0] and a.finish is None and step.failed == []
     assert b.status is Status.WAITING and b.preempted == 1

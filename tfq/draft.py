@@ -47,7 +47,7 @@ def lookup(tokens: list[int], k: int, longest: int = NGRAM_LONGEST) -> list[int]
 class ModelDrafter:
     """A small model guessing greedily, with its own contiguous cache per lane of the engine.
 
-    What a lane's cache holds belongs to one stream's one admission (its index and times preempted): another
+    What a lane's cache holds belongs to one stream's one admission (its id and times preempted): another
     starts over. Before guessing, a stream's rows are trimmed to the tokens the target holds (stream.cached),
     which drops the guesses of the last verify whatever it kept. A hybrid drafter's state cannot be cut back
     to a position as its keys can: after catching up with a stream's true tokens it copies its state to a
@@ -58,7 +58,7 @@ class ModelDrafter:
         self.k = k
         self.lanes = lanes
         self.cache = KVCache(model.config, lanes=lanes, window=window, backend=model.backend, slots=2 * lanes)
-        self.owner: dict[int, tuple[int, int]] = {}  # lane -> (stream index, times preempted) its rows are of
+        self.owner: dict[int, tuple[int, int]] = {}  # lane -> (stream id, times preempted) its rows are of
         self.cached: dict[int, int] = {}  # lane -> positions in the drafter's cache
         self.checkpoint: dict[int, int] = {}  # hybrid: lane -> positions its checkpoint holds
 
@@ -86,7 +86,7 @@ class ModelDrafter:
     def settle(self, stream: Stream) -> None:
         """The lane's rows trimmed to the stream's true tokens (stream.cached positions); none if they are
         another stream's, or of an earlier admission of this one."""
-        lane, who = stream.lane, (stream.index, stream.preempted)
+        lane, who = stream.lane, (stream.id, stream.preempted)
         if self.owner.get(lane) != who:
             self.owner[lane], self.cached[lane] = who, 0
             self.checkpoint.pop(lane, None)

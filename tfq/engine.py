@@ -157,9 +157,9 @@ class Engine:
         st = Stream(self._next_id, request, list(request.prompt),
                     decoder=self.tokenizer.stream() if self.tokenizer else None)
         self._next_id += 1
-        self.streams[st.index] = st
+        self.streams[st.id] = st
         self.scheduler.add(st)
-        return st.index
+        return st.id
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -168,7 +168,7 @@ class Engine:
         """One forward: what every stream that reached the end of its rows drew."""
         guesses = self.runner.propose(*self.scheduler.guess_budgets(self.drawing_rows - 1))
         step = self.scheduler.schedule(guesses)
-        outputs = [Output(st.index, -1, "", True) for st in step.failed]
+        outputs = [Output(st.id, -1, "", True) for st in step.failed]
         if step.feeds:
             if self.threads is not None:
                 self.threads.step(self._proved)
@@ -189,7 +189,7 @@ class Engine:
             for st in step.streams:
                 st.fail(message, fault=True)
                 self.scheduler.finish(st)
-            raise ForwardFault(message, [st.index for st in step.streams]) from e
+            raise ForwardFault(message, [st.id for st in step.streams]) from e
 
     def abort(self, id: int) -> None:
         """End a stream now, wherever it is; its lane and pages go back at once."""
@@ -247,9 +247,9 @@ class Engine:
                     break
             return outputs
         except Exception as e:
-            log.exception("stream %d failed applying its logits", st.index)
+            log.exception("stream %d failed applying its logits", st.id)
             st.fail(f"the stream failed while drawing its token: {type(e).__name__}: {e}", fault=True)
-            return [Output(st.index, -1, "", True)]
+            return [Output(st.id, -1, "", True)]
 
     def _draw(self, st: Stream, logits: torch.Tensor) -> Output:
         req = st.request
@@ -263,7 +263,7 @@ class Engine:
         if scored is not None:
             st.logprobs.append(scored)
         text = st.append(token, self.eos_ids, self.settings.window)
-        return Output(st.index, token, text, st.finish is not None, scored, st.digests[-1])
+        return Output(st.id, token, text, st.finish is not None, scored, st.digests[-1])
 
     def _score_prompt(self, st: Stream, first: int, rows: torch.Tensor) -> None:
         """Row i (position first + i) scores the prompt token after it; once, even when recomputed."""

@@ -66,10 +66,10 @@ class Runner:
         return forward(self.model, self.cache, feeds, self.policy(feeds))
 
     def propose(self, streams: list[Stream], budgets: list[int]) -> dict[int, list[int]]:
-        """The drafter's guesses for the next step: stream index -> up to budgets[i] tokens."""
+        """The drafter's guesses for the next step: stream id -> up to budgets[i] tokens."""
         if self.drafter is None or not streams:
             return {}
-        return {st.index: list(g) for st, g in zip(streams, self.drafter.propose(streams, budgets)) if g}
+        return {st.id: list(g) for st, g in zip(streams, self.drafter.propose(streams, budgets)) if g}
 
     def settle(self, verified: list[Verified]) -> None:
         """A hybrid's DeltaNet state after only the rows of each verify that stand (the keys and values need

@@ -102,11 +102,11 @@ class Scheduler:
 
     # -- one step -----------------------------------------------------------------------------------------
     def schedule(self, guesses: dict[int, list[int]] | None = None) -> Step:
-        """The next forward. guesses: stream index -> the drafter's guesses (tfq.runner.Runner.propose)."""
+        """The next forward. guesses: stream id -> the drafter's guesses (tfq.runner.Runner.propose)."""
         self._admit()
         running = self.running()
         for st in running:
-            st.guesses = list(guesses.get(st.index, ())) if guesses and st.pending == 1 else []
+            st.guesses = list(guesses.get(st.id, ())) if guesses and st.pending == 1 else []
             st.proposed += len(st.guesses)
         self._chunks = self._share_rows(running)
         step = Step()
@@ -136,7 +136,7 @@ class Scheduler:
                     st.cached = self.pages.adopt(st.placement, st.tokens)
                 st.reused += st.cached
                 self.lanes[i] = st
-                log.debug("stream %d admitted to lane %d (%s): %d tokens, %d rows from the prefix cache", st.index, i,
+                log.debug("stream %d admitted to lane %d (%s): %d tokens, %d rows from the prefix cache", st.id, i,
                           "paged" if st.placement.paged else "contiguous", len(st.tokens), st.cached)
 
     def _next(self, paged: bool) -> Stream | None:
@@ -187,12 +187,12 @@ class Scheduler:
                 rows_left -= n
             if st.scoring and logits_left is not None:
                 logits_left -= n
-            chunks[st.index] = n
+            chunks[st.id] = n
         return chunks
 
     def _chunk(self, st: Stream) -> int:
         """Rows of its own tokens a stream feeds this step (its guesses come after them)."""
-        return self._chunks.get(st.index, min(st.pending, self.prefill_chunk))
+        return self._chunks.get(st.id, min(st.pending, self.prefill_chunk))
 
     def _rows(self, st: Stream) -> int:
         return self._chunk(st) + len(st.guesses)
@@ -254,7 +254,7 @@ class Scheduler:
     # -- leaving ------------------------------------------------------------------------------------------
     def preempt(self, st: Stream) -> None:
         """Free a stream's lane and pages and requeue it first; it recomputes its cache when readmitted."""
-        log.info("stream %d preempted for lack of pages, %d cached rows to recompute", st.index, st.cached)
+        log.info("stream %d preempted for lack of pages, %d cached rows to recompute", st.id, st.cached)
         self._vacate(st)
         st.preempted += 1
         self.preemptions += 1
@@ -269,7 +269,7 @@ class Scheduler:
         self._vacate(st)
         st.status = Status.FINISHED
         level = logging.WARNING if st.finish is Finish.ERROR else logging.INFO
-        log.log(level, "stream %d finished (%s): %d tokens drawn, preempted %d times%s", st.index, st.finish,
+        log.log(level, "stream %d finished (%s): %d tokens drawn, preempted %d times%s", st.id, st.finish,
                 len(st.digests), st.preempted, f": {st.error}" if st.error else "")
 
     def _vacate(self, st: Stream) -> None:

@@ -118,7 +118,7 @@ def first_stop(text: str, stops: tuple[str, ...], start: int = 0) -> tuple[int, 
 
 @dataclass
 class Stream:
-    index: int
+    id: int  # the engine's number for it (Engine.add returns it; Output.id names it)
     request: Request
     tokens: list[int]  # prompt, then every token drawn so far
     status: Status = Status.WAITING
