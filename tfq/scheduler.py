@@ -4,10 +4,12 @@ decides and keeps the books; it computes nothing (the runner does: tfq/runner.py
 `schedule(guesses)` admits waiting streams into free lanes (oldest first) and gives every running stream room
 in the cache for its rows (a prompt chunk of at most `prefill_chunk` rows, or the token it drew last plus the
 drafter's guesses). `update(step, drawn)` takes what each stream drew and owns everything that changes: rows
-cached, guesses kept, pages published and given back, the verifies a hybrid must roll back, finishing. While some stream decodes, a forward holds at most `step_tokens` rows:
-the decodes and verifies first, then prompt chunks, oldest first, in what is left; so a long prompt holds
-back no stream's next token by more than one such forward. When the page pool runs dry it drops guesses first, then preempts the
-newest stream holding pages; a preempted stream goes back to the front of the queue and recomputes its
+cached, guesses kept, pages published and given back, the verifies a hybrid must roll back, finishing.
+
+While some stream decodes, a forward holds at most `step_tokens` rows: the decodes and verifies first, then
+prompt chunks, oldest first, in what is left; so a long prompt holds back no stream's next token by more than
+one such forward. When the page pool runs dry it drops guesses first, then preempts the newest stream holding
+pages; a preempted stream goes back to the front of the queue and recomputes its
 cache when readmitted (its reply is unchanged: every row is computed the same way). The result is a plain
 `Step` record that the runner turns into tensors; `update` returns `Verified` records for the runner.
 """
@@ -67,7 +69,7 @@ class Scheduler:
         # logits rows one forward may hold (0: no bound); streams scoring their prompts share what drawing leaves
         self.logits_rows = logits_rows
         self.step_tokens = step_tokens  # rows a forward holds at most while a stream decodes (0: no bound)
-        self._chunks: dict[int, int] = {}  # this step's prompt rows for each stream scoring its prompt
+        self._chunks: dict[int, int] = {}  # this step's rows of its own tokens, by stream id (_share_rows)
         self.waiting: deque[Stream] = deque()
         self.admitted = 0
         self.preemptions = 0  # streams sent back to the queue, in all (the server's metrics)

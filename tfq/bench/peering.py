@@ -15,6 +15,7 @@ from tfq.bench.peer import HfPeer
 from tfq.bench.record import Run
 from tfq.bench.settings import BenchSettings
 from tfq.plan import Layout, Plan, available_memory, human_bytes
+from tfq.plan.fields import KEPT_GGUF
 
 Say = Callable[[str], None]  # prints one line
 Status = Callable[[str], ContextManager]  # shows what is under way while it lasts
@@ -127,7 +128,8 @@ def start_peer(settings: BenchSettings, plan: Plan, layout: Layout, say: Say, pr
         return side
     # the weights tfq will compute with (load_model's choice; were tfq's kernels to fail to build, it would
     # fall back to fp32 while the peer runs the GGUF as shipped)
-    quantized = settings.peer == "llama.cpp-gguf" or weights_kind(plan.weights, plan.model, layout.device)[0] in ("gguf", "gguf-q8")
+    quantized = (settings.peer == "llama.cpp-gguf"
+                 or weights_kind(plan.weights, plan.model, layout.device)[0] in KEPT_GGUF)
     try:
         side.path = peer_gguf(plan.model, quantized, progress)
     except BaseException:

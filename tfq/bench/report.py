@@ -13,6 +13,7 @@ from tfq.bench.memory import MemoryProbe
 from tfq.bench.rounds import Bench
 from tfq.bench.record import Run
 from tfq.bench.settings import bench_window
+from tfq.plan.fields import KEPT_GGUF
 
 
 def bench_rows(bench: Bench, bandwidth: float) -> list[dict]:
@@ -135,11 +136,11 @@ def targets(rows: list[dict], peer: str = "hf", weights: str = "fp32") -> list[d
     if (1, "whole") in by:
         add("decode at 1 lane, fraction of the bandwidth roofline", by[1, "whole"]["roofline_fraction"], 0.7)
     if peer == "llama.cpp":
-        on = "its GGUF file" if weights in ("gguf", "gguf-q8") else "F32"
+        on = "its GGUF file" if weights in KEPT_GGUF else "F32"
         for lanes in sorted({n for n, arm in by if arm == "whole"}):
             add(f"decode at {lanes} lane{'s' * (lanes > 1)} vs llama.cpp on {on}", vs(lanes), 1.0)
             add(f"prefill at {lanes} lane{'s' * (lanes > 1)} vs llama.cpp on {on}", vs(lanes, "prefill"), 1.0)
-        if weights in ("gguf", "gguf-q8"):
+        if weights in KEPT_GGUF:
             add("decode at 1 lane vs llama.cpp on its GGUF file (goal)", vs(1), 1.3)
     elif peer == "hf":
         add("decode at 1 lane vs the peer", vs(1), 1.5)

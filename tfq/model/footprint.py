@@ -14,11 +14,12 @@ FIXED_OVERHEAD = 500 * 2**20
 def weight_bytes(spec: str, choice: str, config: ModelConfig, device: str = "cpu") -> int:
     """Bytes the model's weights take once loaded: a GGUF's matrices as their blobs (weights: gguf), an MLX
     checkpoint's groups (weights: mlx), else every parameter in fp32."""
-    from tfq.model.load import weights_kind
+    from tfq.model.load import activations_of, weights_kind
+    from tfq.plan.fields import KEPT_GGUF
 
     kind = weights_kind(choice, spec, device)[0]
-    if kind in ("gguf", "gguf-q8"):
-        kept = gguf_kept(spec, "q8" if kind == "gguf-q8" else "fp32")
+    if kind in KEPT_GGUF:
+        kept = gguf_kept(spec, activations_of(kind))
         if kept is not None:
             return kept.resident
     if kind == "mlx":

@@ -204,7 +204,7 @@ def _prefix_line(plan: Plan, lay: Layout) -> str:
 def _weights_lines(plan: Plan, config: ModelConfig, lay: Layout) -> list[str]:
     """How the weights are kept and computed, and the bytes a decode step reads of them."""
     from tfq.model.footprint import gguf_kept
-    from tfq.model.load import weights_kind
+    from tfq.model.load import activations_of, weights_kind
 
     kind, why = weights_kind(plan.weights, plan.model, lay.device)
     said = f" ({why})" if plan.weights == "auto" else ""
@@ -223,7 +223,7 @@ def _weights_lines(plan: Plan, config: ModelConfig, lay: Layout) -> list[str]:
     else:
         first = (f"weights: gguf{tag(plan, 'weights')}{said}: the file's quantized blocks are kept and computed "
                  f"with; activations stay fp32 and each weight is unpacked exactly, so the bits are weights: fp32's")
-    summary = gguf_kept(plan.model, "q8" if kind == "gguf-q8" else "fp32")
+    summary = gguf_kept(plan.model, activations_of(kind))
     kinds = " + ".join(f"{n} {k}" for k, n in sorted(summary.counts.items(), key=lambda kv: -kv[1]))
     return [first, f"weights kept: {human_bytes(summary.resident)} ({kinds} matrices packed for the kernel, the "
                    f"embedding's {human_bytes(summary.embedding)} left on the mapped file, its rows read as "

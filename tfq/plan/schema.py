@@ -9,8 +9,8 @@ from typing import Any, Mapping
 
 from tfq.model.config import ModelConfig
 from tfq.plan.fields import (
-    ATTENTION, DTYPE_ALIASES, DTYPE_BYTES, PAGED, WEIGHTS, Bad, Check, budget, choice, device, draft, logits_rows, step_tokens,
-    model, pages, pool, positive, switch,
+    ATTENTION, DTYPE_ALIASES, DTYPE_BYTES, PAGED, WEIGHTS, Bad, Check, budget, choice, device, draft, logits_rows,
+    model, pages, pool, positive, step_tokens, switch,
 )
 from tfq.plan.layout import Layout, compute_layout, over_budget
 from tfq.plan.words import fail
@@ -99,8 +99,8 @@ class Plan:
     sources: tuple[tuple[str, str], ...] = ()  # (dotted key, what set it: "TFQ_X", "--set", "--model")
 
     def __post_init__(self) -> None:
-        for name in ("model", "weights", "window", "lanes", "prefill_chunk", "logits_rows", "step_tokens", "attention", "budget", "draft",
-                     "device", "tp"):
+        for name in ("model", "weights", "window", "lanes", "prefill_chunk", "logits_rows", "step_tokens", "attention",
+                     "budget", "draft", "device", "tp"):
             object.__setattr__(self, name, checked(name, getattr(self, name)))
         if not isinstance(self.kv, KVPlan):
             raise fail(f"kv must be a KVPlan, not {self.kv!r}")
