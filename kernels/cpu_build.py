@@ -8,6 +8,9 @@ Where no compiler or ninja is at hand the build fails with a reason, and the cal
 
 TFQ_CPU_KERNELS picks the CPU kernels: `auto` (the default: tfq's kernels when they build, else torch's), `tfq`
 (tfq's, or an error saying why they cannot build) or `torch` (oneDNN linear layers, attention as bmm items).
+TFQ_CPU_MARCH builds them for another instruction set than this CPU's (`haswell`, `x86-64`, any -march gcc
+knows; default `native`): the same bits by construction (docs/contract.md), which `tfq verify` and the tests
+show on each; `x86-64` is the baseline every x86-64 CPU runs.
 """
 from __future__ import annotations
 
@@ -19,10 +22,10 @@ from pathlib import Path
 SOURCES = ("linear.cpp", "attention.cpp", "rowwise.cpp", "layer.cpp", "quant.cpp", "quant_q8.cpp", "delta.cpp",
            "delta_layer.cpp")
 HEADERS = ("lanes.h", "panel.h", "layer_parts.h", "quant_blob.h")
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
+FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
 CHOICES = ("auto", "tfq", "torch")
 OPS = ("pack", "linear", "attend", "rms_norm", "silu", "layer", "qpack", "qcat", "qlinear", "deltanet", "gated_rms_norm",
-       "sigmoid_gate", "delta_layer", "qpack_q8")
+       "sigmoid_gate", "delta_layer", "qpack_q8", "fma")
 
 _state: dict[str, object] = {}  # once a process: "ok" -> bool, "why" -> str
 
@@ -34,17 +37,29 @@ def choice() -> str:
     return value
 
 
+def march() -> str:
+    """The instruction set the kernels are built for: TFQ_CPU_MARCH, else the machine's own."""
+    value = os.environ.get("TFQ_CPU_MARCH", "native").strip() or "native"
+    if not value.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise ValueError(f"TFQ_CPU_MARCH={value!r}: name an -march gcc knows (native, haswell, x86-64, armv8-a)")
+    return value
+
+
+def flags() -> list[str]:
+    return [*FLAGS, f"-march={march()}"]
+
+
 def _cpu_tag() -> str:
     """What decides the build: the CPU's features, the compiler flags, the sources, torch's version."""
     import torch
 
-    flags = ""
+    features = ""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
+            features = next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
-        flags = platform.processor()
-    h = hashlib.sha256(" ".join((flags, *FLAGS, torch.__version__, platform.machine())).encode())
+        features = platform.processor()
+    h = hashlib.sha256(" ".join((features, *flags(), torch.__version__, platform.machine())).encode())
     for source in SOURCES + HEADERS:
         h.update((Path(__file__).parent / "cpu" / source).read_bytes())
     return h.hexdigest()[:12]
@@ -141,10 +156,10 @@ def load() -> tuple[bool, str]:
         folder = Path(__file__).parent / "cpu"
         clear_stale_lock(Path(cpp_extension._get_build_directory(name(), verbose=False)))
         cpp_extension.load(name=name(), sources=[str(folder / s) for s in SOURCES],
-                           extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"], is_python_module=False,
+                           extra_cflags=flags(), extra_ldflags=["-fopenmp"], is_python_module=False,
                            verbose=False)
         ok = all(hasattr(torch.ops.tfq_cpu, op) for op in OPS)
-        why = "tfq's fixed-order kernels (built for this CPU)"
+        why = "tfq's fixed-order kernels (built for " + ("this CPU)" if march() == "native" else f"-march={march()})")
     except Exception as e:  # a missing compiler or ninja, a failed build: many kinds, one line
         ok, why = False, f"tfq's CPU kernels did not build ({' '.join(str(e).split())[:200]})"
     _state.update(ok=ok, why=why)

@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tfq.engine import Engine, EngineSettings
+from tfq.engine import Controls, Engine, EngineSettings
 from tfq.runner import paged_partial
 from tfq.errors import TfqError
 from tfq.stream import Request
@@ -23,8 +23,8 @@ def model(request, tiny_models):
     return tiny_models[request.param].model
 
 
-def run(model, cfg: EngineSettings, requests, seed=None, **kw):
-    return engines.run(model, requests, cfg, page_order_seed=seed, **kw)
+def run(model, cfg: EngineSettings, requests, seed=None, arithmetic=None, **kw):
+    return engines.run(model, requests, cfg, controls=Controls(arithmetic, seed), **kw)
 
 
 _alone_cache: dict = {}

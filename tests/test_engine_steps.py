@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tfq.engine import Engine, EngineSettings
+from tfq.engine import Controls, Engine, EngineSettings
 from tfq.stream import Request, Status
 from tfq.kernels.contract import KEY_TILE
 from engines import run, same
@@ -27,7 +27,7 @@ def test_add_step_abort(tiny_models):
     reqs = requests(model.config.vocab_size)
     settings = EngineSettings(window=WINDOW, lanes=3, prefill_chunk=29, page_rows=KEY_TILE, paged_all=True,
                               pool_pages=12)
-    engine = Engine(model, settings, eos_ids=(), keep_logits=True, page_order_seed=4)
+    engine = Engine(model, settings, eos_ids=(), keep_logits=True, controls=Controls(page_order_seed=4))
     pool = len(engine.pages.free)
     ids = {0: engine.add(reqs[0]), 1: engine.add(reqs[1])}
     drawn = {i: 0 for i in range(len(reqs))}

@@ -15,7 +15,7 @@ import torch
 from tfq.batch import Arithmetic, Feed, forward
 from tfq.cache import KVCache
 from tfq.draft import ModelDrafter, NgramDrafter
-from tfq.engine import Engine, EngineSettings
+from tfq.engine import Controls, Engine, EngineSettings
 from tfq.errors import TfqError
 from tfq.runner import chunked_deltanet
 from tfq.kernels.contract import KEY_TILE
@@ -193,11 +193,11 @@ def test_rejected_guesses_need_the_roll_back(hybrid, alone, monkeypatch):
 def test_control_chunked_prefill_then_recurrent_decode_differs(hybrid, alone):
     """transformers' way (prompt chunks by the chunked algorithm, decode rows by the recurrence) gives other
     bits: tfq never mixes the two."""
-    results = run(hybrid.model, requests(), lanes=5, arithmetic=chunked_deltanet(False))
+    results = run(hybrid.model, requests(), lanes=5, controls=Controls(arithmetic=chunked_deltanet(False)))
     long = [i for i, r in enumerate(requests()) if len(r.prompt) > 1]
     assert all(results[i].digests[0] != alone[i].digests[0] for i in long)
     # and the chunked arithmetic depends on the chunking, which is why it is not tfq's
-    other = run(hybrid.model, requests(), lanes=5, arithmetic=chunked_deltanet(False), prefill_chunk=13)
+    other = run(hybrid.model, requests(), lanes=5, controls=Controls(arithmetic=chunked_deltanet(False)), prefill_chunk=13)
     assert any(a.digests != b.digests for a, b in zip(results, other))
 
 

@@ -1,10 +1,12 @@
 """tfq's C++ kernels give the same bits on every instruction set: AVX-512 (where this machine has it), AVX2 with
-FMA, and plain C++ with fmaf. Each recipe is written over 16 lanes whose every operation rounds once, so the
-three builds must agree bit for bit (docs/contract.md). Each build here is the same sources compiled for another
+FMA, x86-64's baseline (SSE2, the fused multiply-add computed exactly in doubles) and plain C++ with fmaf (what
+ARM runs, with its hardware fma). Each recipe is written over 16 lanes whose every operation rounds once, so the
+builds must agree bit for bit (docs/contract.md). Each build here is the same sources compiled for another
 -march, run in its own process (the ops share one torch namespace), on the same inputs."""
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,17 +21,17 @@ KERNELS = Path(__file__).resolve().parents[1] / "kernels" / "cpu"
 RUN = r"""
 import sys, torch
 from torch.utils import cpp_extension
-march, name, src, out = sys.argv[1:5]
-flags = ["-O3", "-ffp-contract=off", "-fopenmp"] + ([f"-march={march}"] if march != "tfq" else [])
-if march == "tfq":
+flags, name, src, out = sys.argv[1:5]
+if flags == "tfq":  # tfq's own build, for the -march TFQ_CPU_MARCH names (this CPU's unless set)
     from tfq.kernels import cpu_build
     ops = cpu_build.ops()
 else:
     from pathlib import Path
-    from tfq.kernels.cpu_build import clear_stale_lock
+    from tfq.kernels.cpu_build import SOURCES, clear_stale_lock
     clear_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)))
-    cpp_extension.load(name=name, sources=[f"{src}/{s}" for s in ("linear.cpp", "attention.cpp", "rowwise.cpp", "quant.cpp", "quant_q8.cpp", "delta.cpp")],
-                       extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    cpp_extension.load(name=name, sources=[f"{src}/{s}" for s in SOURCES],
+                       extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"] + flags.split(), extra_ldflags=["-fopenmp"],
+                       is_python_module=False, verbose=False)
     ops = torch.ops.tfq_cpu
 g = torch.Generator().manual_seed(5)
 res = {}
@@ -94,18 +96,35 @@ for kh, kd, vh, vd in ((2, 32, 6, 32), (1, 24, 3, 40)):
     z = torch.randn(23 * vh, vd, generator=g)
     res[f"gated rms norm {vd}"] = ops.gated_rms_norm(o.reshape(23 * vh, vd), torch.randn(vd, generator=g), z, 1e-6)
 res["sigmoid gate"] = ops.sigmoid_gate(x, torch.randn(x.shape, generator=g) * 10)
+# fma where rounding twice goes wrong: a * b a float midpoint (1 + 2^-11 + 2^-24), c far below a double's ulp of it,
+# so only a fused operation sees which side; then specials (zeros, infinities, NaN, subnormals, overflow), random
+near = 1 + 2.0 ** -12
+a = torch.tensor([near, -near, near, -near] * 40 + [0.0, -0.0, float("inf"), float("nan"), 1e-30, 3e38, 1.0, -2.0])
+b = torch.tensor([near] * 160 + [-0.0, 0.0, 0.0, 1.0, 1e-15, 3.0, float("inf"), float("-inf")])
+tiny = [2.0 ** -k for k in range(60, 100)]
+c = torch.tensor([t * s for t in tiny for s in (1, 1, -1, -1)] + [0.0, -0.0, 1.0, 2.0, 1e-40, -3e38, -1.0, 5.0])
+res["fma, hazards"] = ops.fma(a, b, c)
+a, b, c = (torch.randn(4099, generator=g) * 2.0 ** torch.randint(-60, 60, (4099,), generator=g) for _ in range(3))
+res["fma, random"] = ops.fma(a, b, c)
 torch.save(res, out)
 """
 
 
-def _outputs(march: str, tmp_path: Path) -> dict:
-    h = hashlib.sha256(march.encode())
+# name -> (TFQ_CPU_MARCH of tfq's own build, or the flags of a build of the tests' own)
+BUILDS = {"tfq": ("native", "tfq"), "haswell": ("haswell", "tfq"), "x86-64": ("x86-64", "tfq"),
+          "plain": (None, "-march=x86-64 -DTFQ_PLAIN_LANES")}
+
+
+def _outputs(build: tuple[str | None, str], tmp_path: Path) -> dict:
+    march, flags = build
+    h = hashlib.sha256(flags.encode())
     for f in sorted(KERNELS.iterdir()):
         h.update(f.read_bytes())
-    name = f"tfq_isa_{march.replace('-', '_')}_{h.hexdigest()[:10]}"
-    out = tmp_path / f"{march}.pt"
-    done = subprocess.run([sys.executable, "-c", RUN, march, name, str(KERNELS), str(out)], capture_output=True,
-                          text=True, timeout=600)
+    name = f"tfq_isa_{h.hexdigest()[:16]}"
+    out = tmp_path / f"{march or name}.pt"
+    env = {**os.environ, "TFQ_CPU_MARCH": march or "native"}
+    done = subprocess.run([sys.executable, "-c", RUN, flags, name, str(KERNELS), str(out)], capture_output=True,
+                          text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     return torch.load(out)
 
@@ -113,17 +132,29 @@ def _outputs(march: str, tmp_path: Path) -> dict:
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("isa")
-    return {march: _outputs(march, tmp) for march in ("tfq", "haswell", "x86-64")}
+    return {name: _outputs(build, tmp) for name, build in BUILDS.items()}
 
 
-@pytest.mark.parametrize("march", ["haswell", "x86-64"])
+@pytest.mark.parametrize("march", ["haswell", "x86-64", "plain"])
 def test_every_kernel_has_the_same_bits_on_every_instruction_set(builds, march):
-    """The engine's build (-march=native) against AVX2 + FMA (haswell) and plain C++ (x86-64: no vector FMA,
-    so every fused multiply-add is fmaf): every output equal bit for bit."""
+    """The engine's build (-march=native) against AVX2 + FMA (haswell), the x86-64 baseline (SSE2, the fused
+    multiply-adds emulated in doubles) and plain C++ lanes (every fused multiply-add fmaf, as on ARM): every
+    output equal bit for bit."""
     native, other = builds["tfq"], builds[march]
     assert [k for k in native if not same_bits(native[k], other[k])] == []
     assert any(torch.isnan(t).any() for t in native.values())  # NaN cases: compared by their bits (torch.equal
     # calls no NaN equal, not even to itself)
+
+
+def test_control_rounding_twice_parts_from_fma(builds):
+    """The fma hazards are sharp: a * b rounded first, then + c (the two roundings an emulation in doubles would
+    make without rounding to odd), parts from every build's fma."""
+    ops_out = builds["tfq"]["fma, hazards"][:160]
+    near = torch.tensor(1 + 2.0 ** -12, dtype=torch.float64)
+    a = torch.tensor([1.0, -1.0, 1.0, -1.0] * 40, dtype=torch.float64) * near
+    tiny = torch.tensor([2.0 ** -k * s for k in range(60, 100) for s in (1, 1, -1, -1)], dtype=torch.float64)
+    twice = (a * near + tiny).float()  # the product is exact in doubles; the sum rounds, then the float
+    assert not same_bits(ops_out, twice)
 
 
 def test_control_the_comparison_sees_one_sum_in_another_order(builds):
@@ -137,7 +168,6 @@ def test_control_the_comparison_sees_one_sum_in_another_order(builds):
 def test_a_killed_builds_lock_is_cleared_and_a_live_ones_kept(tmp_path):
     """torch's builder waits forever on the lock a killed build left; tfq removes a lock older than a build can
     take, and keeps a fresh one (another process building now). By construction: two lock files of given ages."""
-    import os
     import time
 
     from tfq.kernels.cpu_build import STALE_LOCK_S, clear_stale_lock

@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tfq.engine import Engine, EngineSettings
+from tfq.engine import Controls, Engine, EngineSettings
 from tfq.kernels.contract import KEY_TILE
 from tfq.pages import PagePool
 from tfq.prefix import PrefixCache, root_key
@@ -121,7 +121,7 @@ def test_prompt_trees_warm_equal_cold(model, data):
                          page_rows=page_rows, paged_all=data.draw(st.booleans()),
                          pool_pages=data.draw(st.one_of(st.integers(need, need + 1),  # tight: evict, preempt
                                                         st.integers(need, need * lanes + 2))), prefix_cache=True)
-    engine = Engine(model, cfg, page_order_seed=data.draw(st.integers(0, 9)))
+    engine = Engine(model, cfg, controls=Controls(page_order_seed=data.draw(st.integers(0, 9))))
     arrivals = [data.draw(st.integers(0, 30)) for _ in requests]
     for request, got in zip(requests, drive(engine, requests, arrivals)):
         assert got.error is None
@@ -168,7 +168,7 @@ def test_control_pages_computed_under_partial_reused_by_rows_streams_come_out_re
     first, second = (Request(tuple(system + tokens(20, s, vocab)), max_tokens=6) for s in (1, 2))
     switch = ColdPartial()  # `partial` for the cold run, `rows` after
     engine = Engine(model, EngineSettings(window=WINDOW, lanes=1, page_rows=KEY_TILE, paged_all=True, pool_pages=8,
-                                          prefix_cache=True), arithmetic=switch)
+                                          prefix_cache=True), controls=Controls(arithmetic=switch))
     engine.generate([first])
     switch.warm()
     warm = engine.generate([second])[0]

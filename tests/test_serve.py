@@ -16,7 +16,7 @@ import threading
 import pytest
 
 from serve_load import calls, differences, fire
-from tfq.engine import Engine
+from tfq.engine import Controls, Engine
 from tfq.runner import paged_partial
 from served import NAME, POOL, TINY_PLAN, idle, raw, server, tiny_served, until
 from tfq.serve.background import build_served, serving
@@ -87,7 +87,7 @@ def test_under_load_with_the_prefix_cache(tiny):
 def test_control_paged_partial_under_load_comes_out_red(tiny, load, alone):
     """The field report's split: forwards holding a paged stream run `partial`. The two long prompts start
     together, so one of them runs on pages, past one 256-key split: its logits change."""
-    with serving(server(tiny, arithmetic=paged_partial)) as base:
+    with serving(server(tiny, controls=Controls(arithmetic=paged_partial))) as base:
         under = asyncio.run(fire(base, NAME, load))
     assert differences(under, alone, load) != []
 

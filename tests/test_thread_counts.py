@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tfq.draft import NgramDrafter
-from tfq.engine import Engine, EngineSettings
+from tfq.engine import Controls, Engine, EngineSettings
 from tfq.errors import TfqError
 from tfq.proofs.startup import LayerProof
 from tfq.stream import Request
@@ -56,7 +56,7 @@ def requests() -> list[Request]:
 ARMS = {
     "whole": dict(settings=EngineSettings(window=256, lanes=4, prefill_chunk=512)),
     "paged, chunked": dict(settings=EngineSettings(window=256, lanes=4, prefill_chunk=13, page_rows=KEY_TILE,
-                                                   paged_all=True, pool_pages=16), page_order_seed=3),
+                                                   paged_all=True, pool_pages=16), controls=Controls(page_order_seed=3)),
     "preempted": dict(settings=EngineSettings(window=256, lanes=4, prefill_chunk=32, page_rows=KEY_TILE,
                                               paged_all=True, pool_pages=4)),
     "drafted": dict(settings=EngineSettings(window=256, lanes=4, prefill_chunk=64, page_rows=KEY_TILE,

@@ -16,6 +16,7 @@ from tfq.kernels.backend import torch_backend, triton_backend  # noqa: E402
 from tfq.proofs.case import same_bits  # noqa: E402
 from tfq.kernels.rowwise import rms_norm as torch_rms_norm  # noqa: E402
 from tfq.proofs.startup_kernels import check_rows  # noqa: E402
+from tfq.engine import Controls  # noqa: E402
 from tfq.runner import paged_partial  # noqa: E402
 from tfq.errors import TfqError  # noqa: E402
 from tfq.model.config import ModelConfig  # noqa: E402
@@ -100,8 +101,8 @@ def _requests(lengths, seed=0, tokens=5):
 
 
 def _run(model, requests, drafter=None, seed=None, arithmetic=None, **settings):
-    return run(model, requests, **{"window": 384, **settings}, keep_logits=True, page_order_seed=seed,
-               drafter=drafter, arithmetic=arithmetic)
+    return run(model, requests, **{"window": 384, **settings}, keep_logits=True, drafter=drafter,
+               controls=Controls(arithmetic, seed))
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])

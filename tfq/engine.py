@@ -83,10 +83,21 @@ class EngineSettings:
                    logits_rows=layout.logits_rows, step_tokens=layout.step_tokens)
 
 
+@dataclass(frozen=True)
+class Controls:
+    """What a check changes to prove a point, handed over as data (production runs leave it at its default).
+
+    arithmetic: the attention policy and DeltaNet algorithm a forward's rows run in (tfq/runner.py's policies;
+    None: the plan's). page_order_seed: the pool hands out pages in an order shuffled by it (paged rows must not
+    care where their pages sit)."""
+
+    arithmetic: Policy | None = None
+    page_order_seed: int | None = None
+
+
 class Engine:
     def __init__(self, model: Qwen, settings: EngineSettings, tokenizer=None, eos_ids: Sequence[int] = (),
-                 page_order_seed: int | None = None, keep_logits: bool = False, drafter=None, threads=None,
-                 arithmetic: Policy | None = None):
+                 keep_logits: bool = False, drafter=None, threads=None, controls: Controls = Controls()):
         self.model = model
         self.settings = s = settings
         self.tokenizer = tokenizer
@@ -99,11 +110,11 @@ class Engine:
         if s.prefix_cache and s.page_rows:  # what besides the tokens decides a cached row's bits
             prefix = PrefixCache(root_key(model.config, model.backend.name, s.kv_dtype, s.partial))
         self.cache = KVCache(model.config, lanes=s.contiguous_lanes, window=s.window, page_rows=s.page_rows,
-                             pool_pages=s.pool_pages, dtype=s.kv_dtype, page_order_seed=page_order_seed,
+                             pool_pages=s.pool_pages, dtype=s.kv_dtype, page_order_seed=controls.page_order_seed,
                              backend=model.backend, prefix=prefix, slots=s.lanes,
                              verify_rows=1 + drafter.k if drafter is not None else 0)
         self.pages = self.cache.pages
-        self.runner = Runner(model, self.cache, arithmetic or plan_arithmetic(s.partial), drafter)
+        self.runner = Runner(model, self.cache, controls.arithmetic or plan_arithmetic(s.partial), drafter)
         least = s.lanes * self.drawing_rows
         if s.logits_rows and s.logits_rows < least:
             raise TfqError(f"logits_rows {s.logits_rows} is fewer than the rows every lane draws from at once "

@@ -2,8 +2,10 @@
 
 Greedy is argmax (the lowest id wins a tie). With temperature > 0 each draw uses its own generator keyed by
 (seed, position): no global RNG, so a stream draws the same token alone, batched, drafted or recomputed.
-Log-probabilities are the log-softmax of the same row, in float64 on one thread (numpy), so they too are a
-function of the row's bits alone.
+Probabilities and log-probabilities come from one recipe whose every step has one answer on every CPU: each
+token's exp(logit - max) rounded to the nearest float32 (tfq/nearest.py: not torch's or numpy's vector exp,
+whose last bit follows the instruction set), summed in float64 in a fixed order, the log of the sum correctly
+rounded. So they are a function of the row's bits alone, on any machine and at any thread count.
 """
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from tfq.nearest import exp32, log64
 
 
 def digest(logits: torch.Tensor) -> str:
@@ -24,6 +28,13 @@ def draw_key(seed: int, position: int) -> int:
     return int.from_bytes(h, "little") & ((1 << 63) - 1)
 
 
+def weights(logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """(logits - max in float64, exp of that rounded to float32): each token's weight, the largest exactly 1."""
+    x = logits.numpy().astype(np.float64)
+    d = x - x.max()
+    return d, exp32(d)
+
+
 def sample(logits: torch.Tensor, temperature: float, top_p: float, seed: int, position: int) -> int:
     """logits: [vocab] fp32. position: where the drawn token will sit in the stream."""
     if temperature <= 0:  # numpy's argmax (the first of equal maxima) is 25x faster here than torch's
@@ -31,17 +42,15 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, seed: int, po
     scaled = logits / temperature
     if not bool(torch.isfinite(scaled).all()):  # T so small that logits / T overflows: scale from the max,
         scaled = (logits - logits.max()) / temperature  # which stays 0 (the rest -inf), not inf - inf = NaN
-    probs = torch.softmax(scaled, -1)
-    order = torch.argsort(probs, descending=True, stable=True)
-    sorted_probs = probs[order]
-    cum = torch.cumsum(sorted_probs, 0)
-    if top_p < 1.0:
-        keep = int(torch.searchsorted(cum, torch.tensor([top_p]))) + 1  # smallest head holding top_p
-        sorted_probs, cum = sorted_probs[:keep], cum[:keep]
+    w = torch.from_numpy(weights(scaled)[1])
+    order = torch.argsort(w, descending=True, stable=True)  # one order: by weight, then by id
+    cum = np.cumsum(w[order].numpy(), dtype=np.float64)  # one sum after another, in that order
+    keep = len(cum)
+    if top_p < 1.0:  # the smallest head holding top_p of the whole
+        keep = int(np.searchsorted(cum, top_p * cum[-1])) + 1
     g = torch.Generator().manual_seed(draw_key(seed, position))
-    u = torch.rand(1, generator=g, dtype=torch.float64).item() * float(cum[-1])
-    i = min(int(torch.searchsorted(cum.double(), torch.tensor([u], dtype=torch.float64), right=True)), len(cum) - 1)
-    return int(order[i])
+    u = torch.rand(1, generator=g, dtype=torch.float64).item() * float(cum[keep - 1])
+    return int(order[min(int(np.searchsorted(cum[:keep], u, side="right")), keep - 1)])
 
 
 @dataclass(frozen=True)
@@ -54,11 +63,9 @@ class TokenLogprob:
 
 
 def log_softmax(logits: torch.Tensor) -> np.ndarray:
-    """The row's log-softmax in float64. numpy sums on one thread in a fixed (pairwise) order, so the bits do
-    not depend on torch's thread count or on anything beside the row."""
-    x = logits.numpy().astype(np.float64)
-    m = x.max()
-    return x - (m + np.log(np.exp(x - m).sum()))
+    """The row's log-softmax in float64: logit - max - log(sum of the weights), by the recipe of `weights`."""
+    d, w = weights(logits)
+    return d - log64(w.sum(dtype=np.float64))
 
 
 def logprob(logits: torch.Tensor, token: int, top: int = 0) -> TokenLogprob:

@@ -241,7 +241,7 @@ void attend_block(const float* q, int64_t rows, int64_t q_stride, int64_t group,
           weigh_values(p, cnt, vrows, D, o);
           float* ag = acc + rg * D;
           for (int64_t d = 0; d < D; d += 16) vstore(ag + d, vfma(vload(ag + d), tfq::vbroadcast(a), vload(o + d)));
-          l[rg] = std::fma(l[rg], a, t);
+          l[rg] = tfq::fma1(l[rg], a, t);
           m[rg] = mn;
         }
       }
@@ -262,7 +262,7 @@ void attend_block(const float* q, int64_t rows, int64_t q_stride, int64_t group,
       std::fill(o, o + D, 0.0f);
       for (int64_t sp = 0; sp < own_splits; sp++) {
         const float w = exp1(sm[sp * RG + rg] - big);
-        L = std::fma(sl[sp * RG + rg], w, L);
+        L = tfq::fma1(sl[sp * RG + rg], w, L);
         const float* as = sacc + (sp * RG + rg) * D;
         for (int64_t d = 0; d < D; d += 16) vstore(o + d, vfma(vload(as + d), tfq::vbroadcast(w), vload(o + d)));
       }

@@ -4,7 +4,7 @@
 // The recurrence runs row by row for every row, prompt or decode: one arithmetic per position, whatever the
 // prefill chunking or the batch (docs/hybrid.md says why not the chunked algorithm). Every number is computed
 // by one thread in one fixed order from its own stream's inputs, so a row's bits never depend on the rows beside
-// it or on the thread count; the ops are lane-wise IEEE operations (std::fma in the scalar tails), so AVX-512,
+// it or on the thread count; the ops are lane-wise IEEE operations (fma1 in the scalar tails), so AVX-512,
 // AVX2 and plain C++ give the same bits.
 //
 // For one stream's segment of rows, with its state slot (fresh: start from zeros):
@@ -46,7 +46,7 @@ inline void fma_row(float* acc, const float* x, float s, int64_t n) {
   const V sv = tfq::vbroadcast(s);
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) tfq::vstore(acc + j, tfq::vfma(tfq::vload(x + j), sv, tfq::vload(acc + j)));
-  for (; j < n; j++) acc[j] = std::fma(x[j], s, acc[j]);
+  for (; j < n; j++) acc[j] = tfq::fma1(x[j], s, acc[j]);
 }
 
 // The sum of squares of n floats in rms_norm_row's order: 16 lanes of fmas, then the fixed tree.
@@ -59,7 +59,7 @@ inline float sum_squares(const float* x, int64_t n) {
   }
   alignas(64) float lanes[16];
   tfq::vstore(lanes, acc);
-  for (int64_t l = 0; i < n; i++, l++) lanes[l] = std::fma(x[i], x[i], lanes[l]);
+  for (int64_t l = 0; i < n; i++, l++) lanes[l] = tfq::fma1(x[i], x[i], lanes[l]);
   return tfq::reduce(tfq::vload(lanes));
 }
 

@@ -1,6 +1,7 @@
 // 16 fp32 lanes, the unit of every fixed-order sum in tfq's CPU kernels: one AVX-512 register, two AVX2
-// halves, or 16 floats with fmaf. Each operation is lane by lane and rounds once, so a recipe written with
-// these gives the same bits on all three.
+// halves, four SSE quarters (x86-64's baseline: the fused multiply-add computed exactly in doubles, below), or
+// 16 floats with fmaf (ARM and the rest: a hardware instruction there). Each operation is lane by lane and rounds
+// once, so a recipe written with these gives the same bits on all of them.
 #pragma once
 
 #include <algorithm>
@@ -18,6 +19,11 @@
 #endif
 
 namespace tfq {
+
+// TFQ_PLAIN_LANES (the tests' build for -march=x86-64) takes the plain C++ lanes that ARM and other CPUs run
+#if !defined(__SSE2__) || defined(__FMA__) || defined(TFQ_PLAIN_LANES)
+inline float fma1(float a, float b, float c) { return std::fma(a, b, c); }  // one instruction where fma is
+#endif
 
 #if defined(__AVX512F__)
 struct V { __m512 a; };
@@ -43,6 +49,46 @@ inline V vmul(V x, V y) { return {_mm256_mul_ps(x.lo, y.lo), _mm256_mul_ps(x.hi,
 inline V vdiv(V x, V y) { return {_mm256_div_ps(x.lo, y.lo), _mm256_div_ps(x.hi, y.hi)}; }
 inline V vmax(V x, V m) { return {_mm256_max_ps(x.lo, m.lo), _mm256_max_ps(x.hi, m.hi)}; }
 inline void vstore(float* p, V v) { _mm256_storeu_ps(p, v.lo); _mm256_storeu_ps(p + 8, v.hi); }
+#elif defined(__SSE2__) && !defined(TFQ_PLAIN_LANES)
+// x86-64 without AVX2 + FMA. fma(a, b, c) rounded once, from doubles: a * b is exact in a double (48 bits), the
+// sum with c is rounded to odd (rounded to nearest, then, if that was inexact and its last bit even, moved one
+// step toward the exact value, which TwoSum gives), and a sum rounded to odd at 53 bits rounds to the same float
+// as the exact one (Boldo and Melquiond, 2008). NaNs and infinities pass through the arithmetic unchanged.
+inline __m128d sum_to_odd(__m128d p, __m128d c) {
+  const __m128d s = _mm_add_pd(p, c), zero = _mm_setzero_pd();
+  const __m128d cp = _mm_sub_pd(s, p);
+  const __m128d e = _mm_add_pd(_mm_sub_pd(p, _mm_sub_pd(s, cp)), _mm_sub_pd(c, cp));  // exact: p + c - s
+  const __m128i one = _mm_set1_epi64x(1), bits = _mm_castpd_si128(s);
+  const __m128i inexact = _mm_castpd_si128(_mm_or_pd(_mm_cmplt_pd(e, zero), _mm_cmpgt_pd(e, zero)));  // NaN: no
+  const __m128i even = _mm_sub_epi64(_mm_and_si128(bits, one), one);  // all ones where the last bit is 0
+  const __m128i apart = _mm_srli_epi64(_mm_xor_si128(bits, _mm_castpd_si128(e)), 63);  // e's sign is not s's
+  const __m128i step = _mm_sub_epi64(_mm_sub_epi64(one, apart), apart);  // +1: away from zero, -1: toward it
+  return _mm_castsi128_pd(_mm_add_epi64(bits, _mm_and_si128(step, _mm_and_si128(inexact, even))));
+}
+inline __m128 fma4(__m128 a, __m128 b, __m128 c) {
+#if defined(__FMA__)
+  return _mm_fmadd_ps(a, b, c);
+#else
+  const __m128d lo = sum_to_odd(_mm_mul_pd(_mm_cvtps_pd(a), _mm_cvtps_pd(b)), _mm_cvtps_pd(c));
+  const __m128d hi = sum_to_odd(_mm_mul_pd(_mm_cvtps_pd(_mm_movehl_ps(a, a)), _mm_cvtps_pd(_mm_movehl_ps(b, b))),
+                                _mm_cvtps_pd(_mm_movehl_ps(c, c)));
+  return _mm_movelh_ps(_mm_cvtpd_ps(lo), _mm_cvtpd_ps(hi));
+#endif
+}
+inline float fma1(float a, float b, float c) { return _mm_cvtss_f32(fma4(_mm_set_ss(a), _mm_set_ss(b), _mm_set_ss(c))); }
+struct V { __m128 q[4]; };
+#define TFQ_V4(expr) V v; for (int i = 0; i < 4; i++) v.q[i] = (expr); return v
+inline V vzero() { TFQ_V4(_mm_setzero_ps()); }
+inline V vbroadcast(float x) { TFQ_V4(_mm_set1_ps(x)); }
+inline V vload(const float* p) { TFQ_V4(_mm_loadu_ps(p + 4 * i)); }
+inline V vfma(V x, V w, V acc) { TFQ_V4(fma4(x.q[i], w.q[i], acc.q[i])); }
+inline V vadd(V x, V y) { TFQ_V4(_mm_add_ps(x.q[i], y.q[i])); }
+inline V vsub(V x, V y) { TFQ_V4(_mm_sub_ps(x.q[i], y.q[i])); }
+inline V vmul(V x, V y) { TFQ_V4(_mm_mul_ps(x.q[i], y.q[i])); }
+inline V vdiv(V x, V y) { TFQ_V4(_mm_div_ps(x.q[i], y.q[i])); }
+inline V vmax(V x, V m) { TFQ_V4(_mm_max_ps(x.q[i], m.q[i])); }
+#undef TFQ_V4
+inline void vstore(float* p, V v) { for (int i = 0; i < 4; i++) _mm_storeu_ps(p + 4 * i, v.q[i]); }
 #else
 struct V { float f[16]; };
 inline V vzero() { V v; for (int i = 0; i < 16; i++) v.f[i] = 0.f; return v; }
@@ -116,25 +162,26 @@ inline __m256 exp8(__m256 x) {
 }
 inline V vexp(V x) { return {exp8(x.lo), exp8(x.hi)}; }
 #else
-inline V vexp(V x) {
-  V out;
+inline V vexp(V x) {  // lane by lane (the baseline x86-64 and plain C++), the recipe above with fma1
+  alignas(64) float in[16], out[16];
+  vstore(in, x);
   for (int i = 0; i < 16; i++) {
-    const float u = x.f[i];
+    const float u = in[i];
     if (!(u >= EXP_LO)) {
-      out.f[i] = 0.0f;
+      out[i] = 0.0f;
       continue;
     }
     const float v = std::min(u, EXP_HI);
     const float n = std::nearbyint(v * LOG2E);
-    float r = std::fma(-n, LN2_HI, v);
-    r = std::fma(-n, LN2_LO, r);
+    float r = fma1(-n, LN2_HI, v);
+    r = fma1(-n, LN2_LO, r);
     float p = EXP_P[0];
-    for (int k = 1; k < 6; k++) p = std::fma(p, r, EXP_P[k]);
+    for (int k = 1; k < 6; k++) p = fma1(p, r, EXP_P[k]);
     const int ni = static_cast<int>(n), n1 = ni >> 1, n2 = ni - n1;
-    const float y = std::fma(p, r * r, r) + 1.0f;
-    out.f[i] = (y * std::ldexp(1.0f, n1)) * std::ldexp(1.0f, n2);
+    const float y = fma1(p, r * r, r) + 1.0f;
+    out[i] = (y * std::ldexp(1.0f, n1)) * std::ldexp(1.0f, n2);
   }
-  return out;
+  return vload(out);
 }
 #endif
 
@@ -154,7 +201,7 @@ inline void rms_norm_row(const float* x, const float* w, int64_t n, float eps, f
   }
   alignas(64) float lanes[16];
   vstore(lanes, acc);
-  for (int64_t l = 0; i < n; i++, l++) lanes[l] = std::fma(x[i], x[i], lanes[l]);  // a short tail
+  for (int64_t l = 0; i < n; i++, l++) lanes[l] = fma1(x[i], x[i], lanes[l]);  // a short tail
   const float ss = reduce(vload(lanes));
   const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
   for (int64_t k = 0; k < n; k++) y[k] = (x[k] * inv) * w[k];
@@ -179,14 +226,15 @@ inline __m256 round_bf16_8(__m256 x) {
 inline V vround_bf16(V x) { return {round_bf16_8(x.lo), round_bf16_8(x.hi)}; }
 #else
 inline V vround_bf16(V x) {
-  V out;
+  alignas(64) float f[16];
+  vstore(f, x);
   for (int i = 0; i < 16; i++) {
     uint32_t b;
-    std::memcpy(&b, &x.f[i], 4);
+    std::memcpy(&b, &f[i], 4);
     b = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
-    std::memcpy(&out.f[i], &b, 4);
+    std::memcpy(&f[i], &b, 4);
   }
-  return out;
+  return vload(f);
 }
 #endif
 

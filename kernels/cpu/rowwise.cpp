@@ -4,6 +4,7 @@
 // RMS norm of a row x of n: ss = the squares as 16 lanes (lane l: fma(x_i, x_i, acc) for i = l, l + 16, ...),
 // the lanes added in the fixed tree of lanes.h; r = 1 / sqrt(ss / n + eps); y_i = (x_i * r) * w_i.
 // SiLU: y = x / (1 + exp(-x)) with the exp of lanes.h.
+// fma: a * b + c rounded once, element by element, by the lanes' vfma (the tests prove it on every build).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
@@ -59,9 +60,24 @@ at::Tensor silu(const at::Tensor& x) {
   return y;
 }
 
+at::Tensor fma_op(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
+  TORCH_CHECK(a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat && c.scalar_type() == at::kFloat &&
+              a.is_contiguous() && b.is_contiguous() && c.is_contiguous() && a.sizes() == b.sizes() &&
+              a.sizes() == c.sizes(), "tfq fma: three fp32 tensors of one shape, contiguous");
+  auto y = at::empty_like(a);
+  const int64_t n = a.numel();
+  const float *ap = a.data_ptr<float>(), *bp = b.data_ptr<float>(), *cp = c.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) tfq::vstore(yp + i, tfq::vfma(tfq::vload(ap + i), tfq::vload(bp + i), tfq::vload(cp + i)));
+  for (; i < n; i++) yp[i] = tfq::fma1(ap[i], bp[i], cp[i]);
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) {
+  m.def("fma(Tensor a, Tensor b, Tensor c) -> Tensor", fma_op);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", rms_norm);
   m.def("silu(Tensor x) -> Tensor", silu);
 }

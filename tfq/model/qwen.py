@@ -26,6 +26,7 @@ from tfq.kernels.delta import DeltaSizes, DeltaWeights, deltanet_chunks, deltane
 from tfq.kernels.layer import fusable
 from tfq.kernels.quant import Quantized, Stacked, join, joinable
 from tfq.kernels.rowwise import rms_norm_fixed
+from tfq.nearest import exp32
 from tfq.proofs.startup_kernels import check_layers, ensure_exact
 from tfq.batch import Segment, Segments
 from tfq.errors import TfqError
@@ -174,8 +175,10 @@ class Qwen:
                          take(a + "in_proj_b.weight", (n.value_heads, h)),
                          take(a + "in_proj_a.weight", (n.value_heads, h))])
         conv = take.conv(a + "conv1d.weight", n.channels, n.conv_kernel)
-        # A = -exp(A_log) once, in fp32 as transformers computes it (a GGUF file stores A itself)
-        A = take(a + "A", (n.value_heads,)) if take.get(a + "A") is not None else -take(a + "A_log", (n.value_heads,)).exp()
+        # A = -exp(A_log) once, the exp rounded to the nearest float32 (tfq/nearest.py: the same bits on every
+        # CPU, within an ulp of transformers' fp32 exp); a GGUF file stores A itself
+        A = take(a + "A", (n.value_heads,)) if take.get(a + "A") is not None else \
+            -torch.from_numpy(exp32(take(a + "A_log", (n.value_heads,)).numpy()))
         mixer = DeltaWeights(conv=conv[:, 0].T.contiguous(), A=A,
                              dt_bias=take(a + "dt_bias", (n.value_heads,)), norm=take(a + "norm.weight", (n.value_dim,)))
         return DeltaLayer(in_proj=Linear(in_proj) if in_proj.shape[0] else None, mixer=mixer,  # None: a rank without

@@ -1,9 +1,10 @@
 """The rotary embedding's frequencies, plain or scaled (linear, YaRN), computed as HF transformers computes them.
 
-Every operation follows transformers' `modeling_rope_utils` step by step, in fp32 on the CPU, so the
-frequencies (and the cos/sin tables made from them) have HF's bits. The frequencies never depend on the
-sequence length: a row's angles are the same whatever batch it is in ("dynamic" scaling is refused in
-tfq.model.config for that reason).
+Every operation follows transformers' `modeling_rope_utils` step by step, in fp32 on the CPU, except that the
+power and the cos and sin are rounded to the nearest float32 (tfq/nearest.py), where torch's vector code has
+another last bit on another instruction set: the tables are the same on every CPU, and within an ulp of HF's.
+The frequencies never depend on the sequence length: a row's angles are the same whatever batch it is in
+("dynamic" scaling is refused in tfq.model.config for that reason).
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
+
+from tfq.nearest import cos32, pow32, sin32
 
 if TYPE_CHECKING:
     from tfq.model.config import ModelConfig
@@ -20,7 +23,7 @@ def inv_freq_and_scale(config: ModelConfig) -> tuple[torch.Tensor, float]:
     """(inv_freq [head_dim / 2] fp32, attention factor): the angle of position p, pair i is p * inv_freq[i];
     cos and sin are multiplied by the factor (1.0 without scaling, where the multiply is left out)."""
     dim, base, s = config.rotary_dim, config.rope_theta, config.rope_scaling
-    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    pos_freqs = torch.from_numpy(pow32(base, (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim).numpy()))
     if s is None:
         return 1.0 / pos_freqs, 1.0
     if s.kind == "linear":
@@ -61,8 +64,7 @@ def rope_tables(config: ModelConfig, rows: int) -> tuple[torch.Tensor, torch.Ten
     factor applied as HF applies it (after cos and sin). tfq's `rotate` takes sin with its first half negated."""
     inv_freq, scale = inv_freq_and_scale(config)
     freqs = torch.outer(torch.arange(rows, dtype=torch.float32), inv_freq)
-    emb = torch.cat((freqs, freqs), -1)
-    cos, sin = emb.cos(), emb.sin()
+    cos, sin = (torch.from_numpy(f(freqs.numpy())).repeat(1, 2) for f in (cos32, sin32))
     if scale != 1.0:
         cos, sin = cos * scale, sin * scale
     return cos, sin

@@ -35,6 +35,7 @@ from tfq.cache import KVCache
 from tfq.pages import Placement, pages_for
 from tfq.errors import TfqError
 from tfq.sampling import logprob, sample
+from tfq.kernels import cpu_build
 from tfq.kernels.contract import KEY_TILE
 from tfq.model.qwen import DeltaLayer
 
@@ -322,7 +323,9 @@ def prove(model, kv_dtype: str, partial: bool, threads: int, rows: int, chunk: i
 
 
 def build_facts() -> dict:
-    """What the bits are promised for: one torch build on one CPU type (any thread count, any batch)."""
+    """What ran: the CPU, the instruction sets in use (tfq's kernels' -march, torch's ATen capability, numpy's
+    dispatched features), thread counts. The bits do not depend on them (docs/contract.md); a record says where
+    it was made."""
     import platform
 
     import torch
@@ -335,11 +338,25 @@ def build_facts() -> dict:
         "cpu": _cpu_model(),
         "machine": platform.machine(),
         "torch_isa": torch.backends.cpu.get_cpu_capability(),
+        "march": cpu_build.march(),
         "cpu_kernels": _cpu_kernels(),
+        "numpy": _numpy_facts(),
         "onednn": _onednn_facts(),
         "threads": torch.get_num_threads(),
         "thread_policy": f"fixed by {fixed}" if fixed else "follows the free cores, proved counts only",
     }
+
+
+def _numpy_facts() -> str:
+    """numpy's version and the features its dispatched loops use here (NPY_DISABLE_CPU_FEATURES takes some off)."""
+    import numpy as np
+
+    try:
+        from numpy._core._multiarray_umath import __cpu_dispatch__, __cpu_features__
+        used = [f for f in __cpu_dispatch__ if __cpu_features__.get(f)]
+    except ImportError:  # another numpy's layout: the version alone
+        return np.__version__
+    return f"{np.__version__} ({' '.join(used) or 'baseline'})"
 
 
 def _cpu_kernels() -> str:

@@ -193,11 +193,11 @@ class Check:
         return self
 
     def _run_arm(self, run: ArmRun) -> None:
-        from tfq.engine import Engine
+        from tfq.engine import Controls, Engine
 
         self.listener.arm_started(run, self.group)
         policy = run.arm.arithmetic(run.plan.attention == "partial") if run.arm.arithmetic else None
-        engine = Engine.from_plan(run.plan, run.layout, self._loaded(run), arithmetic=policy)
+        engine = Engine.from_plan(run.plan, run.layout, self._loaded(run), controls=Controls(arithmetic=policy))
         t0 = time.perf_counter()
         requests = self._requests(run)
         order = list(self.context.longest_first) if run.arm.longest_first else list(range(len(requests)))

@@ -19,7 +19,7 @@ def build_served(plan, layout, loaded, name: str, queue: int = 64, api_key: str 
                  stuck_after_s: float = STUCK_AFTER_S, **engine_kw) -> Served:
     """What `tfq serve` serves, from its plan (tfq.plan.Plan and its Layout) and loaded model: the engine, its
     loop and metrics, the app's settings. The CLI, `tfq bench serve` and the tests all build it here; engine_kw
-    reach Engine.from_plan (a check's control: arithmetic=...)."""
+    reach Engine.from_plan (a check's controls: controls=tfq.engine.Controls(...))."""
     engine = Engine.from_plan(plan, layout, loaded, **engine_kw)
     metrics = Metrics(engine.settings.lanes, engine.settings.pool_pages)
     return Served(EngineLoop(engine, queue, metrics, stuck_after_s), loaded.tokenizer, name, engine.settings.window,

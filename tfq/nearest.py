@@ -1,0 +1,100 @@
+"""exp, log, sin, cos and powers rounded to the float32 nearest the exact value: the same bits on every machine.
+
+torch's and numpy's float32 exp, sin, cos and pow are vector code picked by the CPU's instruction set (Sleef at
+AVX2 or AVX-512, libm's scalar code at the baseline); each is within an ulp or so, but not the same ulp, so a
+table built with them (the rotary angles, a DeltaNet's decay rates, a sampler's probabilities) has other bits on
+another CPU. tfq rounds the exact value instead, which has one answer everywhere (Ziv's strategy): the float64
+value (any libm, any vector code: all are within a few float64 ulps) decides the float32 unless it lies within
+MARGIN of a point halfway between two float32s; those few are decided by mpmath at 100 bits, pure Python,
+the same on every machine.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+# A float64 result within 2^-44 of the exact value, relatively (2^9 float64 ulps: far more than any libm or
+# vector library errs), rounds to the same float32 as the exact value unless it lies within that of a point
+# halfway between two float32s: its 29 low mantissa bits (the ones float32 drops) near 2^28, give or take 2^9.
+MARGIN = 2.0 ** -44
+_NEAR = 2 ** 9
+_LOW, _HALF = (1 << 29) - 1, 1 << 28
+_NORMAL, _TOP = 2.0 ** -126, float(np.finfo(np.float32).max)
+
+
+def nearest32(approx: np.ndarray, exact: Callable) -> np.ndarray:
+    """The float32 nearest each exact value, given `approx` (float64, within MARGIN relatively) and `exact`:
+    index -> that value as an mpmath number, asked only where approx cannot decide."""
+    approx = np.ascontiguousarray(approx, dtype=np.float64)
+    with np.errstate(over="ignore"):
+        f = approx.astype(np.float32)  # to nearest, ties to even: right wherever approx is not doubtful
+    doubtful = np.abs((approx.view(np.int64) & _LOW) - _HALF) <= _NEAR
+    magnitude = np.abs(approx)
+    tiny = np.flatnonzero(magnitude < _NORMAL)  # float32 subnormals: steps of 2^-149 whatever the magnitude
+    if len(tiny):
+        steps = magnitude.flat[tiny] * 2.0 ** 149  # exact
+        doubtful.flat[tiny] = np.abs(steps - np.floor(steps) - 0.5) <= steps * MARGIN + 2.0 ** -60
+    doubtful |= magnitude >= _TOP * (1 - MARGIN)  # near float32's largest: overflow or not, decided exactly
+    for i in np.flatnonzero(doubtful):
+        if np.isfinite(approx.flat[i]):
+            f.flat[i] = _round32(exact(i))
+    return f
+
+
+def _round32(value) -> np.float32:
+    """An mpmath number rounded to the nearest float32 (ties to even), subnormals and overflow included."""
+    import mpmath
+
+    if value == 0:
+        return np.float32(0.0)
+    with mpmath.workprec(200):
+        exponent = max(int(mpmath.frexp(value)[1]) - 1, -126)  # |value| in [2^exponent, 2^(exponent + 1))
+        n = int(mpmath.nint(mpmath.ldexp(value, 23 - exponent)))  # in float32 steps; nint: half to even
+    with np.errstate(over="ignore"):
+        return np.float32(float(mpmath.ldexp(n, exponent - 23)))  # n < 2^25: exact in float64, then float32
+
+
+def _mp(function: str, *args: np.ndarray) -> Callable:
+    """index -> function(args at that index), exactly (float64 inputs are exact mpmath numbers)."""
+    def exact(i):
+        import mpmath
+
+        with mpmath.workprec(100):
+            return getattr(mpmath, function)(*(mpmath.mpf(float(a.flat[i])) for a in args))
+    return exact
+
+
+def _inputs(*args) -> list[np.ndarray]:
+    return list(np.broadcast_arrays(*(np.asarray(a, dtype=np.float64) for a in args)))
+
+
+def exp32(x) -> np.ndarray:
+    """exp(x) for float64 (or float32) x, rounded to float32."""
+    (x,) = _inputs(x)
+    with np.errstate(over="ignore"):
+        return nearest32(np.exp(x), _mp("exp", x))
+
+
+def cos32(x) -> np.ndarray:
+    (x,) = _inputs(x)
+    return nearest32(np.cos(x), _mp("cos", x))
+
+
+def sin32(x) -> np.ndarray:
+    (x,) = _inputs(x)
+    return nearest32(np.sin(x), _mp("sin", x))
+
+
+def pow32(base, exponent) -> np.ndarray:
+    """base ** exponent (base > 0), rounded to float32."""
+    base, exponent = _inputs(base, exponent)
+    return nearest32(np.power(base, exponent), _mp("power", base, exponent))
+
+
+def log64(x: float) -> float:
+    """log(x) rounded to float64 (one number: mpmath decides it alone)."""
+    import mpmath
+
+    with mpmath.workprec(100):
+        return float(mpmath.log(mpmath.mpf(float(x))))
