@@ -25,7 +25,8 @@ HEADERS = ("lanes.h", "panel.h", "layer_parts.h", "quant_blob.h")
 FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
 CHOICES = ("auto", "tfq", "torch")
 OPS = ("pack", "linear", "attend", "rms_norm", "silu", "layer", "qpack", "qcat", "qlinear", "deltanet", "gated_rms_norm",
-       "sigmoid_gate", "delta_layer", "qpack_q8", "fma")
+       "sigmoid_gate", "delta_layer", "qpack_q8", "fma", "lanes")
+EMULATED = "SSE2, fma emulated"  # lanes.h's path for x86-64 without FMA: the same bits, many times slower
 
 _state: dict[str, object] = {}  # once a process: "ok" -> bool, "why" -> str
 
@@ -107,6 +108,11 @@ def op(name: str):
     if name not in handles:
         handles[name] = getattr(ops(), name).default
     return handles[name]
+
+
+def lanes() -> str:
+    """The vector path of the loaded build (lanes.h): AVX-512, AVX2 + FMA, SSE (+ FMA, or emulated) or plain C++."""
+    return str(ops().lanes())
 
 
 def built() -> bool:

@@ -112,6 +112,8 @@ def test_other_instruction_sets_give_the_recorded_bits(recorded, combo, tmp_path
     march, isa = COMBOS[combo]["TFQ_CPU_MARCH"], COMBOS[combo]["ATEN_CPU_CAPABILITY"].upper()
     assert report["equal"] and report["machine"]["march"] == march and report["machine"]["torch_isa"] == isa
     assert "(baseline)" in report["machine"]["numpy"]  # numpy's dispatched loops were really off
+    slow = march == "x86-64"  # no FMA instruction in the build: emulated, and the run says so in one line
+    assert (report["machine"]["lanes"] == "SSE2, fma emulated") == slow and ("tfq: slow build" in done.stderr) == slow
 
 
 def test_control_torch_log_softmax_parts_across_capabilities(recorded, tmp_path):

@@ -66,8 +66,9 @@ inline float sum_squares(const float* x, int64_t n) {
 // exp of one float, as tfq's vector exp computes it on every instruction set
 inline float exp1(float x) { return tfq::exp1(x); }
 
-// log(1 + exp(x)), as torch's softplus (beta 1, threshold 20): x itself above the threshold
-inline float softplus(float x) { return x > 20.0f ? x : std::log1p(exp1(x)); }
+// log(1 + exp(x)), as torch's softplus (beta 1, threshold 20): x itself above the threshold; exp and log1p by
+// lanes.h's recipes (not libm's, whose last bit follows the C library and the CPU)
+inline float softplus(float x) { return x > 20.0f ? x : tfq::log1p1(exp1(x)); }
 
 struct Dims {
   int64_t rows, channels, kernel, key_heads, key_dim, value_heads, value_dim;

@@ -26,6 +26,7 @@ inline float fma1(float a, float b, float c) { return std::fma(a, b, c); }  // o
 #endif
 
 #if defined(__AVX512F__)
+constexpr const char* LANES = "AVX-512";
 struct V { __m512 a; };
 inline V vzero() { return {_mm512_setzero_ps()}; }
 inline V vbroadcast(float x) { return {_mm512_set1_ps(x)}; }
@@ -38,6 +39,7 @@ inline V vdiv(V x, V y) { return {_mm512_div_ps(x.a, y.a)}; }
 inline V vmax(V x, V m) { return {_mm512_max_ps(x.a, m.a)}; }
 inline void vstore(float* p, V v) { _mm512_storeu_ps(p, v.a); }
 #elif defined(__AVX2__) && defined(__FMA__)
+constexpr const char* LANES = "AVX2 + FMA";
 struct V { __m256 lo, hi; };
 inline V vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline V vbroadcast(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
@@ -50,13 +52,15 @@ inline V vdiv(V x, V y) { return {_mm256_div_ps(x.lo, y.lo), _mm256_div_ps(x.hi,
 inline V vmax(V x, V m) { return {_mm256_max_ps(x.lo, m.lo), _mm256_max_ps(x.hi, m.hi)}; }
 inline void vstore(float* p, V v) { _mm256_storeu_ps(p, v.lo); _mm256_storeu_ps(p + 8, v.hi); }
 #elif defined(__SSE2__) && !defined(TFQ_PLAIN_LANES)
-// x86-64 without AVX2 + FMA. fma(a, b, c) rounded once, from doubles: a * b is exact in a double (48 bits), the
-// sum with c is rounded to odd (rounded to nearest, then, if that was inexact and its last bit even, moved one
-// step toward the exact value, which TwoSum gives), and a sum rounded to odd at 53 bits rounds to the same float
-// as the exact one (Boldo and Melquiond, 2008). NaNs and infinities pass through the arithmetic unchanged.
-inline __m128d sum_to_odd(__m128d p, __m128d c) {
-  const __m128d s = _mm_add_pd(p, c), zero = _mm_setzero_pd();
-  const __m128d cp = _mm_sub_pd(s, p);
+// x86-64 without AVX2 + FMA. fma(a, b, c) rounded once, from doubles: a * b is exact in a double (48 bits), and
+// s = a * b + c rounded to a double rounds to the float the exact sum does, unless s is a point halfway between two
+// floats (rounding to 53 bits can land on such a point, never cross it) or a float denormal (another spacing;
+// a sum of 0 is exact).
+// Those rare lanes take the sum rounded to odd instead (rounded to nearest, then, if inexact with its last bit
+// even, one step toward the exact value, which TwoSum gives), which rounds to the right float at 53 bits (Boldo and
+// Melquiond, 2008). NaNs and infinities pass through the arithmetic unchanged.
+inline __m128d sum_to_odd(__m128d p, __m128d c, __m128d s) {
+  const __m128d zero = _mm_setzero_pd(), cp = _mm_sub_pd(s, p);
   const __m128d e = _mm_add_pd(_mm_sub_pd(p, _mm_sub_pd(s, cp)), _mm_sub_pd(c, cp));  // exact: p + c - s
   const __m128i one = _mm_set1_epi64x(1), bits = _mm_castpd_si128(s);
   const __m128i inexact = _mm_castpd_si128(_mm_or_pd(_mm_cmplt_pd(e, zero), _mm_cmpgt_pd(e, zero)));  // NaN: no
@@ -65,17 +69,32 @@ inline __m128d sum_to_odd(__m128d p, __m128d c) {
   const __m128i step = _mm_sub_epi64(_mm_sub_epi64(one, apart), apart);  // +1: away from zero, -1: toward it
   return _mm_castsi128_pd(_mm_add_epi64(bits, _mm_and_si128(step, _mm_and_si128(inexact, even))));
 }
+inline __m128d fma2(__m128d p, __m128d c) {
+  const __m128d s = _mm_add_pd(p, c);
+  const __m128i low = _mm_and_si128(_mm_castpd_si128(s), _mm_set1_epi64x((1 << 29) - 1));
+  const int halfway = _mm_movemask_epi8(_mm_cmpeq_epi32(low, _mm_set1_epi64x(1 << 28)));  // both halves of a lane
+  const __m128d magnitude = _mm_and_pd(s, _mm_castsi128_pd(_mm_set1_epi64x(0x7FFFFFFFFFFFFFFF)));
+  const int denormal = _mm_movemask_pd(_mm_and_pd(_mm_cmplt_pd(magnitude, _mm_set1_pd(0x1p-126)),
+                                                  _mm_cmpgt_pd(magnitude, _mm_setzero_pd())));  // 0 is exact
+  if ((halfway & 0xFF) == 0xFF || (halfway & 0xFF00) == 0xFF00 || denormal) return sum_to_odd(p, c, s);
+  return s;
+}
 inline __m128 fma4(__m128 a, __m128 b, __m128 c) {
 #if defined(__FMA__)
   return _mm_fmadd_ps(a, b, c);
 #else
-  const __m128d lo = sum_to_odd(_mm_mul_pd(_mm_cvtps_pd(a), _mm_cvtps_pd(b)), _mm_cvtps_pd(c));
-  const __m128d hi = sum_to_odd(_mm_mul_pd(_mm_cvtps_pd(_mm_movehl_ps(a, a)), _mm_cvtps_pd(_mm_movehl_ps(b, b))),
-                                _mm_cvtps_pd(_mm_movehl_ps(c, c)));
+  const __m128d lo = fma2(_mm_mul_pd(_mm_cvtps_pd(a), _mm_cvtps_pd(b)), _mm_cvtps_pd(c));
+  const __m128d hi = fma2(_mm_mul_pd(_mm_cvtps_pd(_mm_movehl_ps(a, a)), _mm_cvtps_pd(_mm_movehl_ps(b, b))),
+                          _mm_cvtps_pd(_mm_movehl_ps(c, c)));
   return _mm_movelh_ps(_mm_cvtpd_ps(lo), _mm_cvtpd_ps(hi));
 #endif
 }
 inline float fma1(float a, float b, float c) { return _mm_cvtss_f32(fma4(_mm_set_ss(a), _mm_set_ss(b), _mm_set_ss(c))); }
+#if defined(__FMA__)
+constexpr const char* LANES = "SSE + FMA";
+#else
+constexpr const char* LANES = "SSE2, fma emulated";  // tfq.kernels.cpu_build.EMULATED: slow, the same bits
+#endif
 struct V { __m128 q[4]; };
 #define TFQ_V4(expr) V v; for (int i = 0; i < 4; i++) v.q[i] = (expr); return v
 inline V vzero() { TFQ_V4(_mm_setzero_ps()); }
@@ -90,6 +109,7 @@ inline V vmax(V x, V m) { TFQ_V4(_mm_max_ps(x.q[i], m.q[i])); }
 #undef TFQ_V4
 inline void vstore(float* p, V v) { for (int i = 0; i < 4; i++) _mm_storeu_ps(p + 4 * i, v.q[i]); }
 #else
+constexpr const char* LANES = "plain C++";
 struct V { float f[16]; };
 inline V vzero() { V v; for (int i = 0; i < 16; i++) v.f[i] = 0.f; return v; }
 inline V vbroadcast(float x) { V v; for (int i = 0; i < 16; i++) v.f[i] = x; return v; }
@@ -161,6 +181,23 @@ inline __m256 exp8(__m256 x) {
   return _mm256_and_ps(ok, y);
 }
 inline V vexp(V x) { return {exp8(x.lo), exp8(x.hi)}; }
+#elif defined(__SSE2__) && !defined(TFQ_PLAIN_LANES)
+inline __m128 exp4(__m128 x) {  // the recipe above, four lanes (a float -> int -> float is nearbyint here)
+  const __m128 ok = _mm_cmpge_ps(x, _mm_set1_ps(EXP_LO));
+  const __m128 v = _mm_min_ps(x, _mm_set1_ps(EXP_HI));
+  const __m128i ni = _mm_cvtps_epi32(_mm_mul_ps(v, _mm_set1_ps(LOG2E)));
+  const __m128 n = _mm_cvtepi32_ps(ni), minus = _mm_sub_ps(_mm_setzero_ps(), n);
+  __m128 r = fma4(minus, _mm_set1_ps(LN2_HI), v);
+  r = fma4(minus, _mm_set1_ps(LN2_LO), r);
+  __m128 p = _mm_set1_ps(EXP_P[0]);
+  for (int i = 1; i < 6; i++) p = fma4(p, r, _mm_set1_ps(EXP_P[i]));
+  __m128 y = _mm_add_ps(fma4(p, _mm_mul_ps(r, r), r), _mm_set1_ps(1.0f));
+  const __m128i n1 = _mm_srai_epi32(ni, 1), n2 = _mm_sub_epi32(ni, n1), bias = _mm_set1_epi32(127);
+  y = _mm_mul_ps(y, _mm_castsi128_ps(_mm_slli_epi32(_mm_add_epi32(n1, bias), 23)));
+  y = _mm_mul_ps(y, _mm_castsi128_ps(_mm_slli_epi32(_mm_add_epi32(n2, bias), 23)));
+  return _mm_and_ps(ok, y);
+}
+inline V vexp(V x) { V v; for (int i = 0; i < 4; i++) v.q[i] = exp4(x.q[i]); return v; }
 #else
 inline V vexp(V x) {  // lane by lane (the baseline x86-64 and plain C++), the recipe above with fma1
   alignas(64) float in[16], out[16];
@@ -237,6 +274,36 @@ inline V vround_bf16(V x) {
   return vload(f);
 }
 #endif
+
+// log(u) for a finite u >= 1 by one recipe (Cephes' logf polynomial with fused multiply-adds, u split by frexp,
+// which is exact): libm's logf and log1pf differ between C libraries, and glibc picks an FMA variant by CPU.
+inline float log1(float u) {
+  int e;
+  float m = std::frexp(u, &e);  // u = m 2^e, m in [0.5, 1)
+  if (m < 0.707106781186547524f) {
+    e -= 1;
+    m = m + m - 1.0f;
+  } else {
+    m = m - 1.0f;
+  }
+  constexpr float P[9] = {7.0376836292e-2f, -1.1514610310e-1f, 1.1676998740e-1f, -1.2420140846e-1f,
+                          1.4249322787e-1f, -1.6668057665e-1f, 2.0000714765e-1f, -2.4999993993e-1f,
+                          3.3333331174e-1f};
+  const float z = m * m, fe = static_cast<float>(e);
+  float p = P[0];
+  for (int k = 1; k < 9; k++) p = fma1(p, m, P[k]);
+  float y = (p * m) * z;
+  y = fma1(fe, -2.12194440e-4f, y);
+  y = fma1(-0.5f, z, y);
+  return fma1(fe, 0.693359375f, m + y);
+}
+
+// log(1 + y) for y >= 0 with the log above: (1 + y) rounded, its log scaled by y / ((1 + y) - 1), which cancels
+// the rounding of 1 + y (Goldberg's way), y itself where 1 + y rounds to 1
+inline float log1p1(float y) {
+  const float u = 1.0f + y;
+  return u == 1.0f ? y : log1(u) * (y / (u - 1.0f));
+}
 
 inline float exp1(float x) {
   alignas(64) float in[16] = {x}, out[16];

@@ -4,7 +4,8 @@
 // RMS norm of a row x of n: ss = the squares as 16 lanes (lane l: fma(x_i, x_i, acc) for i = l, l + 16, ...),
 // the lanes added in the fixed tree of lanes.h; r = 1 / sqrt(ss / n + eps); y_i = (x_i * r) * w_i.
 // SiLU: y = x / (1 + exp(-x)) with the exp of lanes.h.
-// fma: a * b + c rounded once, element by element, by the lanes' vfma (the tests prove it on every build).
+// fma: a * b + c rounded once, element by element, by the lanes' vfma (the tests prove it on every build);
+// lanes: which vector path this build's lanes take (lanes.h).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
@@ -13,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <string>
 
 #include "lanes.h"
 
@@ -74,9 +76,12 @@ at::Tensor fma_op(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c)
   return y;
 }
 
+std::string lanes() { return tfq::LANES; }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) {
+  m.def("lanes() -> str", lanes);
   m.def("fma(Tensor a, Tensor b, Tensor c) -> Tensor", fma_op);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", rms_norm);
   m.def("silu(Tensor x) -> Tensor", silu);

@@ -121,7 +121,7 @@ def _table(partings: dict) -> Table:
 
 def _machine_line(facts: dict, doc: dict) -> str:
     theirs = doc.get("recorded_on", {})
-    return (f"here: {facts['cpu']} ({facts['machine']}), kernels -march={facts['march']}, torch {facts['torch']} "
+    return (f"here: {facts['cpu']} ({facts['machine']}), kernels -march={facts['march']} ({facts['lanes']}), torch {facts['torch']} "
             f"at {facts['torch_isa']}, numpy {facts['numpy']}, {facts['threads']} threads; recorded on: "
             f"{theirs.get('cpu', '?')} ({theirs.get('machine', '?')}), -march={theirs.get('march', '?')}, torch "
             f"{theirs.get('torch', '?')} at {theirs.get('torch_isa', '?')}")

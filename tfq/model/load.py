@@ -151,13 +151,27 @@ def _say_if_building(device: torch.device) -> None:
         pass  # a bad TFQ_CPU_KERNELS is reported by backend_for, in its own words
 
 
+def _say_emulated(march: str) -> None:
+    """One line, once a process, where the kernels have no fused multiply-add instruction to run on."""
+    import sys
+
+    if getattr(_say_emulated, "said", False):
+        return
+    _say_emulated.said = True
+    why = f"built for -march={march} (TFQ_CPU_MARCH)" if march != "native" else "this CPU has no FMA instruction"
+    print(f"tfq: slow build: {why}, so tfq's kernels compute every fused multiply-add exactly from doubles (the same "
+          f"bits as on CPUs with FMA, about 18x slower); on a CPU with FMA (x86-64 since 2013, any ARMv8) leave "
+          f"TFQ_CPU_MARCH unset", file=sys.stderr, flush=True)
+
+
 def backend_for(device: torch.device) -> Backend:
     """The kernels for `device`: torch on the CPU, Triton on CUDA."""
     if device.type == "cpu":
         from tfq.kernels import cpu_build
 
         try:
-            cpu_build.wanted()
+            if cpu_build.wanted() and cpu_build.lanes() == cpu_build.EMULATED:
+                _say_emulated(cpu_build.march())
         except (ValueError, RuntimeError) as e:
             raise TfqError(f"{e}; install a C++ compiler (gcc) or set TFQ_CPU_KERNELS=auto" if isinstance(e, RuntimeError)
                            else str(e)) from None

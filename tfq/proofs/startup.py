@@ -339,6 +339,7 @@ def build_facts() -> dict:
         "machine": platform.machine(),
         "torch_isa": torch.backends.cpu.get_cpu_capability(),
         "march": cpu_build.march(),
+        "lanes": cpu_build.lanes() if cpu_build.built() else "-",
         "cpu_kernels": _cpu_kernels(),
         "numpy": _numpy_facts(),
         "onednn": _onednn_facts(),
