@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from tfq.proofs import verify as v
+from tiny import tiny_gguf, tiny_model_dir
 
 # A run of the real entry point; argv[1] "control" first swaps the log-probabilities' recipe for torch's own
 # log_softmax, whose sums follow the vector width of torch's ATen capability.
@@ -77,23 +78,43 @@ def tfq_run(args: list[str], env: dict[str, str] | None = None, control: bool = 
                           text=True, timeout=900, env=env)
 
 
-@pytest.fixture(scope="module")
-def recorded(tiny_dirs, tmp_path_factory) -> tuple[list[str], Path]:
-    """The tiny model's bits recorded on this machine's own build; the arguments that verify against them."""
+# name -> (the model's path, the weights kind verified): attention layers in fp32, a hybrid's DeltaNet layers, and
+# a GGUF file's quantized blocks (tfq's quantized kernels)
+MODELS = {
+    "qwen2": lambda f: (tiny_model_dir(f, "qwen2", seed=1), "fp32"),
+    "hybrid": lambda f: (tiny_model_dir(f, "qwen3_5", layers=4, layer_types=("linear_attention",) * 3 +
+                                        ("full_attention",)), "fp32"),
+    "gguf": lambda f: (tiny_gguf(f, "qwen2", quantized=True), "gguf"),
+}
+
+
+def record(model: str, tmp_path_factory) -> tuple[list[str], Path]:
+    """A tiny model's bits recorded on this machine's own build; the arguments that verify against them."""
+    folder, kind = MODELS[model](tmp_path_factory)
     root = tmp_path_factory.mktemp("verify")
     suite = root / "suite.yaml"
     suite.write_text(yaml.safe_dump(CHATS))
-    common = ["verify", "--model", str(tiny_dirs["qwen2"]), "--suite", str(suite), "--weights", "fp32",
+    common = ["verify", "--model", str(folder), "--suite", str(suite), "--weights", kind,
               "--set", "window=512", "--set", "lanes=2", "--threads", "2", "--quiet"]
-    record = root / "record.json"
-    done = tfq_run(common + ["--record", str(record)])
+    path = root / "record.json"
+    done = tfq_run(common + ["--record", str(path)])
     assert done.returncode == 0, done.stdout + done.stderr
-    return common + ["--against", str(record)], record
+    return common + ["--against", str(path)], path
 
 
-def test_the_record_holds_every_chat_with_its_logits_and_log_probabilities(recorded):
-    _, record = recorded
-    doc = v.read(record)
+@pytest.fixture(scope="module", params=list(MODELS))
+def recorded(request, tmp_path_factory) -> tuple[list[str], Path]:
+    return record(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def recorded_qwen2(tmp_path_factory) -> tuple[list[str], Path]:
+    return record("qwen2", tmp_path_factory)
+
+
+def test_the_record_holds_every_chat_with_its_logits_and_log_probabilities(recorded_qwen2):
+    _, path = recorded_qwen2
+    doc = v.read(path)
     chats = v.recorded(doc, "fp32")
     assert list(chats) == ["short", "turns", "drawn", "short, sampled"]
     for bits in chats.values():
@@ -109,6 +130,7 @@ def test_other_instruction_sets_give_the_recorded_bits(recorded, combo, tmp_path
     done = tfq_run(args + ["--json", str(tmp_path / "v.json")], COMBOS[combo])
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((tmp_path / "v.json").read_text())
+    assert sum(len(chats) for chats in report["chats"].values()) == len(CHATS) + 1
     march, isa = COMBOS[combo]["TFQ_CPU_MARCH"], COMBOS[combo]["ATEN_CPU_CAPABILITY"].upper()
     assert report["equal"] and report["machine"]["march"] == march and report["machine"]["torch_isa"] == isa
     assert "(baseline)" in report["machine"]["numpy"]  # numpy's dispatched loops were really off
@@ -116,10 +138,10 @@ def test_other_instruction_sets_give_the_recorded_bits(recorded, combo, tmp_path
     assert (report["machine"]["lanes"] == "SSE2, fma emulated") == slow and ("tfq: slow build" in done.stderr) == slow
 
 
-def test_control_torch_log_softmax_parts_across_capabilities(recorded, tmp_path):
+def test_control_torch_log_softmax_parts_across_capabilities(recorded_qwen2, tmp_path):
     """RED by construction: recorded with torch's log_softmax at this CPU's capability, verified with it at
     `default`: the log-probabilities part (ids and logits stay equal: only the control's op moved)."""
-    args, record = recorded
+    args, _ = recorded_qwen2
     own = tmp_path / "control.json"
     done = tfq_run(args[:args.index("--against")] + ["--record", str(own)], control=True)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -131,8 +153,8 @@ def test_control_torch_log_softmax_parts_across_capabilities(recorded, tmp_path)
     assert all(c["ids"] is None and c["logits"] is None for c in chats)
 
 
-def test_a_record_of_another_suite_or_kind_is_refused_in_one_line(recorded, tmp_path):
-    args, record = recorded
+def test_a_record_of_another_suite_or_kind_is_refused_in_one_line(recorded_qwen2, tmp_path):
+    args, _ = recorded_qwen2
     other = tmp_path / "other.yaml"
     other.write_text(yaml.safe_dump(CHATS[:1]))
     at = args.index("--suite")
