@@ -1,4 +1,5 @@
-"""The wheel carries every package and the shipped suite: a plain (non-editable) install runs `tfq together`."""
+"""The wheel carries every package, the shipped suite and the recorded bits: a plain (non-editable) install runs
+`tfq together` and `tfq verify`."""
 from __future__ import annotations
 
 import os
@@ -29,7 +30,8 @@ def test_a_wheel_install_finds_the_suite(tmp_path):
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
         z.extractall(tmp_path / "site")
-    assert {"tfq/examples/chats.yaml", "tfq/kernels/triton_rowwise.py", "tfq/model/default_config.json"} <= names
+    assert {"tfq/examples/chats.yaml", "tfq/kernels/triton_rowwise.py", "tfq/model/default_config.json",
+            "tfq/reference/default.json"} <= names
     # one top-level name: a top-level `kernels` would overwrite (or be overwritten by) PyPI's `kernels` package
     assert {n.split("/")[0] for n in names if not n.startswith("tfq-")} == {"tfq"}
     # from another folder, with the unpacked wheel first on the path and no .pth files read (-S): the
@@ -38,7 +40,8 @@ def test_a_wheel_install_finds_the_suite(tmp_path):
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), *site.getsitepackages()])}
     code = "import tfq, tfq.kernels.backend; from tfq.cli.together import default_suite; " \
-           "from tfq.suite import load_suite; p = default_suite(); print(tfq.__file__, p, len(load_suite(p)))"
+           "from tfq.suite import load_suite; from tfq.proofs import verify as v; p = default_suite(); " \
+           "assert v.read(v.REFERENCE)['suite_sha256'] == v.suite_sha(p); print(tfq.__file__, p, len(load_suite(p)))"
     run = subprocess.run([sys.executable, "-S", "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]

@@ -36,7 +36,7 @@ def verify(
     from tfq.cli.together import default_suite
     from tfq.model.load import load_model
     from tfq.proofs import verify as v
-    from tfq.proofs.startup import build_facts
+    from tfq.proofs.facts import build_facts
     from tfq.suite import load_suite
 
     kinds = [w.strip() for w in weights.split(",") if w.strip()]
@@ -66,15 +66,8 @@ def verify(
         with err.status(f"loading the model ({kind})"):
             loaded = load_model(plan.model, progress=not quiet, device=layout.device, weights=plan.weights)
         reqs = v.requests(chats, loaded.tokenizer)
-        total = sum(r.max_tokens for r in reqs)
-        done = [0]
-
-        def token(_i, _t, _text, kind=kind, total=total, done=done) -> None:
-            done[0] += 1
-            status.update(f"{kind}: {done[0]}/{total} tokens")
-
         with err.status(f"{kind}: running {len(reqs)} chats") as status:
-            runs[kind] = v.run(plan, layout, loaded, reqs, token)
+            runs[kind] = v.run(plan, layout, loaded, reqs, _counter(status, kind, sum(r.max_tokens for r in reqs)))
     seconds = time.perf_counter() - t0
     facts = {**build_facts(), "seconds": round(seconds, 1)}
     out = Console()
@@ -97,8 +90,21 @@ def verify(
     if json_file:
         text = json.dumps({"equal": equal, "machine": facts, "recorded_on": doc.get("recorded_on"),
                            "chats": {k: [p.__dict__ for p in ps] for k, ps in partings.items()}}, indent=1)
-        print(text) if json_file == "-" else Path(json_file).write_text(text + "\n", encoding="utf-8")
+        if json_file == "-":
+            print(text)
+        else:
+            Path(json_file).write_text(text + "\n", encoding="utf-8")
     raise typer.Exit(0 if equal else 1)
+
+
+def _counter(status, kind: str, total: int):
+    """An on_token callback that shows the tokens drawn so far on the status line."""
+    done = [0]
+
+    def on_token(_index: int, _token: int, _text: str) -> None:
+        done[0] += 1
+        status.update(f"{kind}: {done[0]}/{total} tokens")
+    return on_token
 
 
 def _where(at: int | None) -> str:

@@ -53,7 +53,7 @@ def versions(loaded) -> dict:
 
     import tfq
 
-    from tfq.proofs.startup import build_facts
+    from tfq.proofs.facts import build_facts
 
     return {"tfq": tfq.__version__, "torch": torch.__version__, "python": platform.python_version(),
             "platform": platform.platform(), "threads": torch.get_num_threads(), "argv": sys.argv[1:],
