@@ -23,7 +23,6 @@ model (every arm of `tfq together`) pay for it once.
 """
 from __future__ import annotations
 
-import os
 import random
 import time
 from dataclasses import dataclass, field, replace
