@@ -12,6 +12,7 @@ from rich.table import Table
 
 from serve_load import calls, differences, fire, tally
 from tfq.cli.plan import resolve_plan
+from tfq.engine import Controls
 from tfq.runner import paged_partial
 from tfq.serve.background import build_served, serving
 
@@ -34,7 +35,7 @@ def test_default_model_under_load_equals_alone_and_the_control_is_red(default_mo
         with serving(fresh()) as base:
             alone.append(asyncio.run(fire(base, "default", [call.__class__(**{**call.__dict__, "delay": 0.0})]))[0])
     rows.append(("each call alone, a fresh server each", tally(alone, alone), 0, time.perf_counter() - t0))
-    for name, kw in (("32 calls together (rows)", {}), ("control: paged streams partial", {"arithmetic": paged_partial})):
+    for name, kw in (("32 calls together (rows)", {}), ("control: paged streams partial", {"controls": Controls(arithmetic=paged_partial)})):
         t0 = time.perf_counter()
         served = fresh(**kw)
         with serving(served) as base:
