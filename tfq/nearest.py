@@ -29,13 +29,18 @@ def nearest32(approx: np.ndarray, exact: Callable) -> np.ndarray:
     approx = np.ascontiguousarray(approx, dtype=np.float64)
     with np.errstate(over="ignore"):
         f = approx.astype(np.float32)  # to nearest, ties to even: right wherever approx is not doubtful
-    doubtful = np.abs((approx.view(np.int64) & _LOW) - _HALF) <= _NEAR
-    magnitude = np.abs(approx)
-    tiny = np.flatnonzero(magnitude < _NORMAL)  # float32 subnormals: steps of 2^-149 whatever the magnitude
-    if len(tiny):
+    low = approx.view(np.int64) & _LOW
+    low -= _HALF
+    np.abs(low, out=low)
+    doubtful = low <= _NEAR
+    lo, hi = (float(approx.min()), float(approx.max())) if approx.size else (1.0, 1.0)
+    if not (lo >= _NORMAL or hi <= -_NORMAL):  # some |value| may be below float32's normals (or NaN: min says so)
+        magnitude = np.abs(approx)
+        tiny = np.flatnonzero(magnitude < _NORMAL)  # float32 subnormals: steps of 2^-149 whatever the magnitude
         steps = magnitude.flat[tiny] * 2.0 ** 149  # exact
         doubtful.flat[tiny] = np.abs(steps - np.floor(steps) - 0.5) <= steps * MARGIN + 2.0 ** -60
-    doubtful |= magnitude >= _TOP * (1 - MARGIN)  # near float32's largest: overflow or not, decided exactly
+    if not max(abs(lo), abs(hi)) < _TOP * (1 - MARGIN):  # near float32's largest: overflow or not, decided exactly
+        doubtful |= np.abs(approx) >= _TOP * (1 - MARGIN)
     for i in np.flatnonzero(doubtful):
         if np.isfinite(approx.flat[i]):
             f.flat[i] = _round32(exact(i))
