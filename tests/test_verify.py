@@ -72,8 +72,7 @@ def tfq_run(args: list[str], env: dict[str, str] | None = None, control: bool = 
     env = {**os.environ, **(env or {})}
     if env.get("NPY_DISABLE_CPU_FEATURES") == "numpy":
         env["NPY_DISABLE_CPU_FEATURES"] = _numpy_off()
-    for var in ("TFQ_THREADS",):
-        env.pop(var, None)
+    env.pop("TFQ_THREADS", None)  # --threads decides
     return subprocess.run([sys.executable, "-c", RUN, "control" if control else "plain", *args], capture_output=True,
                           text=True, timeout=900, env=env)
 
