@@ -205,3 +205,35 @@ def test_a_tiny_temperature_draws_the_most_likely_token_not_nan():
     logits[7] = 12.0
     assert [sample(logits, t, 1.0, s, 3) for t in (1e-40, 1e-38, 1e-30) for s in (0, 1)] == [7] * 6
     assert not torch.isfinite(logits / 1e-40).all()  # the case is the overflow, by construction
+
+
+def whole_order_draw(logits: torch.Tensor, temperature: float, top_p: float, seed: int, position: int,
+                     higher_id_first: bool = False) -> int:
+    """The sampler's recipe spelled out: every token sorted (by weight, then by id), the running sums of all of
+    them, top-p's head, the keyed draw. higher_id_first breaks ties the other way (the control)."""
+    from tfq.sampling import draw_key, weights
+
+    w = weights(logits / temperature)[1]
+    ids = np.arange(len(w))[::-1] if higher_id_first else np.arange(len(w))
+    order = ids[np.argsort(-w[ids], kind="stable")]
+    cum = np.cumsum(w[order], dtype=np.float64)
+    keep = int(np.searchsorted(cum, top_p * cum[-1])) + 1 if top_p < 1.0 else len(cum)
+    r = torch.rand(1, generator=torch.Generator().manual_seed(draw_key(seed, position)), dtype=torch.float64).item()
+    return int(order[min(int(np.searchsorted(cum[:keep], r * cum[keep - 1], side="right")), keep - 1)])
+
+
+def test_the_sampler_sorts_only_the_head_yet_draws_what_the_whole_order_draws():
+    """sample() sorts only as many tokens as the draw needs; it draws what sorting all of them draws, on peaked,
+    flat and tied rows and at every top_p. The control breaks ties by the higher id: it parts on the tied rows."""
+    from tfq.sampling import sample
+
+    g = torch.Generator().manual_seed(5)
+    rows = [torch.randn(n, generator=g) * scale for n in (50, 3000, 151936) for scale in (0.3, 3.0, 12.0)]
+    rows += [torch.round(torch.randn(3000, generator=g) * 2) / 2, torch.zeros(600)]  # ties everywhere
+    settings = [(1.0, 1.0), (0.7, 0.9), (1.3, 0.5), (2.0, 0.999), (1.0, 0.02)]
+    for seed, row in enumerate(rows):
+        for t, p in settings:
+            assert sample(row, t, p, seed, 9) == whole_order_draw(row, t, p, seed, 9), (seed, t, p)
+    parted = [sample(row, t, p, s, 9) != whole_order_draw(row, t, p, s, 9, higher_id_first=True)
+              for row in rows[-2:] for t, p in settings for s in range(4)]
+    assert any(parted)  # control

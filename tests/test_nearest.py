@@ -6,7 +6,7 @@ import mpmath
 import numpy as np
 import pytest
 
-from tfq.nearest import MARGIN, _round32, cos32, exp32, log64, nearest32, pow32, sin32
+from tfq.nearest import BLOCK, MARGIN, _round32, cos32, exp32, log64, nearest32, pow32, sin32
 
 
 def exact32(function: str, *args: float) -> np.float32:
@@ -37,18 +37,30 @@ def test_each_value_is_the_nearest_float32(name, ours, args):
 
 
 def test_a_value_near_a_midpoint_is_decided_exactly():
-    """float64 values a hair (2e-14, relatively) on either side of a point halfway between two float32s: the
-    exact side wins. The control: plain rounding of the float64 value that fell on the wrong side of the midpoint
-    (as another library's last bit could) gives the other float32 (RED by construction)."""
-    f = RNG.uniform(1, 2, 300).astype(np.float32).astype(np.float64)
-    mid = f + np.spacing(f.astype(np.float32)).astype(np.float64) / 2
+    """float64 values a hair (2e-14, relatively) on either side of a point halfway between two float32s, spread
+    over several blocks of nearest32's passes (on their edges too): the exact side wins. The control: plain
+    rounding of the float64 value that fell on the wrong side of the midpoint (as another library's last bit
+    could) gives the other float32 (RED by construction)."""
+    n = 3 * BLOCK + 100
+    where = np.unique(np.concatenate([RNG.choice(n, 300, replace=False), [0, BLOCK - 1, BLOCK, 2 * BLOCK, n - 1]]))
+    f = RNG.uniform(1, 2, n).astype(np.float32).astype(np.float64)
+    mid = f.copy()  # float32s elsewhere: not doubtful
+    mid[where] += np.spacing(f[where].astype(np.float32)).astype(np.float64) / 2
     for side in (-2e-14, 2e-14):
-        exact = mid * (1 + side)
-        wrong = mid * (1 - side)  # the same distance on the other side: within MARGIN of the exact value
+        exact, wrong = mid.copy(), mid.copy()
+        exact[where] *= 1 + side
+        wrong[where] *= 1 - side  # the same distance on the other side: within MARGIN of the exact value
         assert np.all(np.abs(wrong - exact) <= np.abs(exact) * MARGIN)
         got = nearest32(wrong, lambda i, side=side: mpmath.mpf(float(mid.flat[i])) * (1 + mpmath.mpf(side)))
         assert same_floats(got, exact.astype(np.float32))
         assert not same_floats(wrong.astype(np.float32), exact.astype(np.float32))  # control
+
+
+def test_a_long_row_is_rounded_value_by_value():
+    """exp32 of a row longer than a block equals exp32 of each value alone (the blocks' edges drop nothing)."""
+    x = RNG.uniform(-30, 0, 2 * BLOCK + 7)
+    alone = np.concatenate([exp32(x[i:i + 1]) for i in range(len(x))])
+    assert same_floats(exp32(x), alone)
 
 
 def test_the_log_of_a_sum_is_the_nearest_float64():

@@ -23,13 +23,36 @@ _LOW, _HALF = (1 << 29) - 1, 1 << 28
 _NORMAL, _TOP = 2.0 ** -126, float(np.finfo(np.float32).max)
 
 
+BLOCK = 8192  # values a pass: the temporaries of a block stay in cache (whole-row temporaries cost page faults)
+
+
 def nearest32(approx: np.ndarray, exact: Callable) -> np.ndarray:
     """The float32 nearest each exact value, given `approx` (float64, within MARGIN relatively) and `exact`:
     index -> that value as an mpmath number, asked only where approx cannot decide."""
     approx = np.ascontiguousarray(approx, dtype=np.float64)
-    with np.errstate(over="ignore"):
-        f = approx.astype(np.float32)  # to nearest, ties to even: right wherever approx is not doubtful
-    low = approx.view(np.int64) & _LOW
+    flat = approx.reshape(-1)
+    return _by_blocks(approx.shape, lambda part, out: flat[part], exact)
+
+
+def _by_blocks(shape: tuple, approx_of: Callable, exact: Callable) -> np.ndarray:
+    """nearest32 a block at a time: approx_of(slice, float64 buffer) -> the block's float64 values."""
+    n = int(np.prod(shape))
+    f = np.empty(n, dtype=np.float32)
+    buffer, low = np.empty(min(n, BLOCK)), np.empty(min(n, BLOCK), dtype=np.int64)
+    for start in range(0, n, BLOCK):
+        part = slice(start, min(n, start + BLOCK))
+        with np.errstate(over="ignore"):
+            approx = approx_of(part, buffer[: part.stop - start])
+            f[part] = approx  # to nearest, ties to even: right wherever approx is not doubtful
+        for i in _doubtful(approx, low[: part.stop - start]):
+            if np.isfinite(approx[i]):
+                f[start + i] = _round32(exact(start + i))
+    return f.reshape(shape)
+
+
+def _doubtful(approx: np.ndarray, low: np.ndarray) -> np.ndarray:
+    """Where approx (one block) lies within MARGIN of a float32 midpoint, or of float32's subnormals or overflow."""
+    np.bitwise_and(approx.view(np.int64), _LOW, out=low)
     low -= _HALF
     np.abs(low, out=low)
     doubtful = low <= _NEAR
@@ -37,14 +60,11 @@ def nearest32(approx: np.ndarray, exact: Callable) -> np.ndarray:
     if not (lo >= _NORMAL or hi <= -_NORMAL):  # some |value| may be below float32's normals (or NaN: min says so)
         magnitude = np.abs(approx)
         tiny = np.flatnonzero(magnitude < _NORMAL)  # float32 subnormals: steps of 2^-149 whatever the magnitude
-        steps = magnitude.flat[tiny] * 2.0 ** 149  # exact
-        doubtful.flat[tiny] = np.abs(steps - np.floor(steps) - 0.5) <= steps * MARGIN + 2.0 ** -60
+        steps = magnitude[tiny] * 2.0 ** 149  # exact
+        doubtful[tiny] = np.abs(steps - np.floor(steps) - 0.5) <= steps * MARGIN + 2.0 ** -60
     if not max(abs(lo), abs(hi)) < _TOP * (1 - MARGIN):  # near float32's largest: overflow or not, decided exactly
         doubtful |= np.abs(approx) >= _TOP * (1 - MARGIN)
-    for i in np.flatnonzero(doubtful):
-        if np.isfinite(approx.flat[i]):
-            f.flat[i] = _round32(exact(i))
-    return f
+    return np.flatnonzero(doubtful)
 
 
 def _round32(value) -> np.float32:
@@ -71,30 +91,34 @@ def _mp(function: str, *args: np.ndarray) -> Callable:
 
 
 def _inputs(*args) -> list[np.ndarray]:
-    return list(np.broadcast_arrays(*(np.asarray(a, dtype=np.float64) for a in args)))
+    """The arguments as flat float64 arrays of one broadcast shape, and that shape."""
+    arrays = np.broadcast_arrays(*(np.asarray(a, dtype=np.float64) for a in args))
+    return [np.ascontiguousarray(a).reshape(-1) for a in arrays], arrays[0].shape
+
+
+def _rounded(function: str, *args) -> np.ndarray:
+    """numpy's float64 `function` of args, a block at a time, rounded to the nearest float32 (mpmath's decides)."""
+    flat, shape = _inputs(*args)
+    ufunc = getattr(np, function)
+    return _by_blocks(shape, lambda part, out: ufunc(*(a[part] for a in flat), out=out), _mp(function, *flat))
 
 
 def exp32(x) -> np.ndarray:
     """exp(x) for float64 (or float32) x, rounded to float32."""
-    (x,) = _inputs(x)
-    with np.errstate(over="ignore"):
-        return nearest32(np.exp(x), _mp("exp", x))
+    return _rounded("exp", x)
 
 
 def cos32(x) -> np.ndarray:
-    (x,) = _inputs(x)
-    return nearest32(np.cos(x), _mp("cos", x))
+    return _rounded("cos", x)
 
 
 def sin32(x) -> np.ndarray:
-    (x,) = _inputs(x)
-    return nearest32(np.sin(x), _mp("sin", x))
+    return _rounded("sin", x)
 
 
 def pow32(base, exponent) -> np.ndarray:
     """base ** exponent (base > 0), rounded to float32."""
-    base, exponent = _inputs(base, exponent)
-    return nearest32(np.power(base, exponent), _mp("power", base, exponent))
+    return _rounded("power", base, exponent)
 
 
 def log64(x: float) -> float:

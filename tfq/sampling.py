@@ -30,27 +30,57 @@ def draw_key(seed: int, position: int) -> int:
 
 def weights(logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     """(logits - max in float64, exp of that rounded to float32): each token's weight, the largest exactly 1."""
-    x = logits.numpy().astype(np.float64)
-    d = x - x.max()
+    x = logits.numpy()
+    d = np.subtract(x, np.float64(x.max()), dtype=np.float64)  # exact: two float32s' difference fits a float64
     return d, exp32(d)
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, seed: int, position: int) -> int:
-    """logits: [vocab] fp32. position: where the drawn token will sit in the stream."""
+    """logits: [vocab] fp32. position: where the drawn token will sit in the stream.
+
+    The recipe: tokens in one order (by weight, then by id), their weights summed one after another in float64
+    in that order; top-p keeps the smallest head holding top_p of the whole; a keyed uniform draw picks within
+    it. Only the head is ever sorted: the whole's sum needs the weights' values in order, not their ids."""
     if temperature <= 0:  # numpy's argmax (the first of equal maxima) is 25x faster here than torch's
         return int(logits.numpy().argmax())
     scaled = logits / temperature
     if not bool(torch.isfinite(scaled).all()):  # T so small that logits / T overflows: scale from the max,
         scaled = (logits - logits.max()) / temperature  # which stays 0 (the rest -inf), not inf - inf = NaN
-    w = torch.from_numpy(weights(scaled)[1])
-    order = torch.argsort(w, descending=True, stable=True)  # one order: by weight, then by id
-    cum = np.cumsum(w[order].numpy(), dtype=np.float64)  # one sum after another, in that order
-    keep = len(cum)
-    if top_p < 1.0:  # the smallest head holding top_p of the whole
-        keep = int(np.searchsorted(cum, top_p * cum[-1])) + 1
+    w = weights(scaled)[1]
+    total = _running_sum(np.sort(w)[::-1])  # equal weights are equal values: the ids' order cannot change a sum
     g = torch.Generator().manual_seed(draw_key(seed, position))
-    u = torch.rand(1, generator=g, dtype=torch.float64).item() * float(cum[keep - 1])
-    return int(order[min(int(np.searchsorted(cum[:keep], u, side="right")), keep - 1)])
+    r = torch.rand(1, generator=g, dtype=torch.float64).item()
+    if top_p < 1.0:
+        ids, cum = _head(w, lambda cum: cum[-1] >= top_p * total)
+        keep = int(np.searchsorted(cum, top_p * total)) + 1
+        u = r * float(cum[keep - 1])
+    else:
+        ids, cum = _head(w, lambda cum: cum[-1] > r * total)
+        keep, u = len(cum), r * total
+    return int(ids[min(int(np.searchsorted(cum[:keep], u, side="right")), keep - 1)])
+
+
+def _head(w: np.ndarray, enough) -> tuple[np.ndarray, np.ndarray]:
+    """The first tokens of the order (by weight, then by id) and their running sums, as many as `enough` wants:
+    the 64 largest weights and their ties, then 8 times more, up to all of them."""
+    k = 64
+    while True:
+        ids = np.flatnonzero(w >= np.partition(w, len(w) - k)[len(w) - k]) if k < len(w) else np.arange(len(w))
+        ids = ids[np.argsort(-w[ids], kind="stable")]  # ascending ids in, so a tie keeps the lower id first
+        cum = np.cumsum(w[ids], dtype=np.float64)  # the prefix of the whole order's running sums, bit for bit
+        if enough(cum) or len(ids) == len(w):
+            return ids, cum
+        k *= 8
+
+
+def _running_sum(values: np.ndarray, block: int = 8192) -> float:
+    """values added one after another in float64 (a cumsum's last entry), a block at a time."""
+    total, buffer = 0.0, np.empty(block + 1)
+    for start in range(0, len(values), block):
+        part = values[start:start + block]
+        buffer[0], buffer[1:len(part) + 1] = total, part
+        total = float(np.cumsum(buffer[:len(part) + 1])[-1])
+    return total
 
 
 @dataclass(frozen=True)
@@ -65,7 +95,8 @@ class TokenLogprob:
 def log_softmax(logits: torch.Tensor) -> np.ndarray:
     """The row's log-softmax in float64: logit - max - log(sum of the weights), by the recipe of `weights`."""
     d, w = weights(logits)
-    return d - log64(w.sum(dtype=np.float64))
+    d -= log64(w.sum(dtype=np.float64))
+    return d
 
 
 def logprob(logits: torch.Tensor, token: int, top: int = 0) -> TokenLogprob:
