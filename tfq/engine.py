@@ -20,6 +20,7 @@ import torch
 
 from tfq.cache import KVCache
 from tfq.errors import TfqError
+from tfq.grammar import Grammars, OwnMask
 from tfq.model.qwen import Qwen
 from tfq.prefix import PrefixCache, root_key
 from tfq.plan.layout import PREFIX_ON_HYBRID, auto_logits_rows, lane_split
@@ -89,10 +90,12 @@ class Controls:
 
     arithmetic: the attention policy and DeltaNet algorithm a forward's rows run in (tfq/runner.py's policies;
     None: the plan's). page_order_seed: the pool hands out pages in an order shuffled by it (paged rows must not
-    care where their pages sit)."""
+    care where their pages sit). mask: how a constrained row's grammar mask is made (tfq/grammar.py: OwnMask,
+    or the control SharedMask)."""
 
     arithmetic: Policy | None = None
     page_order_seed: int | None = None
+    mask: Callable | None = None
 
 
 class Engine:
@@ -124,6 +127,8 @@ class Engine:
                                    s.step_tokens)
         self.streams: dict[int, Stream] = {}
         self._next_id = 0
+        self._grammars: Grammars | None = None  # built on the first constrained request (about a second)
+        self.mask = controls.mask or OwnMask()
         self.proof = None  # tfq.proofs.startup.LayerProof: the model's layer proved row-invariant here
         if not model.backend.interpreted:  # under Triton's interpreter the tests prove the same, faster
             self.proof = prove(model, s.kv_dtype, s.partial, torch.get_num_threads(), self.largest_forward,
@@ -169,15 +174,31 @@ class Engine:
                     decoder=self.tokenizer.stream() if self.tokenizer else None)
         self._next_id += 1
         self.streams[st.id] = st
+        if request.constraint is not None:
+            try:
+                st.grammar = self.grammars.matcher(request.constraint)
+            except TfqError as e:  # refused at once, as a prompt over the window is
+                st.fail(str(e))
+                st.status = Status.FINISHED
+                return st.id
         self.scheduler.add(st)
         return st.id
+
+    @property
+    def grammars(self) -> Grammars:
+        """The model's grammars (tfq/grammar.py): what compiles a request's constraint."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise TfqError("a constrained reply needs the model's tokenizer; load the model with it")
+            self._grammars = Grammars(self.tokenizer, self.model.config.vocab_size, self.eos_ids)
+        return self._grammars
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
     def step(self) -> list[Output]:
         """One forward: what every stream that reached the end of its rows drew."""
-        guesses = self.runner.propose(*self.scheduler.guess_budgets(self.drawing_rows - 1))
+        guesses = self._grammatical(self.runner.propose(*self.scheduler.guess_budgets(self.drawing_rows - 1)))
         step = self.scheduler.schedule(guesses)
         outputs = [Output(st.id, -1, "", True) for st in step.failed]
         if step.feeds:
@@ -269,12 +290,36 @@ class Engine:
         st.digests.append(digest(logits))
         if self.keep_logits:
             st.logits.append(logits.clone())
-        token = sample(logits, req.temperature, req.top_p, req.seed, len(st.tokens))
+        token = sample(self._shaped(st, logits), req.temperature, req.top_p, req.seed, len(st.tokens))
         scored = logprob(logits, token, req.logprobs) if req.logprobs is not None else None
         if scored is not None:
             st.logprobs.append(scored)
         text = st.append(token, self.eos_ids, self.settings.window)
         return Output(st.id, token, text, st.finish is not None, scored, st.digests[-1])
+
+    def _shaped(self, st: Stream, logits: torch.Tensor) -> torch.Tensor:
+        """The row the token is drawn from: the model's, then the request's penalties, then its grammar's mask
+        (each a function of the row and the stream's own tokens). Log-probabilities and digests stay the
+        model's: the scores of the same tokens without them."""
+        req = st.request
+        if req.penalties:
+            logits = req.penalties.apply(logits, req.prompt, st.reply)
+        if st.grammar is not None:
+            st.grammar.at(st.reply)
+            allowed = self.mask(st.grammar)
+            if not allowed.any():
+                raise TfqError("the grammar allows no token here")
+            logits = torch.where(torch.from_numpy(allowed[:len(logits)]), logits, float("-inf"))
+        return logits
+
+    def _grammatical(self, guesses: dict[int, list[int]]) -> dict[int, list[int]]:
+        """A drafter's guesses cut where a stream's grammar would refuse one (it could never be drawn)."""
+        for id_, g in guesses.items():
+            st = self.streams[id_]
+            if st.grammar is not None:
+                st.grammar.at(st.reply)
+                guesses[id_] = g[:st.grammar.valid_prefix(g)]
+        return guesses
 
     def _score_prompt(self, st: Stream, first: int, rows: torch.Tensor) -> None:
         """Row i (position first + i) scores the prompt token after it; once, even when recomputed."""

@@ -8,6 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from tfq.errors import TfqError
+from tfq.grammar import constraint_of
+from tfq.penalties import Penalties
 from tfq.sampling import TokenLogprob
 from tfq.stream import Request, choices
 
@@ -22,15 +25,27 @@ class SamplingParams:
     stop: Sequence[str] = ()
     logprobs: int | None = None  # each reply token's log-probability and the top k (None: none)
     prompt_logprobs: int | None = None  # the same for each prompt token after the first
+    # on the row before each draw (tfq/penalties.py), as OpenAI's and vLLM's fields of the same names
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    # a grammar the reply follows (tfq/grammar.py): one of these at most
+    json_schema: dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: Sequence[str] | None = None
+    grammar: str | None = None  # Lark, llguidance's dialect
 
     def requests(self, prompts: list[list[int]]) -> list[Request]:
         if not isinstance(self.n, int) or self.n < 1:
-            from tfq.errors import TfqError
-
             raise TfqError(f"n must be a positive integer, got {self.n!r}")
+        penalties = Penalties(self.presence_penalty, self.frequency_penalty, self.repetition_penalty,
+                              tuple(sorted((self.logit_bias or {}).items())))
+        constraint = constraint_of(self.json_schema, self.json_object, self.regex, self.choice, self.grammar)
         return choices(prompts, self.n, self.seed, max_tokens=self.max_tokens, temperature=self.temperature,
                        top_p=self.top_p, stop=tuple(self.stop), logprobs=self.logprobs,
-                       prompt_logprobs=self.prompt_logprobs)
+                       prompt_logprobs=self.prompt_logprobs, penalties=penalties, constraint=constraint)
 
 
 @dataclass

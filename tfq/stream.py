@@ -8,7 +8,9 @@ from enum import Enum, StrEnum
 import torch
 
 from tfq.errors import TfqError
+from tfq.grammar import Constraint
 from tfq.pages import Placement
+from tfq.penalties import Penalties
 from tfq.sampling import TokenLogprob, choice_seed
 
 MOST_TOP_LOGPROBS = 20  # as OpenAI's API
@@ -43,6 +45,8 @@ class Request:
     logprobs: int | None = None  # None: none; k >= 0: each drawn token's log-probability and the top k
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (the head runs on
     # every prompt row then: evaluation's log-likelihood)
+    penalties: Penalties = Penalties()  # on the row before the draw (tfq/penalties.py)
+    constraint: Constraint | None = None  # a grammar the reply follows (tfq/grammar.py)
 
     def validate(self) -> None:
         """Bad settings are refused before anything runs."""
@@ -59,6 +63,7 @@ class Request:
             k = getattr(self, key)
             if k is not None and (not isinstance(k, int) or not 0 <= k <= MOST_TOP_LOGPROBS):
                 raise TfqError(f"{name}: {key} must be an integer from 0 to {MOST_TOP_LOGPROBS}, got {k!r}")
+        self.penalties.validate(name)
 
 
 def choices(prompts: list[list[int]], n: int, seed: int, **settings) -> list[Request]:
@@ -130,6 +135,7 @@ class Stream:
     digests: list[str] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
     decoder: object | None = None  # tfq.model.tokenizer.StreamDecoder: text as whole characters
+    grammar: object | None = None  # tfq.grammar.Matcher, when the request has a constraint
     text: str = ""
     shown: int = 0  # characters of text returned by append so far
     finish: Finish | None = None

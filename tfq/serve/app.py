@@ -107,8 +107,8 @@ def build_app(served: Served) -> FastAPI:
         prompts = await asyncio.to_thread(text_prompts, served, body.prompt)
         if body.stream and body.echo and body.logprobs is not None:
             raise ApiError(400, "echo with logprobs is returned whole; set stream to false", "stream")
-        requests = body.requests(prompts, served.window, body.max_tokens, body.logprobs,
-                                 body.logprobs if body.echo else None)
+        requests = await shaped(served, body, lambda: body.requests(prompts, served.window, body.max_tokens, body.logprobs,
+                                                              body.logprobs if body.echo else None))
         shape = Shape.new("text", served.model, body.return_token_ids, body.return_digests)
         ticket = submit(served, requests)
         owners = [prompts[i // body.n] for i in range(len(requests))]
@@ -125,7 +125,7 @@ def build_app(served: Served) -> FastAPI:
         check_stops(served, body)
         prompt = await asyncio.to_thread(chat_prompt, served, body)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        requests = body.requests([prompt], served.window, body.reply_tokens, logprobs)
+        requests = await shaped(served, body, lambda: body.requests([prompt], served.window, body.reply_tokens, logprobs))
         shape = Shape.new("chat", served.model, body.return_token_ids, body.return_digests)
         ticket = submit(served, requests)
         if body.stream:
@@ -136,6 +136,26 @@ def build_app(served: Served) -> FastAPI:
 
     app.include_router(v1)
     return app
+
+
+async def shaped(served: Served, body, make) -> list[Request]:
+    """The body's engine requests (make()), their logit_bias and grammar checked; the grammar is compiled off the
+    event loop (llguidance bounds the work a grammar may take)."""
+    where = "response_format" if body.response_format is not None else "structured_outputs"
+    try:
+        requests = make()
+    except TfqError as e:  # a constraint malformed as data (two kinds, an empty choice)
+        raise ApiError(400, f"{where}: {e}", where) from None
+    try:
+        requests[0].penalties.validate("logit_bias", served.vocab)
+    except TfqError as e:
+        raise ApiError(400, str(e), "logit_bias") from None
+    if requests[0].constraint is not None:
+        try:
+            await asyncio.to_thread(served.loop.engine.grammars.matcher, requests[0].constraint)
+        except TfqError as e:
+            raise ApiError(400, f"{where}: {e}", where) from None
+    return requests
 
 
 def submit(served: Served, requests: list[Request]) -> Ticket:

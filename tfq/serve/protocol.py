@@ -1,7 +1,9 @@
 """The request bodies of the OpenAI API that tfq serves, as pydantic models, and how each becomes engine requests.
 
 Unknown fields are refused (a typo must not pass silently); fields OpenAI defines that would change the reply
-in ways tfq does not implement (penalties, logit_bias, suffix) are refused unless left at their neutral value.
+in ways tfq does not implement (suffix, best_of) are refused unless left at their neutral value. Penalties,
+logit_bias (tfq/penalties.py) and response_format (tfq/grammar.py) act on each stream's own logits row; vLLM's
+`repetition_penalty` and `structured_outputs` (regex, choice, grammar, json) are taken too.
 Defaults are OpenAI's (temperature 1, top_p 1), with one difference: a request without `seed` uses seed 0, so
 a reply is always a function of the request.
 """
@@ -14,6 +16,8 @@ from typing import Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from tfq.grammar import Constraint, constraint_of
+from tfq.penalties import Penalties
 from tfq.stream import MOST_TOP_LOGPROBS, Request, choices
 
 MOST_CHOICES = 16
@@ -43,6 +47,38 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchema(BaseModel):
+    """response_format.json_schema: OpenAI's shape. tfq always holds a reply to its schema, strict or not."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: Optional[str] = None
+    schema_: Union[dict, bool] = Field(True, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchema] = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("give json_schema exactly when type is json_schema")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs: one of a JSON schema, a regex, a choice of strings, a Lark grammar."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    json_: Optional[Union[dict, bool]] = Field(None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+
+
 class Sampling(BaseModel):
     """What completions and chat completions share."""
 
@@ -58,9 +94,12 @@ class Sampling(BaseModel):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None  # accepted and ignored, as OpenAI's
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0, le=10)  # vLLM's
     logit_bias: Optional[dict[str, float]] = None
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputs] = None  # vLLM's
     # tfq's own: each choice's token ids, and the digest of the logits each token was drawn from
     return_token_ids: bool = False
     return_digests: bool = False
@@ -75,26 +114,45 @@ class Sampling(BaseModel):
                                       f"whole characters (a surrogate pair, or the character itself)")
         return raw
 
-    @field_validator("temperature", "top_p", "presence_penalty", "frequency_penalty")
+    @field_validator("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
     @classmethod
     def _finite(cls, v: float) -> float:
         if not math.isfinite(v):
             raise ValueError("must be a finite number")
         return v
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, v: float) -> float:
-        if v != 0:
-            raise ValueError("tfq does not apply penalties; leave it at 0")
-        return v
-
     @field_validator("logit_bias")
     @classmethod
-    def _no_bias(cls, v):
-        if v:
-            raise ValueError("tfq does not apply logit_bias; leave it out")
+    def _bias(cls, v):
+        for key, value in (v or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys are token ids written as strings (\"1234\"), got {key!r}")
+            if not (math.isfinite(value) and -100 <= value <= 100):
+                raise ValueError(f"token {key}: a bias is in [-100, 100], got {value!r}")
         return v
+
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        if self.response_format is not None and self.response_format.type != "text" and self.structured_outputs:
+            raise ValueError("response_format and structured_outputs: give one of them")
+        return self
+
+    @property
+    def penalties(self) -> Penalties:
+        bias = tuple(sorted((int(k), v) for k, v in (self.logit_bias or {}).items()))
+        return Penalties(self.presence_penalty, self.frequency_penalty, self.repetition_penalty, bias)
+
+    @property
+    def constraint(self) -> Constraint | None:
+        """The grammar the reply follows, or None (a malformed one raises TfqError)."""
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            return constraint_of(so.json_, False, so.regex, so.choice, so.grammar)
+        if self.response_format is None or self.response_format.type == "text":
+            return None
+        if self.response_format.type == "json_object":
+            return constraint_of(json_object=True)
+        return constraint_of(self.response_format.json_schema.schema_)
 
     @field_validator("stop")
     @classmethod
@@ -117,7 +175,8 @@ class Sampling(BaseModel):
         """One engine request per (prompt, choice); without max_tokens a reply may fill the window."""
         return [replace(r, max_tokens=max_tokens or max(window - len(r.prompt), 1))
                 for r in choices(prompts, self.n, self.seed, temperature=self.temperature, top_p=self.top_p,
-                                 stop=self.stops, logprobs=logprobs, prompt_logprobs=prompt_logprobs)]
+                                 stop=self.stops, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                                 penalties=self.penalties, constraint=self.constraint)]
 
 
 class CompletionBody(Sampling):

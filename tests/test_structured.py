@@ -1,0 +1,168 @@
+"""Structured outputs and penalties: each a function of a stream's own row and tokens, so a constrained or
+penalized reply is the same alone or together, paged, preempted or drafted; a mask built from the batch (the
+control) is not. The shipped schema suite (examples/schemas.json) on the default model: every reply valid."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engines import engine, same
+from test_draft import RandomDrafter
+from tfq.engine import Controls, EngineSettings
+from tfq.errors import TfqError
+from tfq.grammar import Constraint, SharedMask, constraint_of
+from tfq.penalties import Penalties
+from tfq.sampling import log_softmax, logprob
+from tfq.stream import Finish, Request
+
+SCHEMAS = json.loads((Path(__file__).parent.parent / "examples" / "schemas.json").read_text())["schemas"]
+PENALIZED = Penalties(presence=0.6, frequency=0.4, repetition=1.3, bias=((17, 4.0), (40, -100.0)))
+
+
+def shaped_requests(tok) -> list[Request]:
+    """Constrained and penalized requests on the tiny model, greedy and sampled, short and long prompts."""
+    prompts = [tuple(tok.chat_ids([{"role": "user", "content": text}]))
+               for text in ("json please", "a date: " * 12, "pick one", "def fibonacci(n):" * 9)]
+    shapes = [dict(constraint=Constraint("regex", "[0-9]{4}-[0-9]{2}-[0-9]{2}")),
+              dict(penalties=PENALIZED),
+              dict(constraint=Constraint("choice", json.dumps(["alpha", "beta", "gamma"]))),
+              dict(constraint=Constraint.json_schema({"type": "array", "items": {"enum": ["a", "b"]}}),
+                   penalties=Penalties(frequency=1.0))]
+    return [Request(p, max_tokens=20, temperature=t, seed=5, logprobs=2, **shape)
+            for p, shape in zip(prompts, shapes) for t in (0.0, 0.9)]
+
+
+def tiny_engine(loaded, **kw):
+    return engine(loaded.model, tokenizer=loaded.tokenizer, eos_ids=loaded.tokenizer.eos_ids, keep_logits=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_models):
+    return tiny_models["qwen2"]
+
+
+@pytest.fixture(scope="module")
+def alone(tiny):
+    one = tiny_engine(tiny)
+    return [one.generate([r])[0] for r in shaped_requests(tiny.tokenizer)]
+
+
+def test_constrained_and_penalized_replies_equal_alone_together_paged_preempted_and_drafted(tiny, alone):
+    requests = shaped_requests(tiny.tokenizer)
+    busy = tiny_engine(tiny, lanes=4, prefill_chunk=16, page_rows=64, paged_all=True, pool_pages=5,
+                       controls=Controls(page_order_seed=2))
+    together = busy.generate(requests)
+    assert sum(r.preempted for r in together) > 0  # the case is preemption, by construction
+    drafted = tiny_engine(tiny, lanes=3, drafter=RandomDrafter(3, tiny.config.vocab_size, 1)).generate(requests)
+    for a, b, c in zip(alone, together, drafted):
+        assert same(a, b) and same(a, c)
+        assert a.logprobs == b.logprobs == c.logprobs
+    assert {r.text for r in alone[4:6]} <= {"alpha", "beta", "gamma"}
+    assert all(len(r.text) == 10 and r.text[4] == "-" for r in alone[:2] if r.finish is Finish.EOS)
+
+
+def test_control_one_mask_buffer_for_the_batch_comes_out_red(tiny, alone):
+    """The control: every row's mask or-ed into one buffer never cleared (a batch's mask shared across rows);
+    then some row may draw what only another row's grammar allows, and a reply parts from its run alone."""
+    requests = shaped_requests(tiny.tokenizer)
+    control = tiny_engine(tiny, lanes=4, controls=Controls(mask=SharedMask())).generate(requests)
+    assert any(not same(a, c) for a, c in zip(alone, control))
+
+
+def test_log_probabilities_are_the_models_not_the_masked_rows(tiny, alone):
+    """A constrained token's log-probability is the model's (the row before the grammar's mask), as the same
+    token's score without any constraint; the masked row's log-softmax (the control) gives other numbers."""
+    r = alone[0]  # a regex: most of the vocabulary masked
+    assert [s.logprob for s in r.logprobs] == [logprob(row, t).logprob for row, t in zip(r.logits, r.ids)]
+    masked = tiny_engine(tiny)
+    st_request = shaped_requests(tiny.tokenizer)[0]
+    matcher = masked.grammars.matcher(st_request.constraint)
+    allowed = torch.from_numpy(matcher.allowed())
+    row = torch.where(allowed, r.logits[0], float("-inf"))
+    assert float(log_softmax(row)[r.ids[0]]) != r.logprobs[0].logprob  # control
+
+
+def test_penalties_follow_their_definition():
+    """Penalties.apply against the definition written out token by token in float32 (vLLM's order: bias, then
+    repetition over prompt and reply, then frequency and presence over the reply). The control counts the
+    prompt's tokens in the frequency too, as some engines do: other bits."""
+    g = torch.Generator().manual_seed(4)
+    row = torch.randn(300, generator=g) * 4
+    prompt, reply = [3, 5, 5, 17, 250], [5, 9, 9, 9, 40, 17]
+    p = PENALIZED
+
+    def by_definition(counted: list[int]) -> np.ndarray:
+        x = row.numpy().copy()
+        for t, b in p.bias:
+            x[t] = np.float32(x[t] + np.float32(b))
+        r = np.float32(p.repetition)
+        for t in set(prompt) | set(reply):
+            x[t] = x[t] / r if x[t] > 0 else x[t] * r
+        for t in set(counted):
+            x[t] = np.float32(x[t] - np.float32(np.float32(p.frequency) * np.float32(counted.count(t))))
+            x[t] = np.float32(x[t] - np.float32(p.presence))
+        return x
+
+    got = p.apply(row, prompt, reply).numpy()
+    assert np.array_equal(got.view(np.int32), by_definition(reply).view(np.int32))
+    assert not np.array_equal(got.view(np.int32), by_definition(prompt + reply).view(np.int32))  # control
+    assert not Penalties() and bool(Penalties(repetition=1.1))
+
+
+def test_a_matcher_is_a_function_of_the_reply(tiny):
+    """A matcher moved to another reply (a stream recomputed, a reply continued elsewhere) begins again from
+    its tokens: its mask equals a fresh matcher's at that reply."""
+    grammars = tiny_engine(tiny).grammars
+    constraint = Constraint("choice", json.dumps(["alpha", "beta"]))
+    tok = tiny.tokenizer
+    a, b = tok.encode("alpha"), tok.encode("beta")
+    moved = grammars.matcher(constraint)
+    moved.at(a[:1])
+    moved.at(b[:1])  # not an extension of what it consumed
+    fresh = grammars.matcher(constraint)
+    fresh.at(b[:1])
+    assert np.array_equal(moved.allowed(), fresh.allowed())
+    assert moved.valid_prefix(b[1:] + a) == len(b) - 1  # a drafter's guesses: those the grammar takes
+
+
+def test_bad_constraints_are_one_line_refusals(tiny):
+    with pytest.raises(TfqError, match="one constraint at most"):
+        constraint_of(json_schema={"type": "object"}, regex="a+")
+    with pytest.raises(TfqError, match="non-empty list"):
+        constraint_of(choice=[])
+    eng = tiny_engine(tiny)
+    unsatisfiable = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["b"],
+                     "additionalProperties": False}
+    r = eng.generate([Request((1, 2, 3), max_tokens=4, constraint=Constraint.json_schema(unsatisfiable))])[0]
+    assert r.finish is Finish.ERROR and "cannot be used" in r.error and "\n" not in r.error and not r.ids
+    with pytest.raises(TfqError, match="logit_bias"):
+        Request((1,), penalties=Penalties(bias=((3, 500.0),))).validate()
+
+
+@pytest.mark.slow
+def test_every_schema_of_the_suite_gives_a_valid_reply_the_same_alone_and_eight_at_a_time(default_model):
+    """examples/schemas.json (34 schemas: nested objects, arrays, enums, bounds, optional fields, $ref, anyOf,
+    oneOf, allOf) on the default model, greedy and sampled: every reply ends and is valid against its schema
+    (jsonschema), and equals its run alone, ids and logits bits. The control (one mask buffer for the batch)
+    parts from the runs alone."""
+    import jsonschema
+
+    tok = default_model.tokenizer
+    system = {"role": "system", "content": "Reply with JSON only."}
+    requests = [Request(tuple(tok.chat_ids([system, {"role": "user", "content": s["prompt"]}])), max_tokens=96,
+                        temperature=0.7 if i % 3 == 2 else 0.0, seed=i, label=s["name"],
+                        constraint=Constraint.json_schema(s["schema"])) for i, s in enumerate(SCHEMAS)]
+    assert len(requests) >= 30
+    one = tiny_engine(default_model)
+    alone = [one.generate([r])[0] for r in requests]
+    together = tiny_engine(default_model, lanes=8).generate(requests)
+    for s, a, b in zip(SCHEMAS, alone, together):
+        assert a.finish is Finish.EOS, (s["name"], a.finish, a.text)
+        jsonschema.validate(json.loads(a.text), s["schema"])
+        assert same(a, b), s["name"]
+    control = tiny_engine(default_model, lanes=8, controls=Controls(mask=SharedMask())).generate(requests)
+    assert sum(not same(a, c) for a, c in zip(alone, control)) > len(requests) // 2
