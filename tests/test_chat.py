@@ -64,6 +64,10 @@ def test_prompts_file(tiny_dirs, tmp_path):
     (["--top-p", "0"], "top_p"),
     (["--model", "/nonexistent/model"], "/nonexistent/model"),
     (["--prompts", "/nonexistent/prompts.txt"], "prompts"),
+    (["--json-schema", "/nonexistent/schema.json"], "schema.json"),
+    (["--regex", "("], "unclosed group"),
+    (["--regex", "a", "--json-schema", str(ROOT / "pyproject.toml")], "not JSON"),
+    (["--presence-penalty", "3"], "presence_penalty"),
 ])
 def test_bad_input_is_one_line_exit_2(tiny_dirs, args, words):
     base = {"--model": str(tiny_dirs["qwen2"])}
@@ -72,6 +76,19 @@ def test_bad_input_is_one_line_exit_2(tiny_dirs, args, words):
     assert r.returncode == 2, (r.stdout, r.stderr)
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and words in lines[0] and "Traceback" not in r.stderr
+
+
+def test_a_reply_follows_its_json_schema_and_regex(tiny_dirs, tmp_path):
+    """--json-schema and --regex hold a reply to its grammar even on a random model."""
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], '
+                      '"additionalProperties": false}')
+    common = ["--model", str(tiny_dirs["qwen2"]), "--plan", TINY_PLAN, "--max-tokens", "24", "--quiet"]
+    as_json = tfq("chat", "json?", "--json-schema", str(schema), "--repetition-penalty", "1.2", *common)
+    as_time = tfq("chat", "when?", "--regex", "[0-2][0-9]:[0-5][0-9]", *common)
+    assert as_json.returncode == 0 and as_time.returncode == 0, (as_json.stderr, as_time.stderr)
+    assert as_json.stdout.strip() in ('{"ok": true}', '{"ok": false}')
+    assert len(as_time.stdout.strip()) == 5 and as_time.stdout[2] == ":"
 
 
 @pytest.mark.slow

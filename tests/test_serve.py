@@ -147,7 +147,9 @@ def hostile_requests() -> list[tuple[str, bytes, dict, int]]:
                            ("temperature", float("nan")), ("temperature", float("inf")), ("temperature", -1),
                            ("temperature", "hot"), ("top_p", 0), ("top_p", 1.5), ("n", 0), ("n", 1000),
                            ("n", "two"), ("seed", "x"), ("seed", 2 ** 70), ("stop", 5), ("stop", ["a"] * 9),
-                           ("stream", "yes"), ("presence_penalty", 1.0), ("logit_bias", {"5": 10}),
+                           ("stream", "yes"), ("presence_penalty", 2.5), ("logit_bias", {"5": 101}),
+                           ("logit_bias", {"five": 1}), ("repetition_penalty", 0), ("response_format", {"type": "xml"}),
+                           ("response_format", {"type": "json_schema"}), ("structured_outputs", {"regex": "("}),
                            ("frobnicate", True), ("return_token_ids", "maybe"), ("stream_options", {"x": 1}),
                            ("model", 7), ("model", None)):
             body(path, {**ok, key: value}, 400)

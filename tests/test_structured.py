@@ -12,7 +12,7 @@ import torch
 
 from engines import engine, same
 from test_draft import RandomDrafter
-from tfq.engine import Controls, EngineSettings
+from tfq.engine import Controls
 from tfq.errors import TfqError
 from tfq.grammar import Constraint, SharedMask, constraint_of
 from tfq.penalties import Penalties
@@ -166,3 +166,41 @@ def test_every_schema_of_the_suite_gives_a_valid_reply_the_same_alone_and_eight_
         assert same(a, b), s["name"]
     control = tiny_engine(default_model, lanes=8, controls=Controls(mask=SharedMask())).generate(requests)
     assert sum(not same(a, c) for a, c in zip(alone, control)) > len(requests) // 2
+
+
+def test_the_server_takes_response_format_structured_outputs_and_penalties(tiny_dirs, tiny_models):
+    """Through the `openai` client: a json_schema reply follows its schema, streamed or not (the same reply);
+    vLLM's structured_outputs (a regex) and repetition_penalty; OpenAI's penalties and logit_bias. A schema
+    that cannot be satisfied, a bias on a token the model lacks, a key that is not a token id: 400, naming
+    the field."""
+    from openai import BadRequestError, OpenAI
+
+    from served import NAME, server, tiny_served
+    from tfq.serve.background import serving
+
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"],
+              "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+    kw = dict(model=NAME, messages=[{"role": "user", "content": "yes or no?"}], max_tokens=30, temperature=0.8,
+              seed=3, presence_penalty=0.5, frequency_penalty=0.3, logit_bias={"17": 5})
+    with serving(server(tiny_served(tiny_dirs, tiny_models))) as base:
+        client = OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+        whole = client.chat.completions.create(response_format=fmt, extra_body={"repetition_penalty": 1.2}, **kw)
+        chunks = client.chat.completions.create(response_format=fmt, extra_body={"repetition_penalty": 1.2},
+                                                stream=True, **kw)
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        regex = client.completions.create(model=NAME, prompt="when?", max_tokens=16, temperature=0,
+                                          extra_body={"structured_outputs": {"regex": "[0-9]{2}:[0-9]{2}"}})
+        refusals = {}
+        for field, body in (("response_format", {"response_format": {"type": "json_schema", "json_schema": {
+                                "name": "x", "schema": {"type": "object", "required": ["a"],
+                                                        "additionalProperties": False}}}}),
+                            ("logit_bias", {"logit_bias": {str(tiny_models["qwen2"].config.vocab_size): 1}}),
+                            ("logit_bias", {"logit_bias": {"x": 1}})):
+            with pytest.raises(BadRequestError) as e:
+                client.chat.completions.create(**{**kw, **body})
+            refusals[json.dumps(body)] = e.value.body["param"] == field and "\n" not in e.value.body["message"]
+    assert json.loads(whole.choices[0].message.content) in ({"answer": "yes"}, {"answer": "no"})
+    assert streamed == whole.choices[0].message.content
+    assert len(regex.choices[0].text) == 5 and regex.choices[0].text[2] == ":"
+    assert all(refusals.values()), refusals

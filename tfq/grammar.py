@@ -61,7 +61,8 @@ def constraint_of(json_schema: dict | bool | None = None, json_object: bool = Fa
                   choice: Sequence[str] | None = None, lark: str | None = None) -> Constraint | None:
     """The one constraint of a request's settings (None: none); two at once is an error."""
     given = [k for k, v in (("json_schema", json_schema is not None), ("json_object", json_object),
-                            ("regex", regex is not None), ("choice", choice is not None), ("lark", lark is not None)) if v]
+                            ("regex", regex is not None), ("choice", choice is not None),
+                            ("lark", lark is not None)) if v]
     if len(given) > 1:
         raise TfqError(f"{' and '.join(given)}: give one constraint at most")
     if not given:
@@ -106,8 +107,8 @@ class Grammars:
                     reason = start.get_error() if start.is_error() else None
                 except (ValueError, RuntimeError, TypeError) as e:
                     reason = str(e)
-                if reason is not None:
-                    reason = (reason.strip().splitlines() or ["no reason given"])[0][:300]
+                if reason is not None:  # llguidance's reason may run over lines: one line, bounded
+                    reason = " ".join(reason.split())[:300] or "no reason given"
                     raise TfqError(f"the {constraint.kind.replace('_', ' ')} cannot be used: {reason}")
                 self._compiled[constraint] = start
                 while len(self._compiled) > self.KEPT:

@@ -10,13 +10,15 @@ from rich.console import Console
 
 from tfq.cli.app import app
 from tfq.errors import TfqError
+from tfq.grammar import constraint_of
+from tfq.penalties import Penalties
 from tfq.threads import fix_threads
 from tfq.stream import Request
 from tfq.suite import Chat, chat_from_prompt, load_prompts
 
 
 def requests_for(chats: list[Chat], tokenizer, max_tokens: int, temperature: float, top_p: float,
-                 seed: int) -> list[Request]:
+                 seed: int, **shaping) -> list[Request]:
     """Chats -> engine requests; a chat's own settings win over the command line's whenever it sets them
     (temperature 0 or seed 0 included): only None takes the command line's."""
     def own(value, default):
@@ -26,7 +28,23 @@ def requests_for(chats: list[Chat], tokenizer, max_tokens: int, temperature: flo
                     max_tokens=own(c.max_tokens, max_tokens),
                     temperature=own(c.temperature, temperature),
                     top_p=own(c.top_p, top_p),
-                    seed=own(c.seed, seed), label=c.name) for c in chats]
+                    seed=own(c.seed, seed), label=c.name, **shaping) for c in chats]
+
+
+def read_schema(path: str) -> dict:
+    """A JSON schema file; one line naming what is wrong if it is not one."""
+    import json
+    from pathlib import Path
+
+    from tfq.suite import read_text
+
+    try:
+        schema = json.loads(read_text(Path(path)))
+    except json.JSONDecodeError as e:
+        raise TfqError(f"{path}: not JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    if not isinstance(schema, (dict, bool)):
+        raise TfqError(f"{path}: a JSON schema is an object; this file holds a {type(schema).__name__}")
+    return schema
 
 
 @app.command()
@@ -45,6 +63,11 @@ def chat(
     sets: List[str] = typer.Option([], "--set", help="Plan override key=value (after TFQ_* variables)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Exactly N torch threads, even past the cores "
                                           "(default: follow the free cores)."),
+    json_schema: Optional[str] = typer.Option(None, "--json-schema", help="A JSON schema file every reply follows."),
+    regex: Optional[str] = typer.Option(None, "--regex", help="A regex every reply matches."),
+    presence_penalty: float = typer.Option(0.0, "--presence-penalty", help="-2 to 2, as OpenAI's."),
+    frequency_penalty: float = typer.Option(0.0, "--frequency-penalty", help="-2 to 2, as OpenAI's."),
+    repetition_penalty: float = typer.Option(1.0, "--repetition-penalty", help="> 0 to 10, as vLLM's (1: none)."),
     quiet: bool = typer.Option(False, "--quiet", help="Hide the plan lines."),
 ) -> None:
     """Chat with the model; replies stream as they are generated."""
@@ -56,7 +79,9 @@ def chat(
     chats = [chat_from_prompt(p, f"p{i + 1}", system) for i, p in enumerate(([prompt] if prompt else []) + prompts)]
     if prompts_file:
         chats += load_prompts(prompts_file)
-    settings = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
+    settings = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                    penalties=Penalties(presence_penalty, frequency_penalty, repetition_penalty),
+                    constraint=constraint_of(read_schema(json_schema) if json_schema else None, regex=regex))
     Request((0,), **{k: v for k, v in settings.items() if k != "seed"}).validate()
     if draft is not None:
         sets = [*sets, f"draft={draft}"]

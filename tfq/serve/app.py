@@ -107,8 +107,8 @@ def build_app(served: Served) -> FastAPI:
         prompts = await asyncio.to_thread(text_prompts, served, body.prompt)
         if body.stream and body.echo and body.logprobs is not None:
             raise ApiError(400, "echo with logprobs is returned whole; set stream to false", "stream")
-        requests = await shaped(served, body, lambda: body.requests(prompts, served.window, body.max_tokens, body.logprobs,
-                                                              body.logprobs if body.echo else None))
+        requests = await shaped(served, body, lambda: body.requests(
+            prompts, served.window, body.max_tokens, body.logprobs, body.logprobs if body.echo else None))
         shape = Shape.new("text", served.model, body.return_token_ids, body.return_digests)
         ticket = submit(served, requests)
         owners = [prompts[i // body.n] for i in range(len(requests))]
@@ -125,7 +125,8 @@ def build_app(served: Served) -> FastAPI:
         check_stops(served, body)
         prompt = await asyncio.to_thread(chat_prompt, served, body)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        requests = await shaped(served, body, lambda: body.requests([prompt], served.window, body.reply_tokens, logprobs))
+        requests = await shaped(served, body,
+                                lambda: body.requests([prompt], served.window, body.reply_tokens, logprobs))
         shape = Shape.new("chat", served.model, body.return_token_ids, body.return_digests)
         ticket = submit(served, requests)
         if body.stream:
