@@ -109,8 +109,10 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The chat template rendered the way HF transformers' apply_chat_template renders it."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+                    ) -> str:
+        """The chat template rendered the way HF transformers' apply_chat_template renders it (tools: OpenAI's
+        list of {"type": "function", "function": {...}}, for a template that lists them)."""
         if not self.chat_template:
             raise TfqError("this model's tokenizer_config.json has no chat_template; tfq cannot format a chat for it")
         import jinja2
@@ -119,13 +121,14 @@ class Tokenizer:
             self._template = _compile(self.chat_template)
         try:
             return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self.special
+                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools or None, **self.special
             )
         except jinja2.TemplateError as e:
             raise TfqError(f"the chat template refused these messages: {e}") from None
 
-    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.render_chat(messages, add_generation_prompt))
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+                 ) -> list[int]:
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools))
 
     def stream(self, skip_special: bool = False) -> "StreamDecoder":
         return StreamDecoder(self, skip_special)

@@ -18,7 +18,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from tfq import tools
 from tfq.errors import TfqError
+from tfq.grammar import Constraint
 from tfq.serve.guard import Guard
 from tfq.serve.intake import (ApiError, Served, chat_prompt, check_model, check_stops, error_body, text_prompts,
                               validation_message)
@@ -125,9 +127,9 @@ def build_app(served: Served) -> FastAPI:
         check_stops(served, body)
         prompt = await asyncio.to_thread(chat_prompt, served, body)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        requests = await shaped(served, body,
-                                lambda: body.requests([prompt], served.window, body.reply_tokens, logprobs))
-        shape = Shape.new("chat", served.model, body.return_token_ids, body.return_digests)
+        requests = await shaped(served, body, lambda: body.requests(
+            [prompt], served.window, body.reply_tokens, logprobs, constraint=tool_grammar(served, body)))
+        shape = Shape.new("chat", served.model, body.return_token_ids, body.return_digests, body.calling)
         ticket = submit(served, requests)
         if body.stream:
             return sse(served, ticket, chat_chunks(served, ticket, shape, len(prompt) if body.include_usage else None))
@@ -139,10 +141,19 @@ def build_app(served: Served) -> FastAPI:
     return app
 
 
+def tool_grammar(served: Served, body: ChatBody) -> Constraint | None:
+    """The grammar of tool_choice "required" or a named function (tfq/tools.py); None otherwise."""
+    if not body.calling:
+        return None
+    choice = body.tool_choice.model_dump() if hasattr(body.tool_choice, "model_dump") else body.tool_choice
+    return tools.constraint(body.tool_dicts, choice, body.parallel_tool_calls, served.tokenizer)
+
+
 async def shaped(served: Served, body, make) -> list[Request]:
     """The body's engine requests (make()), their logit_bias and grammar checked; the grammar is compiled off the
     event loop (llguidance bounds the work a grammar may take)."""
-    where = "response_format" if body.response_format is not None else "structured_outputs"
+    where = ("response_format" if body.response_format is not None else "tools" if getattr(body, "calling", False)
+             else "structured_outputs")
     try:
         requests = make()
     except TfqError as e:  # a constraint malformed as data (two kinds, an empty choice)
@@ -266,20 +277,32 @@ def _check(result: Result) -> Result:
 
 
 async def chat_chunks(served: Served, ticket: Ticket, shape: Shape, usage_of: int | None) -> AsyncIterator[dict]:
+    """A chat's chunks; with tools, text from a call's `<tool_call>` on goes out as whole calls (tfq/tools.py)."""
     tok = served.tokenizer
     yield shape.body([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                        "finish_reason": None} for i in range(len(ticket.requests))], chunk=True)
     results: list[Result | None] = [None] * len(ticket.requests)
+    split = [tools.CallStream() if shape.tools else None for _ in ticket.requests]
+    calls = [0] * len(ticket.requests)
     async for event in _events(ticket):
+        i = event.choice
         if isinstance(event, Token):
             out = event.output
             lp = None if out.logprob is None else chat_logprobs(tok, [out.logprob])
-            yield shape.body([{"index": event.choice, "delta": {"content": out.text}, "logprobs": lp,
-                               "finish_reason": None, **extensions(shape, [out.token], [out.digest])}], chunk=True)
+            text, made = split[i].feed(out.text) if split[i] else (out.text, [])
+            delta = {"content": text}
+            if made:
+                delta["tool_calls"] = [c.openai(calls[i] + k) for k, c in enumerate(made)]
+                calls[i] += len(made)
+            yield shape.body([{"index": i, "delta": delta, "logprobs": lp, "finish_reason": None,
+                               **extensions(shape, [out.token], [out.digest])}], chunk=True)
         else:
-            results[event.choice] = _check(event.result)
-            yield shape.body([{"index": event.choice, "delta": {}, "logprobs": None,
-                               "finish_reason": finish_reason(event.result)}], chunk=True)
+            results[i] = _check(event.result)
+            left = split[i].finish() if split[i] else ""
+            reason = finish_reason(event.result)
+            reason = "tool_calls" if calls[i] and reason == "stop" else reason
+            yield shape.body([{"index": i, "delta": {"content": left} if left else {}, "logprobs": None,
+                               "finish_reason": reason}], chunk=True)
     last = _ended(served, shape, results, usage_of)
     if last is not None:
         yield last

@@ -96,7 +96,7 @@ def text_prompts(served: Served, prompt) -> list[list[int]]:
 
 def chat_prompt(served: Served, body: ChatBody) -> list[int]:
     try:
-        text = served.tokenizer.render_chat(body.chat())
+        text = served.tokenizer.render_chat(body.chat(), tools=body.tool_dicts)
     except TfqError as e:
         raise ApiError(400, f"messages: {e}", "messages") from None
     prompt = encode(served, text, "messages")

@@ -9,6 +9,7 @@ a reply is always a function of the request.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
 from typing import Literal, Optional, Union
@@ -22,6 +23,7 @@ from tfq.stream import MOST_TOP_LOGPROBS, Request, choices
 
 MOST_CHOICES = 16
 MOST_STOPS = 4
+MOST_TOOLS = 128
 
 
 def lone_surrogate(value, path: str = "") -> str | None:
@@ -171,12 +173,13 @@ class Sampling(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def requests(self, prompts: list[list[int]], window: int, max_tokens: Optional[int], logprobs: Optional[int],
-                 prompt_logprobs: Optional[int] = None) -> list[Request]:
-        """One engine request per (prompt, choice); without max_tokens a reply may fill the window."""
+                 prompt_logprobs: Optional[int] = None, constraint: Constraint | None = None) -> list[Request]:
+        """One engine request per (prompt, choice); without max_tokens a reply may fill the window. constraint:
+        a grammar of the server's own (tool calls), else the body's."""
         return [replace(r, max_tokens=max_tokens or max(window - len(r.prompt), 1))
                 for r in choices(prompts, self.n, self.seed, temperature=self.temperature, top_p=self.top_p,
                                  stop=self.stops, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                                 penalties=self.penalties, constraint=self.constraint)]
+                                 penalties=self.penalties, constraint=constraint or self.constraint)]
 
 
 class CompletionBody(Sampling):
@@ -204,13 +207,39 @@ class CompletionBody(Sampling):
         return self
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class MessageToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)  # no coercion: "yes" is not a bool, "10" not a count
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[dict]]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[str, list[dict]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[MessageToolCall]] = None  # an assistant's calls
+    tool_call_id: Optional[str] = None  # a tool's result: the call it answers
+
+    @model_validator(mode="after")
+    def _content_given(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message carries tool_calls")
+        self.rendered()  # its text parts and its calls' arguments
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         parts = []
@@ -220,25 +249,81 @@ class Message(BaseModel):
             parts.append(part["text"])
         return "".join(parts)
 
+    def rendered(self) -> dict:
+        """As the chat template takes it: OpenAI's `developer` is a system message; a call's arguments an object."""
+        out = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            calls = []
+            for call in self.tool_calls:
+                try:
+                    arguments = json.loads(call.function.arguments)
+                except json.JSONDecodeError:
+                    arguments = None
+                if not isinstance(arguments, dict):
+                    raise ValueError(f"tool_calls: the arguments of {call.function.name!r} are not a JSON object")
+                calls.append({"type": "function", "function": {"name": call.function.name, "arguments": arguments}})
+            out["tool_calls"] = calls
+        return out
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: Optional[str] = None
+    parameters: Optional[dict] = None  # a JSON schema of the arguments
+    strict: Optional[bool] = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: FunctionName
+
 
 class ChatBody(Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MOST_TOP_LOGPROBS)
+    tools: Optional[list[Tool]] = Field(None, max_length=MOST_TOOLS)
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: set logprobs to true as well")
-        for m in self.messages:
-            m.text()
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice: give the tools it chooses from")
+        if self.calling and (self.response_format is not None and self.response_format.type != "text"
+                             or self.structured_outputs is not None):
+            raise ValueError("tools with response_format or structured_outputs: give one of them")
         return self
+
+    @property
+    def calling(self) -> bool:
+        """Whether the reply is parsed for tool calls (tools given, and tool_choice not "none")."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def tool_dicts(self) -> list[dict] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     @property
     def reply_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def chat(self) -> list[dict]:
-        """The messages as the chat template takes them (OpenAI's `developer` role is a system message)."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        """The messages as the chat template takes them."""
+        return [m.rendered() for m in self.messages]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from tfq.sampling import TokenLogprob
 from tfq.stream import Finish, Result
+from tfq.tools import parse
 
 FINISH = {Finish.EOS: "stop", Finish.STOP: "stop", Finish.LENGTH: "length", Finish.WINDOW: "length", Finish.ABORT: "abort",
           Finish.ERROR: "error"}  # tfq's finish -> OpenAI's finish_reason
@@ -27,11 +28,14 @@ class Shape:
     created: int
     return_token_ids: bool = False
     return_digests: bool = False
+    tools: bool = False  # a chat's reply is parsed for tool calls
 
     @classmethod
-    def new(cls, kind: str, model: str, return_token_ids: bool = False, return_digests: bool = False) -> "Shape":
+    def new(cls, kind: str, model: str, return_token_ids: bool = False, return_digests: bool = False,
+            tools: bool = False) -> "Shape":
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        return cls(kind, model, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), return_token_ids, return_digests)
+        return cls(kind, model, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), return_token_ids, return_digests,
+                   tools)
 
     def body(self, choices: list[dict], chunk: bool = False, usage: dict | None = None) -> dict:
         obj = {"chat": "chat.completion", "text": "text_completion"}[self.kind]
@@ -86,9 +90,15 @@ def extensions(shape: Shape, ids: list[int], digests: list[str]) -> dict:
 
 
 def chat_choice(shape: Shape, tokenizer, index: int, result: Result) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": result.text},
+    message, reason = {"role": "assistant", "content": result.text}, finish_reason(result)
+    if shape.tools:
+        text, calls = parse(result.text)
+        if calls:
+            message = {"role": "assistant", "content": text or None, "tool_calls": [c.openai() for c in calls]}
+            reason = "tool_calls" if reason == "stop" else reason  # a call cut off by the budget: still length
+    return {"index": index, "message": message,
             "logprobs": None if result.logprobs is None else chat_logprobs(tokenizer, result.logprobs),
-            "finish_reason": finish_reason(result), **extensions(shape, result.ids, result.digests)}
+            "finish_reason": reason, **extensions(shape, result.ids, result.digests)}
 
 
 def text_choice(shape: Shape, tokenizer, index: int, result: Result, prompt: list[int], echo: bool) -> dict:
