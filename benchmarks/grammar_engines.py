@@ -4,7 +4,7 @@ tokenizer: how many schemas each compiles, the time to compile, and the time to 
 
     pip install xgrammar llguidance && python benchmarks/grammar_engines.py [--steps 48] [--json out.json]
 
-The paths: from each schema's start, a seeded walk that takes, at each step, one allowed token (the same rule
+Both write JSON as tfq does (a space after "," and ":", no other whitespace). The paths: from each schema's start, a seeded walk that takes, at each step, one allowed token (the same rule
 for both engines: the lowest id allowed by both, after skipping a seeded number of them), until the grammar
 accepts or --steps tokens.
 """
@@ -38,7 +38,9 @@ class Llg:
         self.words = (vocab + 31) // 32
 
     def compile(self, schema: dict):
-        m = self.lib.LLMatcher(self.tok, self.lib.LLMatcher.grammar_from_json_schema(schema), log_level=0)
+        from tfq.grammar import Constraint
+
+        m = self.lib.LLMatcher(self.tok, Constraint.json_schema(schema).grammar(), log_level=0)  # tfq's JSON style
         if m.is_error():
             raise ValueError(m.get_error())
         return m
@@ -68,7 +70,7 @@ class Xgr:
         self.buffer = xgrammar.allocate_token_bitmask(1, vocab)
 
     def compile(self, schema: dict):
-        return self.lib.GrammarMatcher(self.compiler.compile_json_schema(json.dumps(schema), strict_mode=True))
+        return self.lib.GrammarMatcher(self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=(", ", ": "), strict_mode=True))
 
     def mask(self, m) -> np.ndarray:
         m.fill_next_token_bitmask(self.buffer)

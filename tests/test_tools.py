@@ -147,3 +147,25 @@ def test_a_two_turn_conversation_with_a_tool_on_the_default_model(default_model)
     assert calls_of(loaded[0].choices[0].message) == calls_of(one.choices[0].message)
     assert first_streamed[1:] == (calls_of(one.choices[0].message), "tool_calls")
     assert two.choices[0].message.content and second_streamed[0] == two.choices[0].message.content
+
+
+def test_the_python_api_and_the_cli_take_tools(tiny_dirs, tmp_path):
+    """tfq.LLM.chat(tools=..., tool_choice=...) and `tfq chat --tools FILE --tool-choice NAME` hold the reply to
+    one call of the named tool and list it; the same call both ways (one engine, one arithmetic)."""
+    from test_chat import TINY_PLAN, tfq
+    from tfq import LLM, SamplingParams
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    llm = LLM(model=str(tiny_dirs["qwen2"]), plan=TINY_PLAN)
+    out = llm.chat(ASK, SamplingParams(max_tokens=120), tools=TOOLS, tool_choice=named)[0].outputs[0]
+    assert [c.name for c in out.tool_calls] == ["get_weather"] and out.text == ""
+    jsonschema.validate(json.loads(out.tool_calls[0].arguments), WEATHER["function"]["parameters"])
+    path = tmp_path / "tools.json"
+    path.write_text(json.dumps(TOOLS))
+    r = tfq("chat", ASK[0]["content"], "--tools", str(path), "--tool-choice", "get_weather", "--model",
+            str(tiny_dirs["qwen2"]), "--plan", TINY_PLAN, "--max-tokens", "120", "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert f"tool call: get_weather {out.tool_calls[0].arguments}" in r.stderr
+    bad = tfq("chat", "hi", "--tools", str(path), "--tool-choice", "nope", "--model", str(tiny_dirs["qwen2"]),
+              "--plan", TINY_PLAN, "--quiet")
+    assert bad.returncode == 2 and "'nope'" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

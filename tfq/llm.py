@@ -5,14 +5,16 @@ other prompts of the call, on the plan's pages or drafting, or on the thread cou
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
+from tfq import tools as calls
 from tfq.errors import TfqError
 from tfq.grammar import constraint_of
 from tfq.penalties import Penalties
 from tfq.sampling import TokenLogprob
 from tfq.stream import Request, choices
+from tfq.tools import ToolCall
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class Completion:
     finish_reason: str  # eos | stop | length | window | error
     logprobs: list[TokenLogprob] | None
     digests: list[str]  # per token, the digest of the logits it was drawn from
+    tool_calls: list[ToolCall] | None = None  # LLM.chat with tools: the calls the reply wrote (text: the rest)
 
 
 @dataclass
@@ -93,18 +96,34 @@ class LLM:
         return self._run(texts, ids, params or SamplingParams())
 
     def chat(self, conversations: Sequence[dict] | Sequence[Sequence[dict]],
-             params: SamplingParams | None = None) -> list[RequestOutput]:
-        """Conversations ([{"role": ..., "content": ...}, ...]) through the model's chat template."""
+             params: SamplingParams | None = None, tools: list[dict] | None = None,
+             tool_choice: str | dict = "auto") -> list[RequestOutput]:
+        """Conversations ([{"role": ..., "content": ...}, ...]) through the model's chat template. tools: OpenAI's
+        list the template shows the model; each reply's calls are parsed (tfq/tools.py), and tool_choice
+        "required" or {"function": {"name": N}} holds the reply to calls (a grammar, as the server's)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        texts = [self.tokenizer.render_chat(list(c)) for c in conversations]
-        return self._run(texts, [self.tokenizer.encode(t) for t in texts], params or SamplingParams())
+        texts = [self.tokenizer.render_chat(list(c), tools=tools) for c in conversations]
+        params = params or SamplingParams()
+        grammar = calls.constraint(tools, tool_choice, True, self.tokenizer) if tools else None
+        return self._run(texts, [self.tokenizer.encode(t) for t in texts], params, grammar,
+                         bool(tools) and tool_choice != "none")
 
-    def _run(self, texts: list[str | None], ids: list[list[int]], params: SamplingParams) -> list[RequestOutput]:
-        results = self.engine.generate(params.requests(ids))
+    def _run(self, texts: list[str | None], ids: list[list[int]], params: SamplingParams, grammar=None,
+             calling: bool = False) -> list[RequestOutput]:
+        requests = params.requests(ids)
+        if grammar is not None:
+            requests = [replace(r, constraint=grammar) for r in requests]
+        results = self.engine.generate(requests)
         outs = []
         for i, (text, prompt) in enumerate(zip(texts, ids)):
             mine = results[i * params.n:(i + 1) * params.n]
             outs.append(RequestOutput(text, prompt, mine[0].prompt_logprobs, [
-                Completion(j, r.text, r.ids, r.finish, r.logprobs, r.digests) for j, r in enumerate(mine)]))
+                _completion(j, r, calling) for j, r in enumerate(mine)]))
         return outs
+
+
+def _completion(index: int, r, calling: bool) -> Completion:
+    """One choice's result; a reply that may call tools is split into its text and its calls."""
+    text, made = calls.parse(r.text) if calling else (r.text, None)
+    return Completion(index, text, r.ids, r.finish, r.logprobs, r.digests, made)

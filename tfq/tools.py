@@ -100,8 +100,9 @@ class CallStream:
 
 
 def constraint(tools: list[dict], choice, parallel: bool, tokenizer) -> Constraint | None:
-    """The grammar of `tool_choice` "required" or {"type": "function", "function": {"name": N}}: one call
-    (or several, when parallel) of the tools it names, nothing else; None for "auto" and "none"."""
+    """The grammar of `tool_choice` "required" or {"type": "function", "function": {"name": N}}: "required", a
+    call of any of the tools (or several, when parallel); a name, one call of that tool; nothing else. None for
+    "auto" and "none"."""
     if choice in (None, "auto", "none"):
         return None
     named = {t["function"]["name"]: t["function"] for t in tools}
@@ -120,7 +121,7 @@ def constraint(tools: list[dict], choice, parallel: bool, tokenizer) -> Constrai
         bodies.append(f"%json {json.dumps(schema)}")
     open_, close = (_token(tokenizer, OPEN), _token(tokenizer, CLOSE))
     lark = "\n".join([
-        "start: call" + (' ("\\n" call)*' if parallel else ""),
+        "start: call" + (' ("\\n" call)*' if parallel and choice == "required" else ""),
         f'call: {open_} "\\n" body "\\n" {close}',
         "body: " + " | ".join(f"body{i}" for i in range(len(bodies))),
         *(f"body{i}: {b}" for i, b in enumerate(bodies))])

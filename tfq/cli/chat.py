@@ -10,6 +10,7 @@ from rich.console import Console
 
 from tfq.cli.app import app
 from tfq.errors import TfqError
+from tfq import tools as calls
 from tfq.grammar import constraint_of
 from tfq.penalties import Penalties
 from tfq.threads import fix_threads
@@ -18,33 +19,53 @@ from tfq.suite import Chat, chat_from_prompt, load_prompts
 
 
 def requests_for(chats: list[Chat], tokenizer, max_tokens: int, temperature: float, top_p: float,
-                 seed: int, **shaping) -> list[Request]:
+                 seed: int, tools: list[dict] | None = None, **shaping) -> list[Request]:
     """Chats -> engine requests; a chat's own settings win over the command line's whenever it sets them
     (temperature 0 or seed 0 included): only None takes the command line's."""
     def own(value, default):
         return value if value is not None else default
 
-    return [Request(prompt=tuple(tokenizer.chat_ids(list(c.messages))),
+    return [Request(prompt=tuple(tokenizer.chat_ids(list(c.messages), tools=tools)),
                     max_tokens=own(c.max_tokens, max_tokens),
                     temperature=own(c.temperature, temperature),
                     top_p=own(c.top_p, top_p),
                     seed=own(c.seed, seed), label=c.name, **shaping) for c in chats]
 
 
-def read_schema(path: str) -> dict:
-    """A JSON schema file; one line naming what is wrong if it is not one."""
+def read_json(path: str):
+    """A JSON file's value; one line naming what is wrong if it is not JSON."""
     import json
     from pathlib import Path
 
     from tfq.suite import read_text
 
     try:
-        schema = json.loads(read_text(Path(path)))
+        return json.loads(read_text(Path(path)))
     except json.JSONDecodeError as e:
         raise TfqError(f"{path}: not JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+
+
+def read_schema(path: str) -> dict | bool:
+    schema = read_json(path)
     if not isinstance(schema, (dict, bool)):
         raise TfqError(f"{path}: a JSON schema is an object; this file holds a {type(schema).__name__}")
     return schema
+
+
+def read_tools(path: str) -> list[dict]:
+    """A JSON file of tools in OpenAI's shape ([{"type": "function", "function": {"name": ...}}, ...])."""
+    from pydantic import ValidationError
+
+    from tfq.serve.intake import validation_message
+    from tfq.serve.protocol import Tool
+
+    tools = read_json(path)
+    if not isinstance(tools, list) or not tools:
+        raise TfqError(f"{path}: give a JSON list of tools, each {{\"type\": \"function\", \"function\": {{...}}}}")
+    try:
+        return [Tool.model_validate(t).model_dump(exclude_none=True) for t in tools]
+    except ValidationError as e:
+        raise TfqError(f"{path}: {validation_message(e.errors())[0]}") from None
 
 
 @app.command()
@@ -68,6 +89,9 @@ def chat(
     presence_penalty: float = typer.Option(0.0, "--presence-penalty", help="-2 to 2, as OpenAI's."),
     frequency_penalty: float = typer.Option(0.0, "--frequency-penalty", help="-2 to 2, as OpenAI's."),
     repetition_penalty: float = typer.Option(1.0, "--repetition-penalty", help="> 0 to 10, as vLLM's (1: none)."),
+    tools_file: Optional[str] = typer.Option(None, "--tools", help="A JSON file of tools (OpenAI's shape) the model "
+                                             "may call; the calls it writes are listed after the reply."),
+    tool_choice: str = typer.Option("auto", "--tool-choice", help="auto | required | none | a tool's name."),
     quiet: bool = typer.Option(False, "--quiet", help="Hide the plan lines."),
 ) -> None:
     """Chat with the model; replies stream as they are generated."""
@@ -83,6 +107,9 @@ def chat(
                     penalties=Penalties(presence_penalty, frequency_penalty, repetition_penalty),
                     constraint=constraint_of(read_schema(json_schema) if json_schema else None, regex=regex))
     Request((0,), **{k: v for k, v in settings.items() if k != "seed"}).validate()
+    tools = read_tools(tools_file) if tools_file else None
+    if tools and tool_choice not in ("auto", "none") and settings["constraint"] is not None:
+        raise TfqError("--tool-choice required or a name is a grammar of its own; leave out --json-schema and --regex")
     if draft is not None:
         sets = [*sets, f"draft={draft}"]
     fix_threads(threads)
@@ -91,15 +118,18 @@ def chat(
         loaded = load_model(the_plan.model, device=layout.device, weights=the_plan.weights, tp=the_plan.tp)
     engine = Engine.from_plan(the_plan, layout, loaded)
     tok = loaded.tokenizer
+    if tools:
+        choice = tool_choice if tool_choice in ("auto", "none", "required") else {"function": {"name": tool_choice}}
+        settings.update(tools=tools, constraint=calls.constraint(tools, choice, True, tok) or settings["constraint"])
     if not chats:
         _interactive(engine, tok, system, settings, err)
     elif len(chats) == 1:
-        _stream_one(engine, requests_for(chats, tok, **settings)[0], err)
+        _stream_one(engine, requests_for(chats, tok, **settings)[0], err, bool(tools))
     else:
-        _together(engine, requests_for(chats, tok, **settings), err)
+        _together(engine, requests_for(chats, tok, **settings), err, bool(tools))
 
 
-def _stream_one(engine, request: Request, err: Console) -> str:
+def _stream_one(engine, request: Request, err: Console, tools: bool = False) -> str:
     """Print the reply as it comes; Ctrl-C ends it cleanly. Returns the text printed."""
     printed: list[str] = []
 
@@ -121,10 +151,12 @@ def _stream_one(engine, request: Request, err: Console) -> str:
     _speed(err, len(result.ids), result.first_token_s, time.perf_counter() - t0, 1, engine.threads)
     _acceptance(err, [result])
     _reuse(err, [result])
+    if tools:
+        _calls(err, [result])
     return result.text
 
 
-def _together(engine, requests: list[Request], err: Console) -> None:
+def _together(engine, requests: list[Request], err: Console, tools: bool = False) -> None:
     t0 = time.perf_counter()
     with err.status(f"running {len(requests)} chats together"):
         results = engine.generate(requests)
@@ -141,6 +173,8 @@ def _together(engine, requests: list[Request], err: Console) -> None:
            engine.threads)
     _acceptance(err, results)
     _reuse(err, results)
+    if tools:
+        _calls(err, results)
     if failed:
         raise typer.Exit(1)
 
@@ -153,6 +187,14 @@ def _speed(err: Console, tokens: int, first: float, wall: float, streams: int, t
                 f"the bits are the same)")
     err.print(f"[dim]{tokens} tokens in {wall:.1f} s; first token after {first:.2f} s; "
               f"{max(tokens - streams, 0) / decode:.1f} tokens/s decoding{busy}[/]")
+
+
+def _calls(err: Console, results) -> None:
+    """The tool calls each reply wrote (tfq/tools.py parses them as the server does), one line each."""
+    for r in results:
+        for call in calls.parse(r.text)[1]:
+            err.print(f"tool call{f' ({r.label})' if len(results) > 1 else ''}: {call.name} {call.arguments}",
+                      markup=False, highlight=False)
 
 
 def _reuse(err: Console, results) -> None:
