@@ -95,6 +95,16 @@ def test_a_chats_bad_settings_are_one_line(key, value):
         parse_suite([{"messages": [{"role": "user", "content": "hi"}], key: value}], "suite")
 
 
+@pytest.mark.parametrize("key,value,words", [("json_schema", [1], "a JSON schema is an object"),
+                                             ("presence_penalty", 5, "presence_penalty must be"),
+                                             ("repetition_penalty", 0, "repetition_penalty must be"),
+                                             ("frequency_penalty", "lots", "could not convert")])
+def test_a_chats_bad_shaping_is_one_line(key, value, words):
+    with pytest.raises(TfqError, match=f"suite: chat 1: .*{words}") as e:
+        parse_suite([{"messages": [{"role": "user", "content": "hi"}], key: value}], "suite")
+    assert "\n" not in str(e.value)
+
+
 # ---------------------------------------------------------------- 3. rotary scaling, sliding windows, heads
 
 

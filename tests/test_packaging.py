@@ -30,8 +30,8 @@ def test_a_wheel_install_finds_the_suite(tmp_path):
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
         z.extractall(tmp_path / "site")
-    assert {"tfq/examples/chats.yaml", "tfq/kernels/triton_rowwise.py", "tfq/model/default_config.json",
-            "tfq/reference/default.json"} <= names
+    assert {"tfq/examples/chats.yaml", "tfq/examples/schemas.json", "tfq/kernels/triton_rowwise.py",
+            "tfq/model/default_config.json", "tfq/reference/default.json"} <= names
     # one top-level name: a top-level `kernels` would overwrite (or be overwritten by) PyPI's `kernels` package
     assert {n.split("/")[0] for n in names if not n.startswith("tfq-")} == {"tfq"}
     # from another folder, with the unpacked wheel first on the path and no .pth files read (-S): the
@@ -47,4 +47,4 @@ def test_a_wheel_install_finds_the_suite(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     module, path, count = run.stdout.split()
     site_dir = tmp_path / "site"
-    assert Path(module).is_relative_to(site_dir) and Path(path).is_relative_to(site_dir) and int(count) == 12
+    assert Path(module).is_relative_to(site_dir) and Path(path).is_relative_to(site_dir) and int(count) == 14

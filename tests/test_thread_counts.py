@@ -175,3 +175,26 @@ def test_the_guard_proves_each_count_once_and_names_no_op_when_it_holds(wide, th
     assert proof.proved == {3: (200, 1), 5: (200, 5)}
     assert proof.holds(3, 100, 50) is None and proof.proved[3] == (200, 1)  # fewer rows: already proved
     assert proof.holds(3, 100, 50, draws=17) is None and proof.proved[3] == (100, 17)  # more drawing rows: again
+
+
+def test_the_guard_refuses_a_penalty_that_follows_the_thread_count(wide, threads, monkeypatch):
+    """The guard's draws include a penalized row and a masked one (tfq/proofs/startup.py); a penalty whose
+    arithmetic follows the thread count (the control: the count picks which token it lifts) is refused at the
+    second count, naming the sampler."""
+    from tfq.penalties import Penalties
+    from tfq.proofs import startup
+
+    class Drifting(Penalties):
+        def apply(self, row, prompt, reply):
+            out = super().apply(row, prompt, reply)
+            out[reply[torch.get_num_threads() % len(reply)]] += 100.0
+            return out
+
+    proof = LayerProof(wide, "fp32", False)
+    threads(1)
+    assert proof.holds(1, 100, 50) is None
+    monkeypatch.setattr(startup, "PENALIZED", Drifting(**{f: getattr(startup.PENALIZED, f) for f in
+                                                          ("presence", "frequency", "repetition", "bias")}))
+    threads(3)
+    failure = proof.holds(3, 100, 50)
+    assert failure is not None and failure.op == "sampler"

@@ -311,8 +311,9 @@ def test_arm_list_names_and_modes():
 def test_shipped_suite_from_any_cwd(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     chats = load_suite(default_suite())
-    assert len(chats) == 12 and len({c.name for c in chats}) == 12
+    assert len(chats) == 14 and len({c.name for c in chats}) == 14
     assert any((c.temperature or 0) > 0 and c.seed for c in chats)
+    assert any(c.constraint is not None for c in chats) and any(c.penalties for c in chats)  # shaped rows too
     assert any(sum(m["role"] == "user" for m in c.messages) > 1 for c in chats)
     assert any(any("\u4e00" <= ch <= "\u9fff" for ch in c.messages[-1]["content"]) for c in chats)
     assert max(len(c.messages[-1]["content"]) for c in chats) > 6000  # the long review (about 1,950 tokens)

@@ -8,8 +8,11 @@ from pathlib import Path
 import yaml
 
 from tfq.errors import TfqError
+from tfq.grammar import Constraint, constraint_of
+from tfq.penalties import Penalties
 
 ROLES = ("system", "user", "assistant")
+SHAPING = ("json_schema", "presence_penalty", "frequency_penalty", "repetition_penalty")  # a chat's own
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,8 @@ class Chat:
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
+    penalties: Penalties = Penalties()  # presence_penalty, frequency_penalty, repetition_penalty
+    constraint: Constraint | None = None  # json_schema: the reply follows it
 
 
 def chat_from_prompt(prompt: str, name: str, system: str | None = None) -> Chat:
@@ -39,10 +44,10 @@ def parse_suite(doc, where: str) -> list[Chat]:
         at = f"{where}: chat {i + 1}"
         if not isinstance(item, dict):
             raise TfqError(f"{at} is not a mapping; write `- messages: [{{role: user, content: ...}}]`")
-        unknown = set(item) - {"name", "messages", "max_tokens", "temperature", "top_p", "seed"}
+        unknown = set(item) - {"name", "messages", "max_tokens", "temperature", "top_p", "seed", *SHAPING}
         if unknown:
             raise TfqError(f"{at}: unknown key {sorted(unknown)[0]!r}; keys are name, messages, max_tokens, "
-                           f"temperature, top_p, seed")
+                           f"temperature, top_p, seed, {', '.join(SHAPING)}")
         messages = item.get("messages")
         if not isinstance(messages, list) or not messages:
             raise TfqError(f"{at} has no messages; give a list of {{role, content}}")
@@ -57,9 +62,14 @@ def parse_suite(doc, where: str) -> list[Chat]:
                 temperature=_given(item, "temperature", float),
                 top_p=_given(item, "top_p", float),
                 seed=_given(item, "seed", int),
+                penalties=Penalties(float(item.get("presence_penalty", 0.0)),
+                                    float(item.get("frequency_penalty", 0.0)),
+                                    float(item.get("repetition_penalty", 1.0))),
+                constraint=constraint_of(json_schema=item["json_schema"]) if "json_schema" in item else None,
             )
-        except (TypeError, ValueError) as e:
+        except (TfqError, TypeError, ValueError) as e:
             raise TfqError(f"{at}: {e}") from None
+        chat.penalties.validate(at)
         if ((chat.max_tokens is not None and chat.max_tokens < 1)
                 or (chat.temperature is not None and not chat.temperature >= 0)
                 or (chat.top_p is not None and not 0 < chat.top_p <= 1)):

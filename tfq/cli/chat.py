@@ -29,7 +29,13 @@ def requests_for(chats: list[Chat], tokenizer, max_tokens: int, temperature: flo
                     max_tokens=own(c.max_tokens, max_tokens),
                     temperature=own(c.temperature, temperature),
                     top_p=own(c.top_p, top_p),
-                    seed=own(c.seed, seed), label=c.name, **shaping) for c in chats]
+                    seed=own(c.seed, seed), label=c.name, **{**shaping, **_own_shaping(c)}) for c in chats]
+
+
+def _own_shaping(chat: Chat) -> dict:
+    """The penalties and grammar a chat sets itself (they win over the command line's)."""
+    own = {"penalties": chat.penalties} if chat.penalties else {}
+    return {**own, "constraint": chat.constraint} if chat.constraint is not None else own
 
 
 def read_json(path: str):

@@ -33,6 +33,7 @@ from tfq.batch import Arithmetic, Feed, step_rows
 from tfq.cache import KVCache
 from tfq.pages import Placement, pages_for
 from tfq.errors import TfqError
+from tfq.penalties import Penalties
 from tfq.sampling import logprob, sample
 from tfq.kernels.contract import KEY_TILE
 from tfq.model.qwen import DeltaLayer
@@ -56,6 +57,10 @@ PROBES = (
     Probe("chunk at 230", 230, 45, True, 1),
 )
 SAMPLE = dict(temperature=0.8, top_p=0.9, seed=7)  # besides greedy: a seeded top-p draw per logits row
+# and a penalized draw, and one from a masked row (a grammar's mask as tfq/engine.py applies it: here every
+# third token allowed), over a fixed history of tokens
+PENALIZED = Penalties(presence=0.5, frequency=0.3, repetition=1.2, bias=((0, 2.0), (1, -100.0)))
+HISTORY = (0, 1, 1, 2, 3, 5, 8, 13, 21, 34)
 
 
 @dataclass
@@ -173,13 +178,21 @@ def _one_call_agrees(record: Record, threads: int) -> Failure | None:
 
 
 def _draws(record: Record) -> dict[str, torch.Tensor]:
-    """The tokens the sampler draws from each probe's logits rows: greedy, and a seeded top-p draw."""
+    """The tokens the sampler draws from each probe's logits rows: greedy, a seeded top-p draw, a penalized
+    greedy draw and a seeded draw from a masked row."""
     drawn = {}
     for p in PROBES:
         position = p.start + p.count  # where a drawn token would sit
-        drawn[p.name] = torch.tensor([[sample(row, 0.0, 1.0, 0, position), sample(row, position=position, **SAMPLE)]
+        drawn[p.name] = torch.tensor([[sample(row, 0.0, 1.0, 0, position), sample(row, position=position, **SAMPLE),
+                                       sample(PENALIZED.apply(row, HISTORY[:4], HISTORY[4:]), 0.0, 1.0, 0, position),
+                                       sample(_masked(row), position=position, **SAMPLE)]
                                       for row in record.ops["head"][p.name]])
     return drawn
+
+
+def _masked(row: torch.Tensor) -> torch.Tensor:
+    allowed = torch.arange(len(row)) % 3 == 0
+    return torch.where(allowed, row, float("-inf"))
 
 
 def _scores(record: Record) -> dict[str, torch.Tensor]:
