@@ -59,3 +59,64 @@ def test_without_concurrency_1_the_reference_is_sent_alone(tiny_dirs, monkeypatc
     report = json.loads(out)  # '-': the JSON alone on stdout, the table on stderr
     assert report["reference"] == {"from_concurrency_1": 0, "sent_alone": 2}
     assert [(lv["concurrency"], lv["equal_replies"]) for lv in report["levels"]] == [(2, 2)]
+
+
+def fake_server(tmp_path: Path, body: str) -> str:
+    """A stand-in for llama-server: a shell script doing `body` (crash, hang), for the peer's faults."""
+    path = tmp_path / "llama-server"
+    path.write_text(f"#!/bin/sh\n{body}\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+@pytest.mark.parametrize("body, words", [
+    ("kill -ILL $$", "llama-server died of SIGILL; rebuild it for this CPU's instruction sets without -march=native"),
+    ("echo 'error: unknown argument'; exit 3", "llama-server exited with status 3 (its log ends: error: unknown"),
+    ("exec sleep 600", "llama-server did not answer /health within 2 s"),
+])
+def test_a_peer_that_crashes_or_hangs_costs_one_line_and_tfqs_rows_stay(body, words, tmp_path, tmp_path_factory,
+                                                                        monkeypatch, capsys):
+    from tfq.bench import llama_server
+    from tiny import tiny_gguf
+
+    monkeypatch.setenv("TFQ_LLAMA_SERVER", fake_server(tmp_path, body))
+    monkeypatch.setattr(llama_server, "START_S", 2.0)
+    path = tmp_path / "serve.json"
+    code, out, err = tfq(["bench", "serve", "--model", str(tiny_gguf(tmp_path_factory)), "--plan", TINY_PLAN,
+                          "--concurrency", "1", "--requests-per-level", "2", "--max-tokens", "3", "--peer",
+                          "llama-server", "--json", str(path)], monkeypatch, capsys)
+    assert code == 0, err
+    report = json.loads(path.read_text())
+    assert [lv["equal_replies"] for lv in report["levels"]] == [2]  # tfq's rows, measured
+    assert report["peer"]["levels"] == [] and report["peer"]["failure"].startswith(words)
+    assert f"peer: {words}" in " ".join(out.split())
+
+
+def test_a_missing_peer_is_one_line_before_anything_runs(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TFQ_LLAMA_SERVER", str(tmp_path / "nope"))
+    code, out, err = tfq(["bench", "serve", "--peer", "llama-server"], monkeypatch, capsys)
+    assert code == 2 and "benchmarks/build_llama_server.sh" in err and len(err.strip().splitlines()) == 1
+
+
+def test_llama_server_beside_tfq_on_the_same_gguf(tmp_path, tmp_path_factory, monkeypatch, capsys):
+    """Where llama-server is built (benchmarks/build_llama_server.sh), both engines' rows: figures present,
+    and whether llama.cpp's replies under load equal its own alone is reported (not asserted: it is the
+    peer's property, measured)."""
+    from tfq.bench.llama_server import binary
+    from tfq.errors import TfqError
+    from tiny import tiny_gguf
+
+    try:
+        binary()
+    except TfqError:
+        pytest.skip("llama-server is not built here (bash benchmarks/build_llama_server.sh)")
+    path = tmp_path / "serve.json"
+    code, out, err = tfq(["bench", "serve", "--model", str(tiny_gguf(tmp_path_factory)), "--plan", TINY_PLAN,
+                          "--concurrency", "1,2", "--requests-per-level", "2", "--max-tokens", "4", "--peer",
+                          "llama-server", "--json", str(path)], monkeypatch, capsys)
+    assert code == 0, err
+    peer = json.loads(path.read_text())["peer"]
+    assert peer["failure"] is None, peer["failure"]
+    assert [lv["concurrency"] for lv in peer["levels"]] == [1, 2]
+    assert all(lv["output_tokens_per_s"] > 0 and 0 <= lv["equal_replies"] <= lv["requests"] for lv in peer["levels"])
+    assert "llama-server" in out

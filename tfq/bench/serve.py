@@ -154,11 +154,11 @@ async def send(client, model: str, chats: list[Chat], index: int, max_tokens: in
 # ----------------------------------------------------------------------------------------- one level
 
 async def drive(base_url: str, model: str, chats: list[Chat], requests: int, concurrency: int, max_tokens: int,
-                done: Callable[[], None]) -> Level:
+                done: Callable[[], None], timeout_s: float = TIMEOUT_S) -> Level:
     """`requests` requests, chat i % len(chats) for request i, at most `concurrency` in flight."""
     from openai import AsyncOpenAI
 
-    async with AsyncOpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=TIMEOUT_S) as client:
+    async with AsyncOpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=timeout_s) as client:
         # untimed: the first call pays for the connection and lazy set-up on both sides, not the server's speed
         await send(client, model, chats, 0, max_tokens)
         gate = asyncio.Semaphore(concurrency)
@@ -173,6 +173,15 @@ async def drive(base_url: str, model: str, chats: list[Chat], requests: int, con
         replies = await asyncio.gather(*(one(i) for i in range(requests)))
         wall = time.perf_counter() - t0
     return Level(concurrency, list(replies), wall)
+
+
+# a level: (chats, requests, concurrency, max_tokens, done) -> Level, on a fresh server of some engine
+LevelRun = Callable[[list[Chat], int, int, int, Callable[[], None]], Level]
+
+
+def tfq_level(target: Target) -> LevelRun:
+    return lambda chats, requests, concurrency, max_tokens, done: serve_level(target, chats, requests, concurrency,
+                                                                              max_tokens, done)
 
 
 def serve_level(target: Target, chats: list[Chat], requests: int, concurrency: int, max_tokens: int,
@@ -204,15 +213,16 @@ def total_requests(settings: ServeSettings, chats: list[Chat]) -> int:
     return sum(settings.requests_at(c) for c in settings.concurrency) + alone_count(settings, chats)
 
 
-def run_levels(target: Target, chats: list[Chat], settings: ServeSettings,
-               progress: Listener = Listener()) -> tuple[list[Level], dict[int, str]]:
+def run_levels(level: LevelRun, chats: list[Chat], settings: ServeSettings, progress: Listener = Listener(),
+               who: str = "") -> tuple[list[Level], dict[int, str]]:
     """Every level in the order given, then the reference: each chat's reply at concurrency 1 (the first the
-    concurrency-1 level got for it, else sent alone, one at a time, on a fresh server)."""
+    concurrency-1 level got for it, else sent alone, one at a time, on a fresh server). level: tfq_level(target)
+    or a peer's."""
     levels = []
     for c in settings.concurrency:
         n = settings.requests_at(c)
-        progress.level(f"concurrency {c}, {n} requests")
-        levels.append(serve_level(target, chats, n, c, settings.max_tokens, progress.reply))
+        progress.level(f"{who}concurrency {c}, {n} requests")
+        levels.append(level(chats, n, c, settings.max_tokens, progress.reply))
     reference: dict[int, str] = {}
     for level in levels:
         if level.concurrency == 1:
@@ -220,8 +230,8 @@ def run_levels(target: Target, chats: list[Chat], settings: ServeSettings,
                 reference.setdefault(r.chat, r.text)
     missing = [i for i in range(chats_used(settings, chats)) if i not in reference]
     if missing:
-        progress.level(f"reference: {len(missing)} chats alone")
-        alone = serve_level(target, [chats[i] for i in missing], len(missing), 1, settings.max_tokens, progress.reply)
+        progress.level(f"{who}reference: {len(missing)} chats alone")
+        alone = level([chats[i] for i in missing], len(missing), 1, settings.max_tokens, progress.reply)
         reference.update({missing[r.chat]: r.text for r in alone.replies})
     return levels, reference
 
@@ -254,6 +264,21 @@ def level_figures(level: Level, chats: list[Chat], reference: dict[int, str]) ->
                          "wall_ms": r.wall_s * 1000, "output_tokens": r.output_tokens, "finish": r.finish,
                          "equal": r.text == reference[r.chat]} for r in replies],
     }
+
+
+def llama_server_level(gguf, window: int, slots: int, threads: int) -> LevelRun:
+    """llama.cpp's server as the peer (tfq/bench/llama_server.py): a fresh process each level; one that ends or
+    stops answering raises PeerDown with one line."""
+    from tfq.bench.llama_server import PEER_TIMEOUT_S, PeerDown, llama_server
+
+    def level(chats, requests, concurrency, max_tokens, done):
+        with llama_server(gguf, window, slots, threads) as (base_url, ended):
+            try:
+                return asyncio.run(drive(base_url, "peer", chats, requests, concurrency, max_tokens, done,
+                                         PEER_TIMEOUT_S))
+            except TfqError as e:  # the client's complaint; the process's own end says more, when it ended
+                raise PeerDown(ended() or f"llama-server stopped answering: {e}") from None
+    return level
 
 
 def build_serve_report(target: Target, config, settings: ServeSettings, suite: str, chats: list[Chat],

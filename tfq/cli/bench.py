@@ -238,6 +238,8 @@ def bench_serve_command(
     max_tokens: int = typer.Option(32, "--max-tokens", help="max_tokens of every request (greedy; EOS may end a reply sooner)."),
     json_file: Optional[str] = typer.Option(None, "--json", metavar="FILE", help="Also write the report as JSON ('-': stdout)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Exactly N torch threads (default: follow the free cores)."),
+    peer: str = typer.Option("none", "--peer", help="none | llama-server: llama.cpp's own server on the same GGUF, "
+                             "same levels and client, after tfq's (built once: bash benchmarks/build_llama_server.sh)."),
     quiet: bool = typer.Option(False, "--quiet", help="No plan lines and no progress: the table only."),
 ) -> None:
     """The OpenAI-compatible server under the official `openai` client, at several concurrencies.
@@ -247,8 +249,12 @@ def bench_serve_command(
     reply must also equal its chat's reply at concurrency 1 (the `equal replies` column)."""
     import torch
 
+    from tfq.bench.llama_peer import peer_gguf
+    from tfq.bench.llama_server import NAME as LLAMA_SERVER
+    from tfq.bench.llama_server import PeerDown, binary
     from tfq.bench.serve import (Listener, ServeSettings, Target, build_serve_report, check_serve_settings,
-                                 fitting_chats, parse_concurrency, run_levels, total_requests)
+                                 fitting_chats, level_figures, llama_server_level, parse_concurrency, run_levels,
+                                 tfq_level, total_requests)
     from tfq.cli.plan import resolve_plan
     from tfq.cli.serve import served_name
     from tfq.cli.together import default_suite
@@ -260,6 +266,11 @@ def bench_serve_command(
     settings = ServeSettings(concurrency=parse_concurrency(concurrency), requests_per_level=requests_per_level,
                              max_tokens=max_tokens, threads=threads)
     check_serve_settings(settings)
+    peer = peer.strip().lower()
+    if peer not in ("none", LLAMA_SERVER):
+        raise TfqError(f"--peer {peer}: bench serve's peers are none and {LLAMA_SERVER}")
+    if peer != "none":
+        binary()  # built, or one line on how to build it, before anything runs
     output_file(json_file)
     try:
         import openai  # noqa: F401  (the client the bench measures with; not needed to serve)
@@ -279,19 +290,30 @@ def bench_serve_command(
             err.print(f"bench serve: left out {out['chat']}: {out['why']}", highlight=False, style="dim",
                       soft_wrap=True)
     target = Target(the_plan, layout, loaded, served_name(the_plan.model))
+    gguf = peer_gguf(the_plan.model, quantized=True, progress=not quiet) if peer != "none" else None
     torch_threads = torch.get_num_threads()  # before the engines: their thread policy may move it
+    runs = [("", tfq_level(target))]
+    if gguf is not None:
+        runs.append((f"{LLAMA_SERVER}: ", llama_server_level(gguf, layout.window, layout.lanes, torch_threads)))
     t0 = time.perf_counter()
-    if quiet:
-        levels, reference = run_levels(target, chats, settings)
-    else:
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=err, transient=True) as bar:
-            task = bar.add_task("bench serve", total=total_requests(settings, chats))
-            levels, reference = run_levels(target, chats, settings, Listener(
-                level=lambda what: bar.update(task, description=what), reply=lambda: bar.advance(task)))
-    wall = time.perf_counter() - t0
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=True, disable=quiet) as bar:
+        task = bar.add_task("bench serve", total=total_requests(settings, chats) * len(runs))
+        listener = Listener(level=lambda what: bar.update(task, description=what), reply=lambda: bar.advance(task))
+        levels, reference = run_levels(runs[0][1], chats, settings, listener)
+        wall = time.perf_counter() - t0
+        peer_report = None
+        if gguf is not None:
+            peer_report = {"name": LLAMA_SERVER, "gguf": str(gguf), "slots": layout.lanes, "failure": None,
+                           "levels": []}
+            try:
+                peer_levels, peer_reference = run_levels(runs[1][1], chats, settings, listener, runs[1][0])
+                peer_report["levels"] = [level_figures(lv, chats, peer_reference) for lv in peer_levels]
+            except PeerDown as e:
+                peer_report["failure"] = str(e)
     report = build_serve_report(target, config, settings, str(suite), chats, left_out, levels, reference,
                                 torch_threads, (load_before, os.getloadavg()), wall)
+    report["peer"] = peer_report
     out = err if json_file == "-" else Console()
     _print_serve_table(report, Console(file=out.file, width=max(out.width, 120)))
     if json_file == "-":
@@ -310,18 +332,28 @@ def _print_serve_table(report: dict, console: Console) -> None:
             "TBT p50\nms", "TBT p99\nms", "equal\nreplies")
     for c in cols:
         table.add_column(c, justify="right", no_wrap=True)
-    for lv in report["levels"]:
-        ttft, tbt = lv["ttft_ms"], lv["tbt_ms"]
-        equal = f"{lv['equal_replies']}/{lv['requests']}"
-        table.add_row(str(lv["concurrency"]), str(lv["requests"]), _num(lv["requests_per_s"], ".2f"),
-                      _num(lv["output_tokens_per_s"]), _num(ttft["p50"]), _num(ttft["p99"]), _num(tbt["p50"]),
-                      _num(tbt["p99"]), equal if lv["equal_replies"] == lv["requests"] else f"[red]{equal}[/red]")
+    peer = report.get("peer")
+    if peer:
+        table.add_column("engine", no_wrap=True)
+    for who, levels in (("tfq", report["levels"]), *(((peer["name"], peer["levels"]),) if peer else ())):
+        for lv in levels:
+            ttft, tbt = lv["ttft_ms"], lv["tbt_ms"]
+            equal = f"{lv['equal_replies']}/{lv['requests']}"
+            table.add_row(str(lv["concurrency"]), str(lv["requests"]), _num(lv["requests_per_s"], ".2f"),
+                          _num(lv["output_tokens_per_s"]), _num(ttft["p50"]), _num(ttft["p99"]), _num(tbt["p50"]),
+                          _num(tbt["p99"]), equal if lv["equal_replies"] == lv["requests"] else f"[red]{equal}[/red]",
+                          *((who,) if peer else ()))
     console.print(table)
+    if peer and peer["failure"]:
+        console.print(f"peer: {peer['failure']}; tfq's rows above are measured all the same", style="yellow",
+                      highlight=False)
     la, lb = m["load_average_before"], m["load_average_after"]
     console.print(f"{m['torch_threads']} torch thread{'s' * (m['torch_threads'] > 1)} "
                   f"({'fixed' if m['threads_fixed'] else 'following the free cores'}) on {m['cpus']} CPUs; load "
                   f"average {la[0]:.2f} before, {lb[0]:.2f} after; {report['wall_s']:.1f} s in all", highlight=False)
     console.print("a fresh server each level, one untimed request first; TTFT: request sent to its first token, "
                   "TBT: between tokens, both as the streaming client read them; equal replies: replies equal to "
-                  "their chat's at concurrency 1; requests past the lanes wait in the server's queue",
+                  "their chat's at concurrency 1 on the same engine; requests past the lanes wait in the server's "
+                  "queue" + ("; the peer: llama-server with as many slots as tfq's lanes, each the plan's window, "
+                             "after tfq's levels" if peer else ""),
                   highlight=False, style="dim")
