@@ -82,6 +82,7 @@ def test_required_and_named_tool_choices_are_held_to_the_tools_parameters(tiny):
         with ThreadPoolExecutor(len(asks)) as pool:
             together = list(pool.map(ask, asks))
         streams = [streamed(client, model=NAME, messages=ASK, tools=TOOLS, max_tokens=120, **kw) for kw in asks]
+        plain = ask(dict(tool_choice="none", temperature=0.0))  # no grammar, nothing parsed
         first = alone[0].choices[0].message.tool_calls[0]
         back = client.chat.completions.create(model=NAME, max_tokens=8, tools=TOOLS, messages=ASK + [
             {"role": "assistant", "content": None, "tool_calls": [first.model_dump()]},
@@ -95,6 +96,7 @@ def test_required_and_named_tool_choices_are_held_to_the_tools_parameters(tiny):
         jsonschema.validate(arguments, params[name])
         assert calls_of(b.choices[0].message) == got and (calls, reason) == (got, "tool_calls")
     assert back.choices[0].finish_reason in ("stop", "length")
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason in ("stop", "length")
 
 
 @pytest.mark.parametrize("body, field", [
