@@ -18,8 +18,8 @@ from tfq.errors import TfqError
 from tfq.threads import fix_threads
 from tfq.proofs.together import EXACT, RED, ArmRun, Check, Listener, arm_names, arms_for, check_options, select_arms
 
-# About eight minutes for the whole default check on 2 CPU cores; `--tokens 300`, the field report's length,
-# took 1134 s (every arm EXACT 12/12, controls RED) on a quiet machine.
+# About eleven minutes for the whole default check (14 chats) on 2 CPU cores; `--tokens 300`, the field report's
+# length, took 1134 s (every arm EXACT 12/12 on the 12 chats of then, controls RED) on a quiet machine.
 DEFAULT_TOKENS = 128
 DEFAULT_GROUP = 4
 SHOWN_PARTINGS = 3
