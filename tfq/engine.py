@@ -12,6 +12,7 @@ chooses the arithmetic: only the plan does (or a check's control, handed over as
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -128,6 +129,7 @@ class Engine:
         self.streams: dict[int, Stream] = {}
         self._next_id = 0
         self._grammars: Grammars | None = None  # built on the first constrained request (about a second)
+        self._grammars_once = threading.Lock()  # a server checks a grammar in a request's thread, then the engine
         self.mask = controls.mask or OwnMask()
         self.proof = None  # tfq.proofs.startup.LayerProof: the model's layer proved row-invariant here
         if not model.backend.interpreted:  # under Triton's interpreter the tests prove the same, faster
@@ -187,10 +189,11 @@ class Engine:
     @property
     def grammars(self) -> Grammars:
         """The model's grammars (tfq/grammar.py): what compiles a request's constraint."""
-        if self._grammars is None:
-            if self.tokenizer is None:
-                raise TfqError("a constrained reply needs the model's tokenizer; load the model with it")
-            self._grammars = Grammars(self.tokenizer, self.model.config.vocab_size, self.eos_ids)
+        with self._grammars_once:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise TfqError("a constrained reply needs the model's tokenizer; load the model with it")
+                self._grammars = Grammars(self.tokenizer, self.model.config.vocab_size, self.eos_ids)
         return self._grammars
 
     def has_work(self) -> bool:
