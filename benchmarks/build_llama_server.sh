@@ -22,8 +22,9 @@ for pair in avx:GGML_AVX avx2:GGML_AVX2 fma:GGML_FMA f16c:GGML_F16C avx512f:GGML
 done
 cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_SERVER=ON \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF \
-  -DLLAMA_USE_PREBUILT_UI=OFF "${flags[@]}" > "$work/cmake.log"
-cmake --build "$work/build" --target llama-server -j "$(nproc)" > "$work/build.log"
+  -DLLAMA_USE_PREBUILT_UI=OFF "${flags[@]}" > "$work/cmake.log" 2>&1 || { tail -30 "$work/cmake.log"; exit 1; }
+cmake --build "$work/build" --target llama-server -j "$(nproc)" > "$work/build.log" 2>&1 \
+  || { grep -m5 -B2 -A5 "error" "$work/build.log" || tail -30 "$work/build.log"; exit 1; }
 mkdir -p "$dest"
 cp "$work/build/bin/llama-server" "$dest/llama-server"
 "$dest/llama-server" --version 2>&1 | head -2
