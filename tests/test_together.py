@@ -428,8 +428,8 @@ def test_default_model_few_tokens(tmp_path, monkeypatch, capsys, shared_default)
                           "--quiet"], monkeypatch, capsys)
     assert code == 0, out + err
     summary = json.loads((tmp_path / "ev" / "summary.json").read_text())
-    assert [(a["arm"], a["verdict"], a["equal_logits"]) for a in summary["arms"]] == [("whole", EXACT, 12),
-                                                                                     ("paged", EXACT, 12)]
+    assert [(a["arm"], a["verdict"], a["equal_logits"]) for a in summary["arms"]] == [("whole", EXACT, 14),
+                                                                                     ("paged", EXACT, 14)]
 
 
 def test_threads_option_runs_exactly_n_and_the_evidence_names_the_build(tiny_dirs, suite_file, tmp_path, monkeypatch,
