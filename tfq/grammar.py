@@ -107,9 +107,8 @@ class Grammars:
                     reason = start.get_error() if start.is_error() else None
                 except (ValueError, RuntimeError, TypeError) as e:
                     reason = str(e)
-                if reason is not None:  # llguidance's reason may run over lines: one line, bounded
-                    reason = " ".join(reason.split())[:300] or "no reason given"
-                    raise TfqError(f"the {constraint.kind.replace('_', ' ')} cannot be used: {reason}")
+                if reason is not None:
+                    raise TfqError(f"the {constraint.kind.replace('_', ' ')} cannot be used: {_one_line(reason)}")
                 self._compiled[constraint] = start
                 while len(self._compiled) > self.KEPT:
                     self._compiled.popitem(last=False)
@@ -134,19 +133,24 @@ class Matcher:
             self._m, self._taken, n = self._start.deep_copy(), [], 0
         for t in reply[n:]:
             if not self._m.consume_token(int(t)):
-                raise TfqError(f"the reply left its grammar at token {t}: {self._m.get_error().splitlines()[0]}")
+                raise TfqError(f"the reply left its grammar at token {t}: {_one_line(self._m.get_error())}")
             self._taken.append(int(t))
 
     def allowed(self) -> np.ndarray:
         """[vocab] bool: the tokens the grammar allows next (an end-of-sequence token only where it may end)."""
         bits = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8)
         if self._m.is_error():
-            raise TfqError(f"the grammar failed: {self._m.get_error().splitlines()[0]}")
+            raise TfqError(f"the grammar failed: {_one_line(self._m.get_error())}")
         return np.unpackbits(bits, bitorder="little")[:self.vocab].view(bool)
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many of `tokens`, after the reply so far, the grammar allows in a row (a drafter's guesses)."""
         return int(self._m.validate_tokens([int(t) for t in tokens])) if tokens else 0
+
+
+def _one_line(reason: str) -> str:
+    """llguidance's reason, which may run over lines, as one bounded line."""
+    return " ".join(reason.split())[:300] or "no reason given"
 
 
 class OwnMask:
