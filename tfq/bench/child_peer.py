@@ -25,6 +25,11 @@ CHILD = [sys.executable, "-m", "tfq.bench.llama_child"]  # the child's command (
 START_TIMEOUT_S = 120.0  # importing llama-cpp-python
 LOAD_TIMEOUT_S = 1800.0  # mapping a 16 GB file and repacking its Q4_K tensors, on a machine short of memory
 EXIT_TIMEOUT_S = 30.0  # from the end of the child's output, or a close, to its exit
+# llama.cpp's native build dies with an illegal instruction on some machines (x86-64 with AVX-512 and AMX in a
+# VM); one that names the instruction sets runs
+REBUILD = ('reinstall llama-cpp-python built for this CPU without -march=native: CMAKE_ARGS="-DGGML_NATIVE=OFF '
+           '-DGGML_AVX512=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" pip install '
+           '--force-reinstall --no-cache-dir llama-cpp-python (-DGGML_AVX512=OFF on a CPU without AVX-512)')
 STDERR_TAIL = 64 * 1024  # bytes of the child's stderr kept: drained always, so llama.cpp's noise never blocks it
 
 
@@ -44,6 +49,7 @@ class ChildPeer:
         self.lines: queue.Queue = queue.Queue()  # the child's stdout lines; None at its end
         self.stderr = bytearray()
         self.doing = "while starting"
+        self.mend = ""  # how to mend what ended it, when that is known
         self.drainer: threading.Thread | None = None
 
     def start(self) -> None:
@@ -148,6 +154,8 @@ class ChildPeer:
         except subprocess.TimeoutExpired:
             return "closed its output without exiting"
         if code < 0:
+            if -code == signal.SIGILL:  # a build for another CPU: say how to build one for this
+                self.mend = f"; {REBUILD}"
             try:
                 return f"died with {signal.Signals(-code).name} ({(signal.strsignal(-code) or '?').lower()})"
             except ValueError:
@@ -177,4 +185,4 @@ class ChildPeer:
         last = next((ln.strip() for ln in reversed(self.stderr.decode(errors="replace").splitlines()) if ln.strip()),
                     "")
         said = f" (its stderr ended: {last[:200]!r})" if last else ""
-        return PeerFailed(f"the peer ({self.name}) {what} {self.doing}{said}: tfq's rows stand without it")
+        return PeerFailed(f"the peer ({self.name}) {what} {self.doing}{said}: tfq's rows stand without it{self.mend}")
