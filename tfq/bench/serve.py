@@ -224,9 +224,9 @@ def run_levels(level: LevelRun, chats: list[Chat], settings: ServeSettings, prog
         progress.level(f"{who}concurrency {c}, {n} requests")
         levels.append(level(chats, n, c, settings.max_tokens, progress.reply))
     reference: dict[int, str] = {}
-    for level in levels:
-        if level.concurrency == 1:
-            for r in level.replies:
+    for done in levels:
+        if done.concurrency == 1:
+            for r in done.replies:
                 reference.setdefault(r.chat, r.text)
     missing = [i for i in range(chats_used(settings, chats)) if i not in reference]
     if missing:
