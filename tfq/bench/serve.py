@@ -129,7 +129,10 @@ async def send(client, model: str, chats: list[Chat], index: int, max_tokens: in
     try:
         stream = await client.chat.completions.create(
             model=model, messages=list(chats[index].messages), temperature=0, max_tokens=max_tokens, stream=True,
-            stream_options={"include_usage": True}, extra_body={"return_token_ids": True})
+            stream_options={"include_usage": True}, extra_body={"return_token_ids": True},
+            # a connection a request: llama-server (cpp-httplib) closes a kept-alive connection after a few
+            # requests, which a client reusing it takes for a failure; both engines are asked the same way
+            extra_headers={"Connection": "close"})
         async for chunk in stream:
             now = time.perf_counter()
             if chunk.usage is not None:
