@@ -141,6 +141,8 @@ def test_bad_constraints_are_one_line_refusals(tiny):
     assert r.finish is Finish.ERROR and "cannot be used" in r.error and "\n" not in r.error and not r.ids
     with pytest.raises(TfqError, match="logit_bias"):
         Request((1,), penalties=Penalties(bias=((3, 500.0),))).validate()
+    with pytest.raises(TfqError, match="token ids are in"):  # a token the model lacks: refused before it runs
+        eng.add(Request((1,), penalties=Penalties(bias=((tiny.config.vocab_size, 1.0),))))
 
 
 @pytest.mark.slow

@@ -172,6 +172,7 @@ class Engine:
     def add(self, request: Request) -> int:
         """Queue a request; its id. A prompt that cannot fit the window finishes at once with an error."""
         request.validate()
+        request.penalties.validate(request.label or "request", self.model.config.vocab_size)  # bias on real ids
         st = Stream(self._next_id, request, list(request.prompt),
                     decoder=self.tokenizer.stream() if self.tokenizer else None)
         self._next_id += 1
