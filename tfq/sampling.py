@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tfq.nearest import exp32, log64
+from tfq.nearest import BLOCK, exp32, log64
 
 
 def digest(logits: torch.Tensor) -> str:
@@ -73,7 +73,7 @@ def _head(w: np.ndarray, enough) -> tuple[np.ndarray, np.ndarray]:
         k *= 8
 
 
-def _running_sum(values: np.ndarray, block: int = 8192) -> float:
+def _running_sum(values: np.ndarray, block: int = BLOCK) -> float:
     """values added one after another in float64 (a cumsum's last entry), a block at a time."""
     total, buffer = 0.0, np.empty(block + 1)
     for start in range(0, len(values), block):

@@ -44,15 +44,13 @@ def _call(block: str) -> ToolCall | None:
 def parse(text: str) -> tuple[str, list[ToolCall]]:
     """(the text before the first call, the calls). A block cut off at the reply's end (its budget ran out) is
     dropped; a reply with any other text after its first call, or a block that does not parse, is all text."""
-    start = text.find(OPEN)
-    if start < 0:
+    if OPEN not in text:
         return text, []
     split = CallStream()
-    split.held, split.calling = text[start:], True
-    calls = split._closed()
+    head, calls = split.feed(text)  # one piece: the whole reply
     if split.finish() or not calls:
         return text, []
-    return text[:start], calls
+    return head, calls
 
 
 class CallStream:
