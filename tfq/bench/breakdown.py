@@ -65,8 +65,8 @@ def step_breakdown(engine, steps: int, top: int = 0) -> dict:
                 engine.step()
         ranked = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
     per = 1e3 / steps
-    return {"step_ms": round(wall * per, 2), "linear_ms": round(linear.seconds * per, 2),
-            "attention_ms": round(attention.seconds * per, 2),
-            "rest_ms": round((wall - linear.seconds - attention.seconds) * per, 2),
+    ms = lambda seconds: round(seconds * per, 4)  # to 0.1 us: a tiny model's attention is a few us a step
+    return {"step_ms": ms(wall), "linear_ms": ms(linear.seconds), "attention_ms": ms(attention.seconds),
+            "rest_ms": ms(wall - linear.seconds - attention.seconds),
             "top_ops": [{"op": e.key, "calls_per_step": e.count // steps,
                          "self_ms_per_step": round(e.self_cpu_time_total / 1e3 / steps, 3)} for e in ranked]}
