@@ -1,6 +1,8 @@
 """llama.cpp as the bench's peer: the F32 file it runs holds exactly the weights tfq computes with, bad input is
 one line, a peer that dies in its child process leaves tfq's rows standing, a peer that does not fit beside
 tfq runs apart, and (where llama-cpp-python is installed) a bench beside it on a tiny GGUF writes its rows.
+The HF peer runs in the same child process (its engine named on the child's command line): a missing
+transformers and a death of it are one line too.
 
 The tests of the child's protocol run a fake child (FAKE_CHILD), so they need no llama-cpp-python."""
 from __future__ import annotations
@@ -59,12 +61,36 @@ def test_the_f32_file_holds_the_weights_tfq_computes_with(tmp_path_factory, tmp_
 def test_a_missing_llama_cpp_names_the_install_command(tiny_dirs, monkeypatch, capsys):
     # the real child, where import llama_cpp raises ImportError
     blocked = ("import runpy, sys; sys.modules['llama_cpp'] = None; "
-               "runpy.run_module('tfq.bench.llama_child', run_name='__main__')")
+               "runpy.run_module('tfq.bench.peer_child', run_name='__main__')")
     monkeypatch.setattr(child_peer, "CHILD", [sys.executable, "-c", blocked])
     code, out, err = tfq(["bench", "--model", str(tiny_dirs["qwen2"]), "--plan", TINY_PLAN, "--quiet", "--lanes", "1",
                           "--peer", "llama.cpp"], monkeypatch, capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert 'pip install -e ".[peer-llama]"' in err and "--peer hf or none" in err
+
+
+def test_a_missing_transformers_names_the_install_command(tiny_dirs, monkeypatch, capsys):
+    blocked = ("import runpy, sys; sys.modules['transformers'] = None; "
+               "runpy.run_module('tfq.bench.peer_child', run_name='__main__')")
+    monkeypatch.setattr(child_peer, "CHILD", [sys.executable, "-c", blocked])
+    code, out, err = tfq(["bench", "--model", str(tiny_dirs["qwen2"]), "--plan", TINY_PLAN, "--quiet", "--lanes", "1",
+                          "--peer", "hf"], monkeypatch, capsys)
+    assert code == 2 and err.strip().splitlines() == [
+        'tfq: --peer hf needs HF transformers, which is not installed; install it with: pip install -e ".[peer]", '
+        'or pass --peer none'], err
+
+
+def test_an_hf_peer_that_dies_leaves_tfqs_rows(tiny_dirs, tmp_path, monkeypatch, capsys):
+    log = fake_child(tmp_path, monkeypatch, "die:SIGKILL:2")  # as the kernel's OOM killer would end it
+    path = tmp_path / "bench.json"
+    code, out, err = tfq(["bench", "--model", str(tiny_dirs["qwen2"]), *SMALL, "--lanes", "1,2", "--arms", "whole",
+                          "--peer", "hf", "--quiet", "--json", str(path)], monkeypatch, capsys)
+    assert code == 0, err
+    assert err.strip().splitlines() == [
+        "the peer (hf) died with SIGKILL (killed) during lanes 1, round 1: tfq's rows stand without it"]
+    report = json.loads(path.read_text())
+    assert set(rows_by(report)) == {(1, "whole"), (2, "whole")} and report["peer"]["process"] == "child"
+    assert log.read_text() == "run\nrun\n"  # the warm-up, then the round it died in
 
 
 def test_llama_cpp_needs_a_gguf_model(tiny_dirs, tmp_path, monkeypatch, capsys):
@@ -152,7 +178,7 @@ def test_a_bench_forced_apart_runs_the_peer_first_then_tfq(tmp_path_factory, tmp
 
 def test_the_child_does_not_import_torch():
     """The peer's memory column is llama.cpp's process: torch's hundreds of MiB are not in it."""
-    subprocess.run([sys.executable, "-c", "import sys, tfq.bench.llama_child; assert 'torch' not in sys.modules"],
+    subprocess.run([sys.executable, "-c", "import sys, tfq.bench.peer_child; assert 'torch' not in sys.modules"],
                    check=True)
 
 

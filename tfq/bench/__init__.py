@@ -13,13 +13,13 @@ plus each stream's cached keys and values; divided by the memory bandwidth measu
 least time a step can take. fraction = that time / the measured step time.
 
 By job: settings (options, bad input, the arms' plans), measure (roofline, bandwidth), memory (resident
-memory), record (one run's figures), runs (one timed run of tfq), peer (one of HF transformers), llama_peer
-(llama.cpp in this process), llama_child and child_peer (llama.cpp in a child process, and tfq's end of it),
-peering (which peer, where and when), rounds (the interleaved rounds), report (medians, ratios, targets, the
-JSON report).
+memory), record (one run's figures), runs (one timed run of tfq), peer (HF transformers) and llama_peer
+(llama.cpp), each run by peer_child (the peer's child process) and child_peer (tfq's end of it), peering
+(which peer, where and when), rounds (the interleaved rounds), report (medians, ratios, targets, the JSON
+report).
 
-Names are imported when first asked for, so the peer's child process (`python -m tfq.bench.llama_child`)
-does not import torch: its resident memory is llama.cpp's own.
+Names are imported when first asked for, so the peer's child process (`python -m tfq.bench.peer_child`)
+does not import torch for llama.cpp: its resident memory is llama.cpp's own.
 """
 from __future__ import annotations
 
@@ -34,9 +34,9 @@ _WHERE = {
     "tfq.bench.rounds": ("WARMUP_TOKENS", "Bench", "Progress"),
     "tfq.bench.record": ("Run",),
     "tfq.bench.runs": ("NO_EOS", "TfqArm", "ordinary_vocab", "random_prompts"),
-    "tfq.bench.settings": ("ARM_ABOUT", "ARMS", "DRAFT", "PAGE_ROWS", "PEER_INSTALL", "PEERS", "BenchSettings",
+    "tfq.bench.settings": ("ARM_ABOUT", "ARMS", "DRAFT", "PAGE_ROWS", "PEERS", "BenchSettings",
                            "arm_plan", "bench_window", "check_against_plan", "check_settings", "parse_arms",
-                           "parse_lanes", "require_peer", "skipped_arm"),
+                           "parse_lanes", "skipped_arm"),
 }
 _MODULE = {name: module for module, names in _WHERE.items() for name in names}
 

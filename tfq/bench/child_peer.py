@@ -1,10 +1,10 @@
-"""tfq's end of the llama.cpp peer's child process (tfq.bench.llama_child): the in-process peer's interface
+"""tfq's end of the bench peer's child process (tfq.bench.peer_child): the in-process peer's interface
 (`prepare`, `run`, `name`, `version`, `close`), each call one JSON line to the child and one back.
 
 A child that dies (a signal, an exit, the end of its output, a line that is not JSON, no answer in time)
 raises PeerFailed, whose message is the one line the bench prints before it carries on without the peer.
-An {"error": ...} answer to start or load is bad input (llama-cpp-python missing, a file llama.cpp does not
-know): a TfqError, one line, as it was when llama.cpp ran in tfq's process."""
+An {"error": ...} answer to start or load is bad input (llama-cpp-python or transformers missing, a file the
+peer does not know): a TfqError, one line, as it was when the peers ran in tfq's process."""
 from __future__ import annotations
 
 import json
@@ -21,8 +21,9 @@ from tfq.bench.memory import MemoryProbe
 from tfq.bench.record import Run
 from tfq.errors import TfqError
 
-CHILD = [sys.executable, "-m", "tfq.bench.llama_child"]  # the child's command (tests put a fake child here)
-START_TIMEOUT_S = 120.0  # importing llama-cpp-python
+CHILD = [sys.executable, "-m", "tfq.bench.peer_child"]  # the child's command, its engine appended (tests put a
+# fake child here)
+START_TIMEOUT_S = 120.0  # importing llama-cpp-python, or transformers
 LOAD_TIMEOUT_S = 1800.0  # mapping a 16 GB file and repacking its Q4_K tensors, on a machine short of memory
 EXIT_TIMEOUT_S = 30.0  # from the end of the child's output, or a close, to its exit
 # llama.cpp's native build dies with an illegal instruction on some machines (x86-64 with AVX-512 and AMX in a
@@ -38,11 +39,11 @@ class PeerFailed(Exception):
 
 
 class ChildPeer:
-    """llama.cpp in a process of its own. A run's memory is the child's (its own probe); the `probe` passed to
+    """The peer (llama.cpp or HF transformers, by `name`) in a process of its own. A run's memory is the child's (its own probe); the `probe` passed to
     `run` is tfq's and is not used."""
 
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, name: str, engine: str):
+        self.name, self.engine = name, engine  # the peer as the bench names it; the child's engine
         self.version: str | None = None
         self.rss_peak_is_per_run: bool | None = None  # the child's: VmHWM reset a run, or its lifetime peak
         self.proc: subprocess.Popen | None = None
@@ -53,12 +54,12 @@ class ChildPeer:
         self.drainer: threading.Thread | None = None
 
     def start(self) -> None:
-        """Start the child and take its first line: llama-cpp-python's version, or why it cannot run."""
+        """Start the child and take its first line: its engine's version, or why it cannot run."""
         root = str(Path(tfq.__file__).resolve().parent.parent)  # the child imports this tfq, installed or not
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
         try:
             # its own session: a Ctrl-C reaches tfq, which closes the child, not both at once
-            self.proc = subprocess.Popen(CHILD, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            self.proc = subprocess.Popen([*CHILD, self.engine], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=subprocess.PIPE, env=env, start_new_session=True)
         except OSError as e:
             raise self._failed(f"could not start ({e})") from None

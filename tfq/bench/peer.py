@@ -1,4 +1,5 @@
-"""The peer: HF transformers `generate` on the same checkpoint folder, timed like a tfq run."""
+"""The peer: HF transformers `generate` on the same checkpoint folder, timed like a tfq run. It runs in the
+bench's child process (tfq.bench.peer_child), so its memory is its own and a crash of it never takes tfq down."""
 from __future__ import annotations
 
 import time
@@ -15,9 +16,13 @@ class HfPeer:
 
     name = "hf"
 
-    def __init__(self, folder):
+    def __init__(self, folder, threads: int):
         import transformers
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        torch.set_num_threads(threads)
+        hf_logging.disable_progress_bar()
 
         self.version = transformers.__version__
         dtype_key = "dtype" if int(self.version.split(".")[0]) >= 5 else "torch_dtype"
@@ -30,6 +35,9 @@ class HfPeer:
 
     def prepare(self, lanes: int, rows: int) -> None:
         """Nothing to size: generate grows its own cache."""
+
+    def close(self) -> None:
+        """Nothing held beyond the model, which goes with the process."""
 
     def run(self, prompts: list[list[int]], tokens: int, round_: int, probe: MemoryProbe) -> Run:
         from transformers import GenerationConfig

@@ -1,9 +1,9 @@
 """The bench's peer: which engine, in which process, and whether it runs beside tfq's arms or apart.
 
-HF transformers runs in tfq's process, beside the arms. llama.cpp runs in a child process
-(tfq.bench.child_peer), so a crash of it never takes tfq down: the bench prints one line and carries on with
-tfq's arms. When the two engines do not fit in memory together, llama.cpp runs apart: all its rounds, every
-lane count, before tfq loads its model (tfq.bench.rounds.run_apart), and its process has exited by then."""
+Both peers, HF transformers and llama.cpp, run in a child process (tfq.bench.child_peer), so a crash of one
+never takes tfq down: the bench prints one line and carries on with tfq's arms. HF runs beside the arms. When
+llama.cpp and tfq do not fit in memory together, llama.cpp runs apart: all its rounds, every lane count, before
+tfq loads its model (tfq.bench.rounds.run_apart), and its process has exited by then."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Callable, ContextManager
 
 from tfq.bench.child_peer import ChildPeer, PeerFailed
-from tfq.bench.peer import HfPeer
 from tfq.bench.record import Run
 from tfq.bench.settings import BenchSettings
 from tfq.plan import Layout, Plan, available_memory, human_bytes
@@ -52,9 +51,9 @@ class PeerSide:
     name: str
     model: str  # the plan's model spec
     say: Say
-    engine: HfPeer | ChildPeer | None = None
-    path: Path | None = None  # the GGUF file llama.cpp runs
-    order: Order | None = None  # None: in tfq's process, always beside the arms
+    engine: ChildPeer | None = None
+    path: Path | None = None  # the GGUF file llama.cpp runs, or the checkpoint folder HF loads
+    order: Order | None = None  # None: always beside the arms (HF)
     failure: str | None = None
     runs: list[Run] = field(default_factory=list)  # made apart, before tfq loaded
 
@@ -63,7 +62,7 @@ class PeerSide:
         return self.order is not None and self.order.apart
 
     @property
-    def beside(self) -> HfPeer | ChildPeer | None:
+    def beside(self) -> ChildPeer | None:
         """The engine that runs interleaved with tfq's arms: none when apart or failed."""
         return None if self.apart or self.failure else self.engine
 
@@ -75,31 +74,22 @@ class PeerSide:
         """Its one line printed and kept for the report; the engine ended."""
         self.failure = str(e)
         self.say(self.failure)
-        if isinstance(self.engine, ChildPeer):
+        if self.engine is not None:
             self.engine.close()
 
     def load_beside(self, threads: int, progress: bool, status: Status) -> None:
         """After tfq loaded its model: the peer's engine, when it runs beside the arms."""
-        if self.name == "hf":
-            from tfq.model.source import resolve_model
-
-            if not progress:
-                from transformers.utils import logging as hf_logging
-
-                hf_logging.disable_progress_bar()
-            folder = resolve_model(self.model, progress=progress)  # with its fp32 weights, which HF loads
-            with status("loading the peer (HF transformers)"):
-                self.engine = HfPeer(folder)
-        elif self.beside is not None:
-            with status(f"loading the peer ({self.name} on {self.path.name})"):
+        if self.beside is not None:
+            what = "HF transformers" if self.name == "hf" else f"{self.name} on {self.path.name}"
+            with status(f"loading the peer ({what})"):
                 try:
                     self.engine.load(self.path, threads)
                 except PeerFailed as e:
                     self.fail(e)
 
     def report(self) -> dict:
-        child = isinstance(self.engine, ChildPeer)
-        return {"name": self.name, "version": self.version, "process": "child" if child else "tfq",
+        child = self.engine is not None
+        return {"name": self.name, "version": self.version, "process": "child" if child else None,
                 "order": self.order.name if self.order else "interleaved" if self.name == "hf" else None,
                 "order_why": self.order.words() if self.order else None,
                 "memory": None if self.order is None else {
@@ -110,22 +100,29 @@ class PeerSide:
 
 
 def start_peer(settings: BenchSettings, plan: Plan, layout: Layout, say: Say, progress: bool) -> PeerSide | None:
-    """Before tfq loads its model. llama.cpp: its child starts (and says llama-cpp-python's version, or the one
-    line on installing it), its file is chosen (the F32 twin written once) and the order decided."""
+    """Before tfq loads its model: the peer's child starts (and says its engine's version, or the one line on
+    installing it). HF: the checkpoint folder with its fp32 weights. llama.cpp: its file is chosen (the F32 twin
+    written once) and the order decided."""
     if settings.peer == "none":
         return None
     side = PeerSide(settings.peer, plan.model, say)
-    if settings.peer == "hf":
-        return side
-    from tfq.bench.llama_peer import peer_gguf
-    from tfq.model.load import weights_kind
-
-    side.engine = ChildPeer(settings.peer)
+    side.engine = ChildPeer(settings.peer, "hf" if settings.peer == "hf" else "llama.cpp")
     try:
         side.engine.start()
     except PeerFailed as e:
         side.fail(e)
         return side
+    if settings.peer == "hf":
+        from tfq.model.source import resolve_model
+
+        try:
+            side.path = resolve_model(plan.model, progress=progress)  # with its fp32 weights, which HF loads
+        except BaseException:
+            side.engine.close()
+            raise
+        return side
+    from tfq.bench.llama_peer import peer_gguf
+    from tfq.model.load import weights_kind
     # the weights tfq will compute with (load_model's choice; were tfq's kernels to fail to build, it would
     # fall back to fp32 while the peer runs the GGUF as shipped)
     quantized = (settings.peer == "llama.cpp-gguf"

@@ -9,7 +9,6 @@ from typing import Callable
 
 from tfq.bench.child_peer import ChildPeer, PeerFailed
 from tfq.bench.memory import MemoryProbe
-from tfq.bench.peer import HfPeer
 from tfq.bench.peering import PeerSide
 from tfq.bench.record import Run
 from tfq.bench.runs import TfqArm, ordinary_vocab, random_prompts
@@ -91,7 +90,7 @@ class Bench:
                 self.breakdown[lanes] = engines[0].breakdown(prompts, BREAKDOWN_STEPS)
             del engines, runners  # free this lane count's caches before the next
 
-    def _prepared_peer(self, lanes: int, window: int) -> HfPeer | ChildPeer | None:
+    def _prepared_peer(self, lanes: int, window: int) -> ChildPeer | None:
         """The peer sized for this lane count, when it runs beside the arms (None once it failed)."""
         peer = self.peer.beside if self.peer is not None else None
         if peer is not None:

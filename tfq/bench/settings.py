@@ -17,7 +17,6 @@ ARM_ABOUT = {
 PEERS = ("hf", "llama.cpp", "llama.cpp-gguf", "none")
 PAGE_ROWS = 256  # the paged arm's page rows when the plan has none
 DRAFT = "ngram:4"  # the drafted arm's drafter when the plan drafts nothing
-PEER_INSTALL = 'pip install -e ".[peer]"'
 
 
 @dataclass(frozen=True)
@@ -88,19 +87,6 @@ def check_against_plan(s: BenchSettings, plan: Plan) -> None:
     if need > plan.window:
         raise TfqError(f"--prompt-tokens {s.prompt_tokens} + --tokens {s.tokens} = {need} rows do not fit the plan's "
                        f"window of {plan.window}; raise the plan key window (--set window={need}) or bench less")
-
-
-def require_peer(peer: str) -> None:
-    """HF transformers, importable here; llama.cpp's child checks for llama-cpp-python itself, first thing."""
-    if peer != "hf":
-        return
-    import importlib
-
-    try:
-        importlib.import_module("transformers")
-    except ImportError:
-        raise TfqError(f"--peer hf needs HF transformers, which is not installed; install it with: {PEER_INSTALL} "
-                       f"(or pass --peer none)") from None
 
 
 # ------------------------------------------------------------------------------------------- the plans

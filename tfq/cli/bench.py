@@ -46,15 +46,15 @@ def bench_command(
     quiet: bool = typer.Option(False, "--quiet", help="No plan lines and no progress: the table only."),
 ) -> None:
     """Measure tfq's speed and memory per lane count and arm, side by side with a peer on the same weights
-    (runs interleaved, medians of the rounds; llama.cpp runs in its own process, and apart, all its rounds
-    first, when the two do not fit in memory together), with each decode step as a fraction of the
+    (runs interleaved, medians of the rounds; the peer runs in its own process, and llama.cpp apart, all its
+    rounds first, when the two do not fit in memory together), with each decode step as a fraction of the
     memory-bandwidth roofline measured in the same run. Kernel correctness is a separate check: `tfq kernels`.
     `tfq bench serve`: the server under the `openai` client (see `tfq bench serve --help`)."""
     if ctx.invoked_subcommand is not None:
         _no_options_before(ctx)
         return
     from tfq.bench import (Bench, BenchSettings, bench_window, build_report, check_against_plan, check_settings,
-                           measure_bandwidth, parse_arms, parse_lanes, require_peer)
+                           measure_bandwidth, parse_arms, parse_lanes)
     from tfq.bench.peering import start_peer
     from tfq.bench.rounds import apart_run_count, run_apart
     from tfq.cli.plan import resolve_plan
@@ -71,7 +71,6 @@ def bench_command(
         raise TfqError(f"tfq bench measures the engine on the CPU (its roofline and memory probe are the CPU's), "
                        f"and the plan runs on {layout.device}; use --set device=cpu, or "
                        f"benchmarks/gpu_kernels.py for the attention kernels on a GPU")
-    require_peer(settings.peer)
     if not quiet:
         window = bench_window(the_plan, settings)
         err.print(f"bench: {settings.prompt_tokens}-token prompts and {settings.tokens}-token replies, so each arm's "

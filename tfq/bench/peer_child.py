@@ -1,10 +1,12 @@
-"""The llama.cpp peer's child process: `python -m tfq.bench.llama_child`, one JSON object a line each way.
+"""The bench peer's child process: `python -m tfq.bench.peer_child ENGINE`, one JSON object a line each way.
+ENGINE is `llama.cpp` (the default; llama.cpp on a GGUF file, through llama-cpp-python) or `hf` (HF
+transformers' `generate` on a checkpoint folder).
 
-A crash of llama.cpp (SIGILL on a CPU its build does not suit, a segfault) ends this process, never tfq's;
-and its resident memory is llama.cpp's own, measured here (torch is never imported). tfq's end is
-tfq.bench.child_peer.ChildPeer.
+A crash of the peer (SIGILL on a CPU llama.cpp's build does not suit, a segfault, memory) ends this process,
+never tfq's; and its resident memory is the peer's own, measured here (for llama.cpp torch is never
+imported). tfq's end is tfq.bench.child_peer.ChildPeer.
 
-On start it says {"version": V} (llama-cpp-python's), or {"error": LINE} when llama-cpp-python is missing, and
+On start it says {"version": V} (the engine's package's), or {"error": LINE} when that package is missing, and
 exits. Then, a request a line:
 
     {"op": "load", "path": P, "threads": N, "name": NAME} -> {"ok": true, "rss_peak_is_per_run": BOOL}
@@ -27,9 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from tfq.bench.llama_peer import LlamaPeer, require_llama
 from tfq.bench.memory import MemoryProbe
 from tfq.errors import TfqError
+
+ENGINES = ("llama.cpp", "hf")
 
 
 def main() -> None:
@@ -39,13 +42,14 @@ def main() -> None:
     answers = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
+    engine = sys.argv[1] if len(sys.argv) > 1 else "llama.cpp"
     try:
-        version = require_llama()
+        version = _require(engine)
     except TfqError as e:
         _say(answers, {"error": str(e)})
         return
     _say(answers, {"version": version})
-    child = Child()
+    child = Child(engine)
     for line in sys.stdin:
         request = json.loads(line)
         if request["op"] == "close":
@@ -60,17 +64,42 @@ def main() -> None:
         child.peer.close()
 
 
+def _require(engine: str) -> str:
+    """The engine's package's version, or one line on how to install it."""
+    if engine == "llama.cpp":
+        from tfq.bench.llama_peer import require_llama
+
+        return require_llama()
+    if engine == "hf":
+        try:
+            import transformers
+        except ImportError:
+            raise TfqError('--peer hf needs HF transformers, which is not installed; install it with: '
+                           'pip install -e ".[peer]", or pass --peer none') from None
+        return transformers.__version__
+    raise TfqError(f"no such peer engine: {engine} (one of {', '.join(ENGINES)})")
+
+
 @dataclass
 class Child:
-    """llama.cpp on one file, once loaded, and the probe of this process's memory."""
+    """The peer on one model, once loaded, and the probe of this process's memory."""
 
+    engine: str
     probe: MemoryProbe = field(default_factory=MemoryProbe)
-    peer: LlamaPeer | None = None
+    peer: object | None = None  # LlamaPeer or HfPeer: prepare(lanes, rows), run(...), close()
 
     def answer(self, request: dict) -> dict:
         op = request["op"]
         if op == "load":
-            self.peer = LlamaPeer(Path(request["path"]), request["threads"], request["name"])
+            path, threads = Path(request["path"]), request["threads"]
+            if self.engine == "hf":
+                from tfq.bench.peer import HfPeer
+
+                self.peer = HfPeer(path, threads)
+            else:
+                from tfq.bench.llama_peer import LlamaPeer
+
+                self.peer = LlamaPeer(path, threads, request["name"])
             return {"ok": True, "rss_peak_is_per_run": self.probe.resettable}
         if self.peer is None:
             raise TfqError(f"{op} before load")
