@@ -113,9 +113,28 @@ def _init_weights(model: torch.nn.Module, seed: int) -> None:
                 val = 0.5 * torch.randn(p.shape, generator=g)
             elif "embed_tokens" in name or "lm_head" in name:
                 val = 0.3 * torch.randn(p.shape, generator=g)
-            else:
-                val = torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5
+            else:  # a matrix, or a mixture's experts stacked [experts, out, in]: by fan-in
+                val = torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5
             p.copy_(val)
+
+
+def _one_tensor_an_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers keeps a mixture's experts stacked (experts.gate_up_proj [experts, 2 * inter, hidden],
+    experts.down_proj [experts, hidden, inter]) and writes them one tensor an expert: as it writes them."""
+    out = {}
+    for k, v in state.items():
+        if k.endswith("experts.gate_up_proj"):
+            base, half = k[:-len("gate_up_proj")], v.shape[1] // 2
+            for e in range(v.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"] = v[e, :half].contiguous()
+                out[f"{base}{e}.up_proj.weight"] = v[e, half:].contiguous()
+        elif k.endswith("experts.down_proj"):
+            base = k[:-len("down_proj")]
+            for e in range(v.shape[0]):
+                out[f"{base}{e}.down_proj.weight"] = v[e].contiguous()
+        else:
+            out[k] = v
+    return out
 
 
 def write_tiny_checkpoint(
@@ -138,6 +157,9 @@ def write_tiny_checkpoint(
     linear_dims: tuple[int, int] = (32, 32),
     vision: bool = False,
     branch_scale: float = 1.0,
+    experts: tuple[int, int, int] = (8, 2, 64),
+    dense_layers: tuple[int, ...] = (),
+    normalized: bool = True,
 ) -> Path:
     """Write a random `family` checkpoint (HF folder, fp32 safetensors, optionally in `shards` files).
 
@@ -146,7 +168,13 @@ def write_tiny_checkpoint(
     `vision`, the config is an image-and-text qwen3_5 one, its text model's tensors under model.language_model
     (the vision tower's own tensors are left out: tfq skips them). `branch_scale` multiplies the projections that
     write into the residual stream (o_proj, out_proj, down_proj): below 1, with tied embeddings, a random model
-    tends to repeat what it read, so prompt-lookup drafting finds guesses it accepts."""
+    tends to repeat what it read, so prompt-lookup drafting finds guesses it accepts.
+
+    qwen3_moe is Qwen3 with a mixture of experts (transformers' Qwen3MoeForCausalLM): `experts` (experts, chosen a
+    row, each one's intermediate size), `dense_layers` (mlp_only_layers: a dense MLP there), `normalized`
+    (norm_topk_prob). Its experts are written one tensor each, as save_pretrained writes them. qwen3_5_moe is the
+    hybrid with a mixture in every layer (transformers' Qwen3_5MoeForCausalLM), `experts` as for qwen3_moe and a
+    shared expert of `intermediate` rows."""
     from safetensors.torch import save_file
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -172,6 +200,26 @@ def write_tiny_checkpoint(
                              "mrope_section": [2, 1, 1], "mrope_interleaved": True},
             linear_num_key_heads=linear_heads[0], linear_num_value_heads=linear_heads[1],
             linear_key_head_dim=linear_dims[0], linear_value_head_dim=linear_dims[1], linear_conv_kernel_dim=4)
+    elif family == "qwen3_5_moe":
+        from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+        model_cls = Qwen3_5MoeForCausalLM
+        common.pop("intermediate_size")  # no dense MLP: the shared expert takes `intermediate`
+        config = Qwen3_5MoeTextConfig(
+            **common, layer_types=list(layer_types) if layer_types else None,
+            rope_parameters={"rope_type": "default", "rope_theta": rope_theta, "partial_rotary_factor": 0.25,
+                             "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+            linear_num_key_heads=linear_heads[0], linear_num_value_heads=linear_heads[1],
+            linear_key_head_dim=linear_dims[0], linear_value_head_dim=linear_dims[1], linear_conv_kernel_dim=4,
+            num_experts=experts[0], num_experts_per_tok=experts[1], moe_intermediate_size=experts[2],
+            shared_expert_intermediate_size=intermediate)
+    elif family == "qwen3_moe":
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        model_cls = Qwen3MoeForCausalLM
+        config = Qwen3MoeConfig(**common, rope_theta=rope_theta, use_sliding_window=False, num_experts=experts[0],
+                                num_experts_per_tok=experts[1], moe_intermediate_size=experts[2],
+                                mlp_only_layers=list(dense_layers), norm_topk_prob=normalized)
     else:
         config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM),
                                  "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[family]
@@ -179,7 +227,7 @@ def write_tiny_checkpoint(
     torch.manual_seed(seed)  # HF's own init runs first; every parameter is then overwritten from `seed`
     model = model_cls(config).to(torch.float32).eval()
     _init_weights(model, seed)
-    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    state = _one_tensor_an_expert({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()})
     for k in state:
         if k.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
             state[k] = state[k] * branch_scale

@@ -29,6 +29,7 @@ class Arithmetic:
 
     partial: bool = False  # attention by the `partial` recipe (tfq/kernels/attention.py)
     chunked_deltanet: bool = False  # a hybrid's prompt chunks by the chunked DeltaNet algorithm: a control only
+    experts_by_load: bool = False  # a mixture's experts combined in the batch's order of load: a control only
 
 
 class Segment(NamedTuple):
@@ -44,14 +45,16 @@ class Segment(NamedTuple):
 @dataclass(frozen=True)
 class Segments:
     """Every feed's Segment, as the [feeds, 5] int64 table the kernels read (columns in Segment's order), and the
-    DeltaNet algorithm the forward runs them by."""
+    arithmetic the forward's layers run by beyond attention (the DeltaNet algorithm, the experts' combine)."""
 
     table: torch.Tensor
     chunked: bool = False  # Arithmetic.chunked_deltanet
+    experts_by_load: bool = False  # Arithmetic.experts_by_load
 
     @classmethod
-    def of(cls, segments: list[Segment], chunked: bool = False) -> "Segments":
-        return cls(torch.tensor([tuple(map(int, s)) for s in segments], dtype=torch.long).reshape(-1, 5), chunked)
+    def of(cls, segments: list[Segment], chunked: bool = False, experts_by_load: bool = False) -> "Segments":
+        return cls(torch.tensor([tuple(map(int, s)) for s in segments], dtype=torch.long).reshape(-1, 5), chunked,
+                   experts_by_load)
 
     def __iter__(self) -> Iterator[Segment]:
         return (Segment(r, n, slot, bool(fresh), bool(save)) for r, n, slot, fresh, save in self.table.tolist())
@@ -89,7 +92,7 @@ def step_rows(cache: KVCache, feeds: list[Feed], arithmetic: Arithmetic) -> Step
     return StepRows(torch.tensor(ids), torch.tensor(positions), torch.cat(write_rows),
                     AttentionBatch(_decode_group(cache, decode), chunks, arithmetic.partial),
                     torch.tensor(logit_rows, dtype=torch.long), [f.logits for f in feeds],
-                    Segments.of(segments, arithmetic.chunked_deltanet))
+                    Segments.of(segments, arithmetic.chunked_deltanet, arithmetic.experts_by_load))
 
 
 def forward(model, cache: KVCache, feeds: list[Feed], arithmetic: Arithmetic = Arithmetic()) -> list[torch.Tensor]:

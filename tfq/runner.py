@@ -39,6 +39,13 @@ def chunked_deltanet(partial: bool) -> Policy:
     return lambda feeds: arithmetic
 
 
+def experts_by_load(partial: bool) -> Policy:
+    """The mixture-of-experts control: the plan's attention, and each forward's experts combined in the order of
+    how many of its rows chose them, as a fused MoE kernel sums (tfq/model/moe.py: combine_by_load)."""
+    arithmetic = Arithmetic(partial, experts_by_load=True)
+    return lambda feeds: arithmetic
+
+
 class ColdPartial:
     """The prefix cache's control: `partial` until `warm()`, `rows` after, under one cache, so pages computed
     in one arithmetic are found again by streams of the other (tfq never does this: the cache's key names the

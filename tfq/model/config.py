@@ -13,8 +13,12 @@ FAMILIES = {
     "qwen2": (True, False),
     "qwen3": (False, True),
     "qwen3_5": (False, True),  # hybrid: Gated DeltaNet layers between gated full attention layers
+    "qwen3_moe": (False, True),  # Qwen3 with mixture-of-experts MLPs
+    "qwen3_5_moe": (False, True),  # the hybrid with mixture-of-experts MLPs, a shared expert beside them
 }
-HYBRID_TYPES = ("qwen3_5", "qwen3_5_text")  # config.json model_type of a Qwen3.5 checkpoint (text inside)
+# config.json model_type of a Qwen3.5 checkpoint (text inside, or the text model's own) -> tfq's family
+HYBRID_TYPES = {"qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe",
+                "qwen3_5_moe_text": "qwen3_5_moe"}
 LAYER_TYPES = ("full_attention", "linear_attention")  # what a hybrid's layer_types may name
 
 
@@ -38,6 +42,24 @@ class DeltaNetShape:
     def state_floats(self) -> int:
         """fp32 numbers a stream keeps for one layer: the recurrent state and the convolution window."""
         return self.value_heads * self.key_dim * self.value_dim + (self.conv_kernel - 1) * self.channels
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """A mixture-of-experts MLP's sizes: a router picks `chosen` of `experts` MLPs for each row, each of
+    `intermediate` rows, and `sparse[i]` says whether layer i's MLP is one (else a dense MLP of the model's
+    intermediate_size)."""
+
+    experts: int
+    chosen: int
+    intermediate: int
+    normalized: bool  # the chosen experts' weights divided by their sum (norm_topk_prob)
+    sparse: tuple[bool, ...]
+    shared_intermediate: int = 0  # Qwen3.5: an expert every row runs, gated by sigmoid (0: none)
+
+    def expected_distinct(self, rows: int) -> float:
+        """Experts a step of `rows` rows reads, on average, were the router's choices uniform."""
+        return self.experts * (1 - (1 - self.chosen / self.experts) ** rows)
 
 
 ROPE_TYPES = ("default", "linear", "yarn")  # what tfq computes, exactly as HF transformers does
@@ -79,6 +101,12 @@ class ModelConfig:
     deltanet: DeltaNetShape | None = None  # a hybrid's linear attention layers
     skipped: str = ""  # what of the checkpoint tfq does not run (a vision tower), for the plan's lines
     quantized: str = ""  # how an MLX checkpoint's weights are stored ("MLX 4-bit affine, groups of 64")
+    moe: MoEShape | None = None  # mixture-of-experts MLPs
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """The layers whose MLP is a mixture of experts."""
+        return [i for i, s in enumerate(self.moe.sparse) if s] if self.moe is not None else []
 
     @property
     def hybrid(self) -> bool:
@@ -127,7 +155,10 @@ class ModelConfig:
             attention += q + 2 * kv
         if self.qk_norm:
             attention += 2 * d
-        total = len(self.attention_layers) * attention + self.num_layers * (3 * h * i + 2 * h)
+        total = len(self.attention_layers) * attention + self.num_layers * 2 * h
+        total += (self.num_layers - len(self.moe_layers)) * 3 * h * i
+        if self.moe is not None:
+            total += len(self.moe_layers) * self.moe_params()
         if self.deltanet is not None:
             n = self.deltanet
             v = n.value_heads * n.value_dim
@@ -136,13 +167,26 @@ class ModelConfig:
         head = 0 if self.tie_embeddings else self.vocab_size * h
         return self.vocab_size * h + total + h + head
 
+    def moe_params(self, experts: int | None = None) -> int:
+        """One mixture-of-experts MLP's parameters: the router and `experts` experts (all of them by default)."""
+        m, h = self.moe, self.hidden_size
+        shared = 3 * h * m.shared_intermediate + h if m.shared_intermediate else 0  # and its gate [1, hidden]
+        return m.experts * h + (m.experts if experts is None else experts) * 3 * h * m.intermediate + shared
+
+    def active_param_count(self) -> int:
+        """The parameters one row's forward multiplies by: its chosen experts only (all of them without experts)."""
+        if self.moe is None:
+            return self.param_count()
+        unchosen = self.moe_params() - self.moe_params(self.moe.chosen)
+        return self.param_count() - len(self.moe_layers) * unchosen
+
     @classmethod
     def from_dict(cls, raw: dict, where: str = "config.json") -> "ModelConfig":
         family = raw.get("model_type")
         skipped = ""
         if family in HYBRID_TYPES:
             raw, skipped = _text_config(raw, where)
-            family = "qwen3_5"
+            family = HYBRID_TYPES[family]
         if family not in FAMILIES:
             raise TfqError(
                 f"{where}: model_type {family!r} is not supported; tfq runs {', '.join(sorted(FAMILIES))} checkpoints"
@@ -166,7 +210,9 @@ class ModelConfig:
                 family=family,
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=hidden,
-                intermediate_size=int(raw["intermediate_size"]),
+                # a Qwen3.5 MoE has no dense MLP: its shared expert's size stands in
+                intermediate_size=int(raw["intermediate_size"] if "intermediate_size" in raw or family != "qwen3_5_moe"
+                                      else raw["shared_expert_intermediate_size"]),
                 num_layers=int(raw["num_hidden_layers"]),
                 num_heads=heads,
                 num_kv_heads=kv_heads,
@@ -178,8 +224,10 @@ class ModelConfig:
                 weights_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
                 eos_token_ids=tuple(int(e) for e in eos_ids),
                 rope_scaling=_rope_scaling(raw, where),
-                **(_hybrid_fields(raw, int(raw["num_hidden_layers"]), where, skipped) if family == "qwen3_5" else {}),
+                **(_hybrid_fields(raw, int(raw["num_hidden_layers"]), where, skipped)
+                   if family in ("qwen3_5", "qwen3_5_moe") else {}),
                 quantized=_quantized(raw, where),
+                moe=_moe(raw, int(raw["num_hidden_layers"]), where) if family.endswith("_moe") else None,
             )
         except (KeyError, TypeError, ValueError) as e:
             raise TfqError(f"{where}: missing or malformed field {e}; is this a Qwen config.json?") from None
@@ -197,17 +245,18 @@ class ModelConfig:
 
 
 def _text_config(raw: dict, where: str) -> tuple[dict, str]:
-    """A Qwen3.5 config's text model: the config itself (qwen3_5_text), or the text_config inside a qwen3_5
-    (image and text) config, whose vision tower tfq skips; (text config, what is skipped)."""
-    if raw.get("model_type") == "qwen3_5_text":
+    """A Qwen3.5 config's text model: the config itself (qwen3_5_text, qwen3_5_moe_text), or the text_config inside
+    an image-and-text config, whose vision tower tfq skips; (text config, what is skipped)."""
+    kind = raw.get("model_type")
+    if kind.endswith("_text"):
         return raw, ""
     text = raw.get("text_config")
     if not isinstance(text, dict) or "num_hidden_layers" not in text:
-        raise TfqError(f"{where}: a qwen3_5 config without a text_config: a vision-only checkpoint; tfq runs "
+        raise TfqError(f"{where}: a {kind} config without a text_config: a vision-only checkpoint; tfq runs "
                        f"the text model, so point --model at a checkpoint that has one")
     merged = {k: v for k, v in raw.items() if k not in ("text_config", "vision_config")}
     merged.update(text)
-    merged["model_type"] = "qwen3_5_text"
+    merged["model_type"] = kind + "_text"
     vision = raw.get("vision_config")
     depth = vision.get("depth") if isinstance(vision, dict) else None
     if not isinstance(vision, dict):
@@ -240,6 +289,24 @@ def _hybrid_fields(raw: dict, layers: int, where: str, skipped: str) -> dict:
         raise TfqError(f"{where}: partial_rotary_factor {partial} must leave an even number of rotary dimensions")
     return {"layer_types": tuple(kinds), "partial_rotary": partial, "deltanet": shape,
             "skipped": skipped}
+
+
+def _moe(raw: dict, layers: int, where: str) -> MoEShape:
+    """A mixture-of-experts config's experts (transformers' names; it writes num_local_experts), and which layers
+    have them: every decoder_sparse_step-th layer not in mlp_only_layers, as transformers builds them. Qwen3.5's
+    are in every layer, always normalized, with a shared expert."""
+    experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+    chosen = int(raw.get("num_experts_per_tok", 8))
+    if not 0 < chosen <= experts:
+        raise TfqError(f"{where}: num_experts_per_tok ({chosen}) must be between 1 and num_experts ({experts})")
+    step, dense = int(raw.get("decoder_sparse_step", 1)), set(raw.get("mlp_only_layers") or ())
+    if step < 1:
+        raise TfqError(f"{where}: decoder_sparse_step must be at least 1, got {step}")
+    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
+    if raw.get("shared_expert_intermediate_size"):  # Qwen3.5 (its router always normalizes)
+        return MoEShape(experts, chosen, int(raw["moe_intermediate_size"]), True, (True,) * layers,
+                        int(raw["shared_expert_intermediate_size"]))
+    return MoEShape(experts, chosen, int(raw["moe_intermediate_size"]), bool(raw.get("norm_topk_prob", False)), sparse)
 
 
 def _quantized(raw: dict, where: str) -> str:

@@ -31,7 +31,11 @@ def load_model(spec: str, progress: bool = True, device: str | torch.device = "c
     (the ranks call this with it); reduce: the all-reduce control's split."""
     if tp > 1:
         from tfq.parallel.ranks import ModelSpec, ranks
+        from tfq.model.source import resolve_model
 
+        if ModelConfig.from_folder(resolve_model(spec, progress=False, weights=False)).moe is not None:
+            raise TfqError(f"tp: {tp} does not split a mixture of experts yet (tensor parallelism splits dense "
+                           f"matrices and attention heads); use tp: 1 for {spec}")
         return ranks(tp, torch.device(device)).load(ModelSpec(spec, str(device), weights, reduce), load_shard, progress)
     from tfq.model.source import resolve_model
     from tfq.model.tokenizer import Tokenizer

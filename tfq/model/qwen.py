@@ -31,6 +31,7 @@ from tfq.proofs.startup_kernels import check_layers, ensure_exact
 from tfq.batch import Segment, Segments
 from tfq.errors import TfqError
 from tfq.model.config import ModelConfig
+from tfq.model.moe import MoE, Expert, moe_mlp
 from tfq.model.rope import rope_tables
 from tfq.model.taker import Taker
 
@@ -56,9 +57,10 @@ class Layer:
     k_norm: torch.Tensor | None
     o: LinearFn
     post_norm: torch.Tensor
-    gate_up: LinearFn
-    down: LinearFn
+    gate_up: LinearFn | None  # None where the MLP is a mixture of experts
+    down: LinearFn | None
     gated: bool = False  # a hybrid's attention: qkv's last rows are a gate; the output is times sigmoid(gate)
+    moe: MoE | None = None
 
 
 @dataclass
@@ -71,14 +73,16 @@ class DeltaLayer:
     mixer: DeltaWeights
     out_proj: LinearFn
     post_norm: torch.Tensor
-    gate_up: LinearFn
-    down: LinearFn
+    gate_up: LinearFn | None
+    down: LinearFn | None
+    moe: MoE | None = None
 
 
 def linears(layer: Layer | DeltaLayer) -> dict[str, LinearFn]:
-    """A layer's linear layers by field name (what tfq bench clocks and counts)."""
+    """A layer's linear layers by field name (what tfq bench clocks and counts; a mixture's experts are not
+    fields of the layer)."""
     names = ("qkv", "o") if isinstance(layer, Layer) else ("in_proj", "out_proj")
-    return {name: getattr(layer, name) for name in names + ("gate_up", "down")}
+    return {name: getattr(layer, name) for name in names + ("gate_up", "down") if getattr(layer, name) is not None}
 
 
 class Qwen:
@@ -114,11 +118,12 @@ class Qwen:
         for i, kind in enumerate(c.kinds):
             p = f"model.layers.{i}."
             m = p + "mlp."
-            gate_up = stack([take(m + "gate_proj.weight", (c.intermediate_size, c.hidden_size)),
-                                 take(m + "up_proj.weight", (c.intermediate_size, c.hidden_size))])
             mlp = dict(input_norm=norm(p + "input_layernorm.weight", c.hidden_size), post_norm=norm(
-                p + "post_attention_layernorm.weight", c.hidden_size), gate_up=Linear(gate_up),
-                down=Linear(take(m + "down_proj.weight", (c.hidden_size, c.intermediate_size))))
+                p + "post_attention_layernorm.weight", c.hidden_size), gate_up=None, down=None)
+            if i in c.moe_layers:
+                mlp["moe"] = self._moe(take, m, Linear)
+            else:
+                mlp.update(self._mlp(take, m, c.intermediate_size, Linear).__dict__)
             if kind == "linear_attention":
                 self.layers.append(self._deltanet(take, p + "linear_attn.", Linear, mlp))
                 continue
@@ -152,7 +157,13 @@ class Qwen:
         if shard is not None:  # what this rank computes with: its heads, its slice of the MLP
             self.config = shard.local_config()
         first = self.layers[c.attention_layers[0]] if c.attention_layers else self.layers[0]
-        layers = {"gate_up": first.gate_up, "down": first.down, "lm_head": self.lm_head}
+        layers = {"lm_head": self.lm_head}
+        dense = next((layer for layer in self.layers if layer.moe is None), None)
+        if dense is not None:
+            layers.update(gate_up=dense.gate_up, down=dense.down)
+        if c.moe_layers:
+            moe = self.layers[c.moe_layers[0]].moe
+            layers.update(router=moe.router, expert_gate_up=moe.experts[0].gate_up, expert_down=moe.experts[0].down)
         if isinstance(first, Layer):
             layers.update(o=first.o, **({"qkv": first.qkv} if first.qkv is not None else {}))
         if c.deltanet_layers:
@@ -165,6 +176,24 @@ class Qwen:
         if isinstance(w, (Quantized, Stacked)):
             return self.backend.quant_linear(w, b)
         return self.backend.linear(w, b)
+
+    def _mlp(self, take, m: str, intermediate: int, Linear) -> Expert:
+        """A dense MLP's gate and up (in one linear layer) and down, under the names prefixed `m`."""
+        h = self.config.hidden_size
+        gate_up = stack([take(m + "gate_proj.weight", (intermediate, h)), take(m + "up_proj.weight", (intermediate, h))])
+        return Expert(Linear(gate_up), Linear(take(m + "down_proj.weight", (h, intermediate))))
+
+    def _moe(self, take, m: str, Linear) -> MoE:
+        """A mixture-of-experts MLP: the router (transformers' `gate`), every expert, and Qwen3.5's shared expert
+        with its gate."""
+        c, s = self.config, self.config.moe
+        experts = [self._mlp(take, f"{m}experts.{e}.", s.intermediate, Linear) for e in range(s.experts)]
+        shared = gate = None
+        if s.shared_intermediate:
+            shared = self._mlp(take, m + "shared_expert.", s.shared_intermediate, Linear)
+            gate = Linear(take(m + "shared_expert_gate.weight", (1, c.hidden_size)))
+        return MoE(Linear(take(m + "gate.weight", (s.experts, c.hidden_size))), experts, s.chosen, s.normalized,
+                   shared, gate)
 
     def _deltanet(self, take, a: str, Linear, mlp: dict) -> DeltaLayer:
         """One Gated DeltaNet layer's tensors, checked against the config's sizes."""
@@ -232,7 +261,8 @@ class Qwen:
         q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         h = tap("input norm", norm(x, layer.input_norm, c.rms_eps))
         if layer.qkv is None:  # a tensor-parallel rank holding no heads: only its share of o and the MLP
-            return self.mlp(layer, x + self.joined("o", tap("o", layer.o(self.joined("heads", x[:, :0])))), tap)
+            return self.mlp(layer, x + self.joined("o", tap("o", layer.o(self.joined("heads", x[:, :0])))), tap,
+                            segments)
         qkv = tap("qkv", layer.qkv(h))
         qk, v = qkv[:, :q_out + kv_out], qkv[:, q_out + kv_out:q_out + 2 * kv_out]  # views (cheaper than split)
         qk = qk.reshape(n, c.num_heads + c.num_kv_heads, c.head_dim)
@@ -252,7 +282,7 @@ class Qwen:
         if layer.gated:
             a = tap("output gate", sigmoid_gate(a, qkv[:, q_out + 2 * kv_out:]))
         x = tap("attention residual", x + self.joined("o", tap("o", layer.o(self.joined("heads", a)))))
-        return self.mlp(layer, x, tap)
+        return self.mlp(layer, x, tap, segments)
 
     def joined(self, site: str, t: torch.Tensor) -> torch.Tensor:
         """What a layer needs whole at `site` (heads, values, o, mlp, down, head): one process has it all; a tensor-
@@ -265,10 +295,14 @@ class Qwen:
         the other ranks prove `proof` (prove's arguments) meanwhile. It yields the list their refusals land in."""
         return contextlib.nullcontext([])
 
-    def mlp(self, layer: Layer | DeltaLayer, x: torch.Tensor, tap: Tap) -> torch.Tensor:
-        """The second half of every layer: post norm, gate_up, SiLU * up, down, residual."""
+    def mlp(self, layer: Layer | DeltaLayer, x: torch.Tensor, tap: Tap, segments: Segments | None = None) -> torch.Tensor:
+        """The second half of every layer: post norm, gate_up, SiLU * up, down, residual (or the mixture of
+        experts, tfq/model/moe.py)."""
         c, norm = self.config, self.backend.rms_norm
         h = tap("post norm", norm(x, layer.post_norm, c.rms_eps))
+        if layer.moe is not None:
+            by_load = segments is not None and segments.experts_by_load
+            return tap("mlp residual", x + moe_mlp(layer.moe, h, self.act, tap, by_load))
         gate_up = tap("gate_up", layer.gate_up(h))
         gate, up = gate_up[:, :c.intermediate_size], gate_up[:, c.intermediate_size:]
         mixed = tap("silu * up", tap("silu", self.act(gate)) * up)
@@ -283,7 +317,7 @@ class Qwen:
         h = tap("input norm", self.backend.rms_norm(x, layer.input_norm, c.rms_eps))
         if layer.in_proj is None:  # a tensor-parallel rank holding no DeltaNet head: its share of the rest only
             o = layer.out_proj(self.joined("values", x[:, :0]))
-            return self.mlp(layer, x + self.joined("o", tap("out_proj", o)), tap)
+            return self.mlp(layer, x + self.joined("o", tap("out_proj", o)), tap, segments)
         mixed, z, b, a = self.projections(tap("in_proj", layer.in_proj(h)))
         state = cache.state
         if segments.chunked:
@@ -300,7 +334,7 @@ class Qwen:
         o = tap("gated norm", gated_rms_norm(o.reshape(rows * n.value_heads, n.value_dim), layer.mixer.norm,
                                              z.reshape(rows * n.value_heads, n.value_dim), c.rms_eps).reshape(rows, v))
         x = tap("attention residual", x + self.joined("o", tap("out_proj", layer.out_proj(self.joined("values", o)))))
-        return self.mlp(layer, x, tap)
+        return self.mlp(layer, x, tap, segments)
 
     def projections(self, proj: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """A DeltaNet layer's in_proj output split into its parts (views): the convolution's channels (q, k, v),
@@ -337,8 +371,8 @@ class Qwen:
         """Whether the backend has a one-call layer of this kind and the layer is made of exactly what it runs (the
         guard's tests swap in flawed kernels, and a clock that wraps a linear layer sees it only op by op)."""
         b = self.backend
-        if b.rms_norm is not rms_norm_fixed or self.act is not b.silu:
-            return False
+        if b.rms_norm is not rms_norm_fixed or self.act is not b.silu or layer.moe is not None:
+            return False  # a mixture of experts runs op by op (tfq/model/moe.py)
         if isinstance(layer, DeltaLayer):
             return (b.delta_layer is not None and fusable(layer.in_proj, layer.out_proj, layer.gate_up, layer.down)
                     and layer.in_proj.bias is None and layer.out_proj.bias is None)

@@ -27,6 +27,7 @@ def plan_lines(plan: Plan, config: ModelConfig, layout: Layout) -> list[str]:
         f"query heads and {config.num_kv_heads} key-value heads, head dim {config.head_dim}",
         *([f"skipped: {config.skipped} of the checkpoint; tfq runs its text model"] if config.skipped else []),
         *_weights_lines(plan, config, lay),
+        *_experts_lines(plan, config),
         f"window: {plan.window} rows a stream may hold, prompt and reply together{t('window')}",
         f"lanes: {plan.lanes} stream{'s' * (plan.lanes > 1)} in one forward at most{t('lanes')}",
         f"prefill: prompts go in chunks of {plan.prefill_chunk} rows{t('prefill_chunk')}",
@@ -231,6 +232,34 @@ def _weights_lines(plan: Plan, config: ModelConfig, lay: Layout) -> list[str]:
                    f"{human_bytes(summary.fp32)})"]
 
 
+def experts_read(config: ModelConfig, lanes: int) -> dict:
+    """What a mixture's decode step reads of its experts at `lanes` rows: each chosen expert once for every row that
+    chose it, so at one lane `chosen` experts a layer, at more the distinct experts the rows chose (expected, were
+    the router's choices uniform); parameters of the whole step (attention, dense layers, router and head too)."""
+    m = config.moe
+    distinct = m.expected_distinct(lanes)
+    unread = (m.experts - distinct) * 3 * config.hidden_size * m.intermediate * len(config.moe_layers)
+    untied = 0 if config.tie_embeddings else config.vocab_size * config.hidden_size  # a lookup, not read whole
+    return {"lanes": lanes, "experts_a_layer": round(distinct, 1),
+            "parameters": round(config.param_count() - untied - unread)}
+
+
+def _experts_lines(plan: Plan, config: ModelConfig) -> list[str]:
+    """A mixture of experts: how many, and what a decode step reads of them at one lane and at the plan's lanes."""
+    m = config.moe
+    if m is None:
+        return []
+    one, many = experts_read(config, 1), experts_read(config, plan.lanes)
+    at_lanes = "" if plan.lanes == 1 else (
+        f"; at {plan.lanes} lanes about {many['experts_a_layer']:g} distinct experts a layer (were the router's "
+        f"choices uniform), {many['parameters'] / 1e6:.1f}M parameters ({human_bytes(4 * many['parameters'])} in fp32)")
+    return [f"experts: {m.experts} in each of {len(config.moe_layers)} layers, {m.chosen} chosen a row (weights "
+            f"{'normalized to sum to 1' if m.normalized else 'as the softmax gives them'}), each expert read once a "
+            f"step for all the rows that chose it: a decode step at 1 lane reads {one['parameters'] / 1e6:.1f}M of "
+            f"the {config.param_count() / 1e6:.1f}M parameters ({human_bytes(4 * one['parameters'])} in fp32)"
+            f"{at_lanes}"]
+
+
 def _mlx_lines(plan: Plan, config: ModelConfig, lay: Layout, said: str) -> list[str]:
     """weights: mlx: the groups kept, and about what a decode step reads of them."""
     from pathlib import Path
@@ -264,6 +293,11 @@ def plan_json(plan: Plan, config: ModelConfig, layout: Layout) -> dict:
         "kv_heads": config.num_kv_heads, "head_dim": config.head_dim, "max_positions": config.max_positions,
         "weights_dtype": config.weights_dtype, "parameters": config.param_count(),
     }
+    if config.moe is not None:
+        model["experts"] = {"experts": config.moe.experts, "chosen": config.moe.chosen,
+                            "layers": len(config.moe_layers), "normalized": config.moe.normalized,
+                            "read_at_1_lane": experts_read(config, 1),
+                            "read_at_lanes": experts_read(config, plan.lanes)}
     lay = dataclasses.asdict(layout)
     lay.update(fits=layout.fits, rows_total=layout.rows_total, pages_per_stream=layout.pages_per_stream,
                key_tile=KEY_TILE, split_rows=SPLIT_ROWS)

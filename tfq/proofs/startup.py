@@ -235,9 +235,11 @@ class _Bench:
         paged = [s for s in list(PROBES) + self.fillers if not s.lane]
         pages = sum(pages_for(s.start + s.count, KEY_TILE) for s in paged)
         c = model.config
-        # one layer of each kind the model has: a hybrid's first attention layer and first DeltaNet layer
-        firsts = [(kind, layers[0]) for kind, layers in (("full_attention", c.attention_layers),
-                                                         ("linear_attention", c.deltanet_layers)) if layers]
+        # one layer of each kind the model has: a hybrid's first attention layer and first DeltaNet layer, the
+        # first with a mixture of experts where there are some (a dense MLP is the same kernels as the experts')
+        firsts = [(kind, next((i for i in layers if i in c.moe_layers), layers[0]))
+                  for kind, layers in (("full_attention", c.attention_layers), ("linear_attention", c.deltanet_layers))
+                  if layers]
         self.layers = [(model.layers[i], f"{'attention' if kind == 'full_attention' else 'deltanet'}: "
                         if c.hybrid else "") for kind, i in firsts]
         config = replace(c, num_layers=len(firsts), layer_types=tuple(k for k, _ in firsts) if c.hybrid else ())

@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 
 from tfq.errors import TfqError
 from tfq.kernels.contract import KEY_TILE, SPLIT_ROWS
-from tfq.runner import ColdPartial, Policy, chunked_deltanet, paged_partial
+from tfq.runner import ColdPartial, Policy, chunked_deltanet, experts_by_load, paged_partial
 from tfq.plan import Plan, derive, pages_for
 from tfq.sampling import TokenLogprob
 from tfq.stream import Request, Result
@@ -55,12 +55,15 @@ class Arm:
     warm: bool = False  # the suite in two passes through one engine: a first half cold, then all of it, mixed
     scores: bool = False  # every other chat asks for prompt scores, compared bit for bit with its scores alone
     longest_first: bool = False  # the chats go in longest prompt first, not in the suite's order
-    models: str = "all"  # the models it applies to: all | hybrid (Qwen3.5) | attention (no DeltaNet layers)
+    models: str = "all"  # the models it applies to: all | hybrid (Qwen3.5) | attention (no DeltaNet layers) |
+    # moe (mixtures of experts)
     reduce: bool = False  # tensor parallelism's usual split (o and down summed across ranks): plans with tp > 1
 
     def applies(self, config, tp: int = 1) -> bool:
         if self.reduce and tp == 1:
             return False
+        if self.models == "moe":
+            return config.moe is not None
         return self.models == "all" or (self.models == "hybrid") == config.hybrid
 
     def mode(self, group: int) -> str:
@@ -108,6 +111,9 @@ ARMS: tuple[Arm, ...] = (
         "blocks, as transformers prefills), decode rows by the recurrence; must differ",
         lambda c: {"kv.pages": 0}, control=True, arithmetic=chunked_deltanet,
         models="hybrid"),
+    Arm("experts-by-load", True, "control: a mixture's experts combined in the order of how many of the "
+        "forward's rows chose them, as a fused MoE kernel sums; must differ", lambda c: {"kv.pages": 0},
+        control=True, arithmetic=experts_by_load, models="moe"),
     Arm("all-reduce", True, "control: tensor parallelism split as usual (o and down by their inputs, the ranks' "
         "partial sums added by an all-reduce); must differ", lambda c: {"kv.pages": 0}, control=True, reduce=True),
 )
@@ -126,10 +132,11 @@ def arms_for(arms: Sequence[Arm], config, named: bool, tp: int = 1) -> tuple[lis
         a = left_out[0]
         if a.reduce and tp == 1:
             raise TfqError(f"arm {a.name} splits the model over ranks: run it with --set tp=2 (or more)")
-        raise TfqError(f"arm {a.name} does not apply to this model: it runs on "
-                       f"{'hybrid (qwen3_5)' if a.models == 'hybrid' else 'attention-only'} models; leave it out of --arms")
+        kinds = {"hybrid": "hybrid (qwen3_5)", "attention": "attention-only", "moe": "mixture-of-experts"}
+        raise TfqError(f"arm {a.name} does not apply to this model: it runs on {kinds[a.models]} models; leave it "
+                       f"out of --arms")
     kept = [a for a in arms if a.applies(config, tp)]
-    left_out = [a for a in left_out if not a.reduce]
+    left_out = [a for a in left_out if not a.reduce and a.models != "moe"]
     if not left_out or not config.hybrid:
         return kept, ""
     why = "a hybrid keeps each stream's DeltaNet state, not pages a later stream could map"

@@ -1,0 +1,130 @@
+"""A mixture-of-experts MLP (Qwen3 MoE, Qwen3.5 MoE), one arithmetic per row whatever the batch.
+
+A fused MoE kernel groups a batch's rows by expert, so a row's sums follow what else is in the batch. Here each
+step of a row's computation depends on that row alone:
+
+- routing: the router's logits row (a row-invariant linear layer), its softmax by the sampler's recipe (each
+  exp(logit - max) rounded to the nearest float32, the sum one addition after another in float64, rounded
+  once), the `chosen` largest probabilities with ties to the lower expert id, divided by their float32 sum in
+  rank order when the config normalizes them;
+- each expert runs on whichever rows chose it, through the row-invariant kernels: a row's output is the same
+  bits whether one row chose that expert or a hundred;
+- the combine adds a row's weighted expert outputs in the order of its own ranks (its largest weight first),
+  one rounding a multiply and one an add; Qwen3.5's shared expert, gated by sigmoid, is added last.
+
+A decode step reads each chosen expert once for all the rows that chose it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from tfq.kernels.backend import LinearFn
+from tfq.kernels.delta import sigmoid_gate
+from tfq.nearest import exp32
+
+Tap = Callable[[str, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Expert:
+    """One MLP: gate and up in one linear layer, then down."""
+
+    gate_up: LinearFn
+    down: LinearFn
+
+
+@dataclass
+class MoE:
+    """A layer's router, its experts, and (Qwen3.5) the shared expert with its gate."""
+
+    router: LinearFn
+    experts: list[Expert]
+    chosen: int
+    normalized: bool
+    shared: Expert | None = None
+    shared_gate: LinearFn | None = None
+
+
+@dataclass(frozen=True)
+class Routes:
+    """Each row's chosen experts, best first, and their weights: [rows, chosen]."""
+
+    experts: np.ndarray  # int64
+    weights: torch.Tensor  # float32
+
+
+def route(logits: torch.Tensor, chosen: int, normalized: bool) -> Routes:
+    """Routes from the router's logits [rows, experts] (float32, on the CPU): softmax, top-`chosen` (ties to the
+    lower id), normalized or not; every step a function of the row alone, with one answer on every CPU."""
+    x = logits.numpy()
+    d = np.subtract(x, x.max(axis=1, keepdims=True), dtype=np.float64)  # exact: two float32s' difference
+    e = exp32(d)
+    total = np.cumsum(e, axis=1, dtype=np.float64)[:, -1:].astype(np.float32)  # in id order, rounded once
+    p = e / total
+    ids = np.argsort(-p, axis=1, kind="stable")[:, :chosen]  # a stable sort: the lower id first on a tie
+    w = np.take_along_axis(p, ids, 1)
+    if normalized:
+        w = w / np.cumsum(w, axis=1, dtype=np.float32)[:, -1:]  # summed in rank order
+    return Routes(ids, torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)))
+
+
+def expert_outputs(moe: MoE, h: torch.Tensor, routes: Routes, act) -> torch.Tensor:
+    """[rows, chosen, hidden]: each row's chosen experts' outputs in its rank order. Each expert the step's rows
+    chose runs once, on the rows that chose it."""
+    rows, chosen = routes.experts.shape
+    out = torch.empty(rows, chosen, h.shape[1], dtype=h.dtype, device=h.device)
+    for e in np.unique(routes.experts):
+        who, rank = np.nonzero(routes.experts == e)
+        who_t, rank_t = torch.from_numpy(who).to(h.device), torch.from_numpy(rank).to(h.device)
+        out[who_t, rank_t] = mlp(moe.experts[int(e)], h[who_t], act)
+    return out
+
+
+def combine(outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Σ weight · output over a row's ranks, in rank order: [rows, hidden]."""
+    w = weights.to(outputs.device)
+    total = outputs[:, 0] * w[:, :1]
+    for r in range(1, outputs.shape[1]):
+        total = total + outputs[:, r] * w[:, r:r + 1]
+    return total
+
+
+def combine_by_load(outputs: torch.Tensor, weights: torch.Tensor, routes: Routes) -> torch.Tensor:
+    """The control: as a fused kernel sums, expert by expert in the order of how many of the batch's rows chose
+    them (the busiest first; then by the best rank any row gave them), each expert's weighted rows added into the
+    total. Alone, a row's experts come in its rank order and the bits are `combine`'s; in a batch the order of
+    addition follows the other rows, and so may the bits (must: a check that cannot see this is no check)."""
+    ids = routes.experts
+    w = weights.to(outputs.device)
+    counts = np.bincount(ids.ravel())
+    best = {int(e): int(np.nonzero(ids == e)[1].min()) for e in np.unique(ids)}
+    total = torch.zeros(outputs.shape[0], outputs.shape[2], dtype=outputs.dtype, device=outputs.device)
+    for e in sorted(best, key=lambda e: (-counts[e], best[e], e)):
+        who, rank = (torch.from_numpy(a).to(outputs.device) for a in np.nonzero(ids == e))
+        total.index_add_(0, who, outputs[who, rank] * w[who, rank][:, None])
+    return total
+
+
+def mlp(expert: Expert, h: torch.Tensor, act) -> torch.Tensor:
+    """SiLU(gate) * up, then down: the dense MLP's arithmetic."""
+    gate_up = expert.gate_up(h)
+    half = gate_up.shape[1] // 2
+    return expert.down(act(gate_up[:, :half]) * gate_up[:, half:])
+
+
+def moe_mlp(moe: MoE, h: torch.Tensor, act, tap: Tap, by_load: bool = False) -> torch.Tensor:
+    """The mixture's output for the post-norm rows h [rows, hidden] (before the residual)."""
+    logits = tap("router", moe.router(h))
+    routes = route(logits.float().cpu(), moe.chosen, moe.normalized)
+    tap("routing weights", routes.weights)
+    outputs = tap("experts", expert_outputs(moe, h, routes, act))
+    total = combine_by_load(outputs, routes.weights, routes) if by_load else combine(outputs, routes.weights)
+    total = tap("combine", total)
+    if moe.shared is not None:
+        gate = moe.shared_gate(h).expand(-1, h.shape[1])
+        total = tap("shared expert", total + sigmoid_gate(mlp(moe.shared, h, act), gate))
+    return total
