@@ -504,8 +504,12 @@ def llama_converted(root: Path, hf_folder: Path, out: Path, outtype: str) -> Pat
     import sys
 
     script = Path(__file__).with_name("llama_convert.py")
+    # a Qwen3.5 checkpoint may carry multi-token-prediction layers, which tfq does not run; the converter takes
+    # the flag for those models only
+    mtp = ["--no-mtp"] if json.loads((Path(hf_folder) / "config.json").read_text())["model_type"].startswith(
+        "qwen3_5") else []
     done = subprocess.run([sys.executable, str(script), str(root), str(hf_folder), "--outfile", str(out),
-                           "--outtype", outtype, "--no-mtp"], capture_output=True, text=True, timeout=600)
+                           "--outtype", outtype, *mtp], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     return out
 
@@ -520,7 +524,12 @@ def held_bytes(model) -> int:
     out = size(model.lm_head.panels) + size(model.norm)
     out += model.embed.raw.nbytes if isinstance(model.embed, BlockRows) else size(model.embed)
     for layer in model.layers:
-        out += sum(size(f.panels) + size(f.bias) for f in linears(layer).values())
+        fns = list(linears(layer).values())
+        if layer.moe is not None:  # the router, every expert, Qwen3.5's shared expert and its gate
+            m = layer.moe
+            fns += [m.router] + [f for e in m.experts + [m.shared] if e is not None for f in (e.gate_up, e.down)]
+            fns += [m.shared_gate] if m.shared_gate is not None else []
+        out += sum(size(f.panels) + size(f.bias) for f in fns)
         out += size(layer.input_norm) + size(layer.post_norm)
         if hasattr(layer, "mixer"):
             out += sum(size(getattr(layer.mixer, f)) for f in ("conv", "A", "dt_bias", "norm"))

@@ -10,7 +10,9 @@ from tfq.errors import TfqError
 from tfq.model.config import ModelConfig
 from tfq.model.gguf_header import GgufHeader
 
-FAMILIES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen35": "Qwen3_5ForCausalLM"}
+FAMILIES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen35": "Qwen3_5ForCausalLM",
+            "qwen3moe": "Qwen3MoeForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM"}
+MODEL_TYPES = {"qwen3moe": "qwen3_moe", "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text"}
 
 
 def _float32_repr(v: float) -> float:
@@ -46,10 +48,9 @@ def hf_config(h: GgufHeader) -> dict:
     bos = md.get("tokenizer.ggml.bos_token_id")
     config = {
         "architectures": [FAMILIES[arch]],
-        "model_type": arch,
+        "model_type": MODEL_TYPES.get(arch, arch),
         "vocab_size": int(vocab),
         "hidden_size": hidden,
-        "intermediate_size": int(key("feed_forward_length")),
         "num_hidden_layers": int(key("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(key("attention.head_count_kv", heads)),
@@ -65,10 +66,14 @@ def hf_config(h: GgufHeader) -> dict:
         "use_sliding_window": False,
         "attention_dropout": 0.0,
     }
-    if arch in ("qwen3", "qwen35"):
+    if arch != "qwen35moe":  # a Qwen3.5 mixture has no dense MLP
+        config["intermediate_size"] = int(key("feed_forward_length"))
+    if arch != "qwen2":
         config["attention_bias"] = False
-    if arch == "qwen35":
-        config.update(_hybrid_config(h, key, int(head_dim)))
+    if arch in ("qwen35", "qwen35moe"):
+        config.update(_hybrid_config(h, arch, key, int(head_dim)))
+    if arch.endswith("moe"):
+        config.update(_moe_config(arch, key))
     scaling = _rope_scaling(h, arch)
     if scaling:
         config["rope_scaling"] = scaling
@@ -76,22 +81,32 @@ def hf_config(h: GgufHeader) -> dict:
     return config
 
 
-def _hybrid_config(h: GgufHeader, key, head_dim: int) -> dict:
+def _moe_config(arch: str, key) -> dict:
+    """A mixture's sizes from llama.cpp's keys. llama.cpp normalizes the chosen experts' weights for both
+    families (norm_topk_prob), so the file's model is that one."""
+    config = {"num_experts": int(key("expert_count")), "num_experts_per_tok": int(key("expert_used_count")),
+              "moe_intermediate_size": int(key("expert_feed_forward_length")), "norm_topk_prob": True}
+    if arch == "qwen35moe":
+        config["shared_expert_intermediate_size"] = int(key("expert_shared_feed_forward_length"))
+    return config
+
+
+def _hybrid_config(h: GgufHeader, arch: str, key, head_dim: int) -> dict:
     """A qwen35 file's Qwen3.5 text config: the layer kinds, the DeltaNet sizes and the partial rotary, from the
     keys llama.cpp's converter writes (ssm.group_count: key heads, ssm.time_step_rank: value heads,
     ssm.state_size: a key head's dims, ssm.inner_size: all value dims)."""
     layers = int(key("block_count"))
-    recurrent = h.metadata.get("qwen35.attention.recurrent_layers")
+    recurrent = h.metadata.get(f"{arch}.attention.recurrent_layers")
     if recurrent is None:
         every = int(key("full_attention_interval", 4))
         recurrent = [(i + 1) % every != 0 for i in range(layers)]
     value_heads = int(key("ssm.time_step_rank"))
-    sections = [int(x) for x in h.metadata.get("qwen35.rope.dimension_sections", [11, 11, 10, 0])]
+    sections = [int(x) for x in h.metadata.get(f"{arch}.rope.dimension_sections", [11, 11, 10, 0])]
     while len(sections) > 3 and sections[-1] == 0:
         sections.pop()
     rotary = int(key("rope.dimension_count", head_dim // 4))
     return {
-        "model_type": "qwen3_5_text",
+        "model_type": MODEL_TYPES[arch],
         "layer_types": ["linear_attention" if r else "full_attention" for r in recurrent[:layers]],
         "linear_conv_kernel_dim": int(key("ssm.conv_kernel")),
         "linear_key_head_dim": int(key("ssm.state_size")),

@@ -1,9 +1,11 @@
 """A GGUF file's tensors as HF parameters: llama.cpp's tensor names mapped to HF's, each tensor dequantized
 to float32 (by `gguf.quants.dequantize`) in its row-major shape, or, for `weights: gguf`, the quantized
-matrices kept in their blocks (`kept_tensors`)."""
+matrices kept in their blocks (`kept_tensors`). A mixture's experts, stacked in one tensor a layer in the file,
+are one matrix an expert here, as in an HF checkpoint (`matrices`)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -28,7 +30,15 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # a mixture of experts (qwen3moe, qwen35moe): the router, and Qwen3.5's shared expert and its gate
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
+_EXPERT = re.compile(r"ffn_(gate|up|down)_exps\.(\d+)\.weight")  # one expert's matrix (`matrices`)
+HYBRID_ARCHS = ("qwen35", "qwen35moe")
 _TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -58,21 +68,40 @@ def hf_name(name: str, hybrid: bool = False) -> str:
         return _TOP_NAMES[name]
     parts = name.split(".", 2)
     names = {**_LAYER_NAMES, **_HYBRID_NAMES} if hybrid else _LAYER_NAMES
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
-        return f"model.layers.{parts[1]}.{names[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
+        if parts[2] in names:
+            return f"model.layers.{parts[1]}.{names[parts[2]]}"
+        expert = _EXPERT.fullmatch(parts[2])
+        if expert:
+            return f"model.layers.{parts[1]}.mlp.experts.{expert[2]}.{expert[1]}_proj.weight"
     raise KeyError(name)
 
 
-def tensor_names(h: GgufHeader) -> list[tuple[str, TensorInfo]]:
-    """(HF name, tensor) for every tensor, in HF name order; TfqError on a tensor tfq does not know."""
-    hybrid = h.metadata.get("general.architecture") == "qwen35"
+def matrices(h: GgufHeader) -> list[TensorInfo]:
+    """The file's tensors, a mixture's stacked experts (blk.N.ffn_gate_exps.weight [experts, out, in]) cut into
+    one matrix an expert (blk.N.ffn_gate_exps.E.weight): each expert's blocks lie together in the file."""
     out = []
     for t in h.tensors:
+        if len(t.dims) == 3 and t.name.endswith("_exps.weight"):
+            per = t.n_bytes // t.dims[2]
+            out += [TensorInfo(f"{t.name[:-len('weight')]}{e}.weight", t.dims[:2], t.ggml_type, t.offset + e * per,
+                               per) for e in range(t.dims[2])]
+        else:
+            out.append(t)
+    return out
+
+
+def tensor_names(h: GgufHeader) -> list[tuple[str, TensorInfo]]:
+    """(HF name, tensor) for every tensor (every expert's own), in HF name order; TfqError on a tensor tfq does
+    not know."""
+    hybrid = h.metadata.get("general.architecture") in HYBRID_ARCHS
+    out = []
+    for t in matrices(h):
         try:
             out.append((hf_name(t.name, hybrid), t))
         except KeyError:
-            raise TfqError(f"{h.path}: unexpected tensor {t.name!r}; tfq reads qwen2, qwen3 and qwen35 GGUF "
-                           f"files") from None
+            raise TfqError(f"{h.path}: unexpected tensor {t.name!r}; tfq reads qwen2, qwen3, qwen3moe, qwen35 and "
+                           f"qwen35moe GGUF files") from None
     return sorted(out, key=lambda p: p[0])
 
 
@@ -104,12 +133,13 @@ class HfLayout:
 
 
 def hf_layouts(h: GgufHeader) -> dict[str, HfLayout]:
-    """By GGUF tensor name, the ones a qwen35 file stores otherwise than transformers does."""
-    if h.metadata.get("general.architecture") != "qwen35":
+    """By GGUF tensor name, the ones a qwen35 (or qwen35moe) file stores otherwise than transformers does."""
+    arch = h.metadata.get("general.architecture")
+    if arch not in HYBRID_ARCHS:
         return {}
     md = h.metadata
-    nk, nv = int(md["qwen35.ssm.group_count"]), int(md["qwen35.ssm.time_step_rank"])
-    kd, vd = int(md["qwen35.ssm.state_size"]), int(md["qwen35.ssm.inner_size"]) // nv
+    nk, nv = int(md[f"{arch}.ssm.group_count"]), int(md[f"{arch}.ssm.time_step_rank"])
+    kd, vd = int(md[f"{arch}.ssm.state_size"]), int(md[f"{arch}.ssm.inner_size"]) // nv
 
     def grouped(head: int) -> np.ndarray | None:  # tiled -> grouped, for value heads of `head` dims
         if nk == nv:
@@ -304,7 +334,8 @@ class KeptWeights:
     """What `weights: gguf` keeps of a file, from its header alone."""
 
     resident: int  # bytes the loaded model holds: every blob, fp32 tensors, and the embedding's file bytes
-    step: int  # bytes a decode step reads of them (the embedding is a lookup unless the head shares it)
+    step: int  # bytes a decode step at one lane reads of them (the embedding is a lookup unless the head shares
+    # it; of a mixture, the chosen experts)
     fp32: int  # the same step in fp32
     embedding: int  # the embedding's bytes, left on the mapped file (resident as its rows are read)
     counts: dict  # matrices by how they are kept: their GGUF type, or "fp32"
@@ -325,7 +356,9 @@ def kept_summary(h: GgufHeader, activations: str = "fp32") -> KeptWeights:
     tied = not any(t.name == "output.weight" for t in h.tensors)
     layouts = hf_layouts(h)
     hybrid = bool(layouts)
-    for t in h.tensors:
+    arch = h.metadata.get("general.architecture")
+    experts, chosen = h.metadata.get(f"{arch}.expert_count"), h.metadata.get(f"{arch}.expert_used_count")
+    for t in matrices(h):
         size = int(np.prod(t.shape, dtype=np.int64))
         kind = GGMLQuantizationType(t.ggml_type).name
         kept = kind in KEPT and len(t.shape) == 2
@@ -348,6 +381,7 @@ def kept_summary(h: GgufHeader, activations: str = "fp32") -> KeptWeights:
             resident += matrix  # the head computes with the embedding's blocks, packed
         else:
             resident += matrix
-        fp32 += 4 * size
-        step += matrix
+        share = chosen / experts if _EXPERT.search(t.name) else 1  # a row reads only its chosen experts
+        fp32 += round(4 * size * share)
+        step += round(matrix * share)
     return KeptWeights(resident, step, fp32, embedding, counts)

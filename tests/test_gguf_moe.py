@@ -1,0 +1,86 @@
+"""Mixtures of experts as GGUF files (qwen3moe, qwen35moe), written by llama.cpp's own converter from random
+transformers models of the real ratios: each layer's stacked experts read as one matrix an expert, the F32 file
+computes as its HF folder does bit for bit, the Q8_0 file's experts stay in their blocks with the bits of their
+values, and `tfq together` on the Q8_0 file: every arm EXACT, the controls RED."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tfq.kernels import cpu_build
+from tfq.model.gguf_header import read_header
+from tfq.model.gguf_tensors import kept_summary
+from tfq.model.load import load_model
+from cli import tfq
+from engines import bits
+from test_gguf_hybrid import converter  # noqa: F401 - the module's fixture: llama.cpp's converter
+from test_hybrid import requests, run, shipped_hybrid_suite
+from test_moe import HYBRID_RATIOS, REAL_RATIOS
+from tiny import held_bytes, llama_converted, tiny_model_dir
+
+pytestmark = pytest.mark.skipif(not cpu_build.load()[0], reason="tfq's CPU kernels do not build here")
+
+FAMILIES = {"qwen3_moe": ("qwen3moe", REAL_RATIOS), "qwen3_5_moe": ("qwen35moe", HYBRID_RATIOS)}
+
+
+@pytest.fixture(scope="module")
+def converted(converter, tmp_path_factory):  # noqa: F811
+    """family -> (its HF folder, {"f32": file, "q8_0": file}), each converted once."""
+    made = {}
+
+    def of(name: str):
+        if name not in made:
+            folder = tiny_model_dir(tmp_path_factory, name, **FAMILIES[name][1])
+            out = tmp_path_factory.mktemp(f"{name}-gguf")
+            made[name] = folder, {kind: llama_converted(converter, folder, out / f"{kind}.gguf", kind)
+                                  for kind in ("f32", "q8_0")}
+        return made[name]
+
+    return of
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_the_converters_f32_file_computes_as_its_hf_folder(converted, name):
+    folder, files = converted(name)
+    header = read_header(files["f32"])
+    assert header.metadata["general.architecture"] == FAMILIES[name][0]
+    assert sum(t.name.endswith("_exps.weight") for t in header.tensors) == 3 * 4  # stacked: one a layer and kind
+    reqs = requests(4)
+    want = bits(run(load_model(str(folder), progress=False).model, reqs, lanes=4))
+    loaded = load_model(str(files["f32"]), progress=False)
+    assert loaded.config.moe == load_model(str(folder), progress=False).config.moe
+    assert bits(run(loaded.model, reqs, lanes=4)) == want
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_the_quantized_experts_keep_their_blocks_with_the_bits_of_their_values(converted, name):
+    files = converted(name)[1]
+    kept = load_model(str(files["q8_0"]), progress=False, weights="gguf")
+    fp32 = load_model(str(files["q8_0"]), progress=False, weights="fp32")
+    moe = kept.model.layers[-1].moe
+    assert moe.experts[127].gate_up.kind == "Q8_0" and moe.experts[0].down.kind == "Q8_0"
+    reqs = requests(4)
+    want = bits(run(fp32.model, reqs, lanes=4))
+    assert bits(run(kept.model, reqs, lanes=4)) == want
+    assert bits([run(kept.model, [r])[0] for r in reqs]) == want
+    summary = kept_summary(read_header(files["q8_0"]))
+    assert held_bytes(kept.model) == summary.resident
+    assert summary.step < summary.resident / 4  # a decode step at one lane reads 8 of the 128 experts
+
+
+# one thread count a family here, the other than its HF folder's run in test_moe.py (the issue's note has both)
+@pytest.mark.parametrize("name, threads", [("qwen3_moe", 3), ("qwen3_5_moe", 2)])
+def test_together_on_the_converters_quantized_file_every_arm(converted, tmp_path, monkeypatch, capsys, name, threads):
+    files = converted(name)[1]
+    summary = tmp_path / "summary.json"
+    code, out, err = tfq(["together", "--model", str(files["q8_0"]), "--suite", str(shipped_hybrid_suite()),
+                          "--tokens", "32", "--threads", str(threads), "--evidence", str(tmp_path / "ev"), "--json",
+                          str(summary)], monkeypatch, capsys)
+    assert code == 0, out + err
+    arms = {a["arm"]: a for a in json.loads(summary.read_text())["arms"]}
+    controls = {"partial", "paged-partial", "experts-by-load"} | (
+        {"deltanet-chunks"} if name == "qwen3_5_moe" else {"prefix-partial"})
+    assert controls < set(arms) and {"whole", "paged", "chunked", "preempted", "drafted"} < set(arms)
+    for arm_name, arm in arms.items():
+        assert arm["verdict"] == ("RED" if arm_name in controls else "EXACT"), (arm_name, arm["note"])
