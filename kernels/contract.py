@@ -12,6 +12,7 @@ import torch
 
 KEY_TILE = 64  # rows of keys one step of the online softmax reads; page rows must be a multiple of it
 SPLIT_ROWS = 256  # rows of keys one split of the `partial` arithmetic covers (a multiple of KEY_TILE)
+PANEL = 64  # outputs of one panel of an fp32 linear layer packed for tfq's CPU kernel (kernels/cpu/linear.cpp)
 
 CACHE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
 SATURATE = {"fp8": 448.0, "fp16": 65504.0}  # a store clamps instead of overflowing to inf/NaN

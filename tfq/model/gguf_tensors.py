@@ -347,6 +347,7 @@ def kept_summary(h: GgufHeader, activations: str = "fp32") -> KeptWeights:
     and its total counts."""
     from gguf.constants import GGMLQuantizationType
 
+    from tfq.kernels.contract import PANEL
     from tfq.kernels.quant import KEPT, SUPER, Quantized, kept_bytes, kept_bytes_q8
 
     count = kept_bytes_q8 if activations == "q8" else kept_bytes
@@ -368,6 +369,8 @@ def kept_summary(h: GgufHeader, activations: str = "fp32") -> KeptWeights:
         if len(t.shape) == 2:
             counts[kind if kept else "fp32"] = counts.get(kind if kept else "fp32", 0) + 1
         matrix = 4 * size
+        if len(t.shape) == 2 and not kept and t.name != "token_embd.weight" and "conv1d" not in t.name:
+            matrix = 4 * -(-t.shape[0] // PANEL) * PANEL * t.shape[1]  # a linear layer's panels (a lone row: 64)
         if kept:
             n, k = t.shape
             whole = 0 if cols is not None else SUPER.get(kind, 0)  # reordered inputs give up the super blocks
