@@ -23,13 +23,16 @@ from tiny import tiny_model_dir, write_mlx_checkpoint
 KINDS = ("linear_attention", "linear_attention", "linear_attention", "full_attention")
 
 
-@pytest.fixture(scope="module", params=["qwen2", "qwen3_5"])
+@pytest.fixture(scope="module", params=["qwen2", "qwen3_5", "qwen3_moe", "qwen3_5_moe"])
 def pair(request, tmp_path_factory):
     """(HF folder, its MLX 4-bit checkpoint): qwen2, and a qwen3_5 hybrid in the image-and-text layout that
-    mlx-lm converts (its text model under language_model, norms and convolution in MLX's layout)."""
+    mlx-lm converts (its text model under language_model, norms and convolution in MLX's layout); the mixtures
+    of both (mlx-lm stacks the experts, switch_mlp, and keeps the routers in 8 bits)."""
     family = request.param
     # mlx-lm's qwen2 takes head_dim as hidden / heads
-    extra = dict(layers=4, layer_types=KINDS, vision=True) if family == "qwen3_5" else dict(heads=2, kv_heads=1)
+    extra = {"qwen2": dict(heads=2, kv_heads=1), "qwen3_5": dict(layers=4, layer_types=KINDS, vision=True),
+             "qwen3_moe": dict(experts=(8, 2, 64)),
+             "qwen3_5_moe": dict(layers=4, layer_types=KINDS, vision=True, experts=(8, 2, 64), intermediate=128)}[family]
     hf = tiny_model_dir(tmp_path_factory, family, seed=6, **extra)
     return family, hf, write_mlx_checkpoint(hf, tmp_path_factory.mktemp(f"mlx-{family}") / "mlx")
 
@@ -56,9 +59,12 @@ def test_dequantized_weights_equal_mlx_s_own(pair):
         w, s, b = (raw[f"{m}.{part}"] for part in ("weight", "scales", "biases"))
         theirs = mx.dequantize(mx.array(w.view(torch.int32).numpy().view(np.uint32)), mx.array(s.float().numpy()).astype(
             mx.bfloat16 if s.dtype == torch.bfloat16 else mx.float32), mx.array(b.float().numpy()).astype(
-            mx.bfloat16 if b.dtype == torch.bfloat16 else mx.float32), 64, 4)
+            mx.bfloat16 if b.dtype == torch.bfloat16 else mx.float32), *quant.of(m))  # a router: 8 bits
         want = torch.from_numpy(np.array(theirs.astype(mx.float32)))
-        assert torch.equal(ours[m + ".weight"], want), f"{m}: tfq's dequantized weights are not MLX's"
+        got = ours.get(m + ".weight")
+        if got is None:  # a mixture's stacked experts (switch_mlp): tfq's one matrix an expert
+            got = torch.stack([ours[f"{m.replace('.switch_mlp.', f'.experts.{e}.')}.weight"] for e in range(len(w))])
+        assert torch.equal(got, want), f"{m}: tfq's dequantized weights are not MLX's"
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
@@ -93,23 +99,47 @@ def hf_on_dequantized(family, hf_folder, state):
     """transformers' model of the HF folder with the MLX checkpoint's dequantized weights in it."""
     import transformers
 
-    cls = {"qwen2": transformers.Qwen2ForCausalLM, "qwen3_5": transformers.Qwen3_5ForCausalLM}[family]
-    if family == "qwen3_5":
-        model = cls(transformers.Qwen3_5TextConfig(**json.loads((hf_folder / "config.json").read_text())["text_config"]))
+    cls = {"qwen2": transformers.Qwen2ForCausalLM, "qwen3_5": transformers.Qwen3_5ForCausalLM,
+           "qwen3_moe": transformers.Qwen3MoeForCausalLM, "qwen3_5_moe": transformers.Qwen3_5MoeForCausalLM}[family]
+    hybrid = family.startswith("qwen3_5")
+    if hybrid:
+        text = json.loads((hf_folder / "config.json").read_text())["text_config"]
+        config = (transformers.Qwen3_5MoeTextConfig if family == "qwen3_5_moe" else transformers.Qwen3_5TextConfig)
+        model = cls(config(**{k: v for k, v in text.items() if k != "model_type"}))
     else:
         model = cls.from_pretrained(hf_folder, dtype=torch.float32)
     names = {}
     for k, v in state.items():
         k = k.replace("language_model.model.", "model.").replace("language_model.lm_head.", "lm_head.")
-        if family == "qwen3_5" and k.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight")) \
-                or k == "model.norm.weight" and family == "qwen3_5":
+        if hybrid and k.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight")) \
+                or k == "model.norm.weight" and hybrid:
             v = v - 1.0  # MLX keeps the weight a norm multiplies by; transformers keeps weight - 1
         if k.endswith("conv1d.weight") and v.shape[-1] == 1:
             v = v.transpose(1, 2)
         names[k] = v
+    names = _stacked(names) if family.endswith("_moe") else names
     missing, unexpected = model.load_state_dict(names, strict=False)
     assert not unexpected and all("lm_head" in m for m in missing) or not missing, (missing, unexpected)
     return model.float().eval()
+
+
+def _stacked(names: dict) -> dict:
+    """tfq's one matrix an expert (mlp.experts.E.gate_proj.weight ...) stacked back as transformers holds them
+    (mlp.experts.gate_up_proj [experts, 2 * inter, hidden], mlp.experts.down_proj)."""
+    out, experts = {}, {}
+    for k, v in names.items():
+        head, sep, tail = k.partition(".mlp.experts.")
+        if not sep:
+            out[k] = v
+            continue
+        e, kind = tail.split(".")[:2]
+        experts.setdefault(head, {}).setdefault(kind, {})[int(e)] = v
+    for head, kinds in experts.items():
+        order = lambda kind: [kinds[kind][e] for e in sorted(kinds[kind])]  # noqa: E731
+        out[f"{head}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([g, u]) for g, u in zip(order("gate_proj"), order("up_proj"))])
+        out[f"{head}.mlp.experts.down_proj"] = torch.stack(order("down_proj"))
+    return out
 
 
 def test_mlx_checkpoint_runs_like_transformers_on_its_weights(pair):

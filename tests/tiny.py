@@ -174,7 +174,8 @@ def write_tiny_checkpoint(
     row, each one's intermediate size), `dense_layers` (mlp_only_layers: a dense MLP there), `normalized`
     (norm_topk_prob). Its experts are written one tensor each, as save_pretrained writes them. qwen3_5_moe is the
     hybrid with a mixture in every layer (transformers' Qwen3_5MoeForCausalLM), `experts` as for qwen3_moe and a
-    shared expert of `intermediate` rows."""
+    shared expert of `intermediate` rows; its experts are written stacked (experts.gate_up_proj, down_proj), as
+    Qwen3.5's published checkpoints store them."""
     from safetensors.torch import save_file
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -227,7 +228,9 @@ def write_tiny_checkpoint(
     torch.manual_seed(seed)  # HF's own init runs first; every parameter is then overwritten from `seed`
     model = model_cls(config).to(torch.float32).eval()
     _init_weights(model, seed)
-    state = _one_tensor_an_expert({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()})
+    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    if family == "qwen3_moe":  # Qwen3.5's published checkpoints keep the experts stacked, as transformers does
+        state = _one_tensor_an_expert(state)
     for k in state:
         if k.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
             state[k] = state[k] * branch_scale
@@ -235,10 +238,16 @@ def write_tiny_checkpoint(
         state.pop("lm_head.weight")
     config.architectures = [model_cls.__name__]
     config.save_pretrained(folder)
+    if family == "qwen3_moe":  # the published configs' keys beside transformers' own (mlx-lm reads these)
+        raw = json.loads((folder / "config.json").read_text())
+        raw.update(num_experts=experts[0], rope_theta=rope_theta)
+        (folder / "config.json").write_text(json.dumps(raw, indent=2))
     if vision:  # the image-and-text layout: the text config inside, the text model's tensors renamed
         text = json.loads((folder / "config.json").read_text())
-        outer = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
-                 "text_config": text, "vision_config": {"model_type": "qwen3_5_vision", "depth": 2},
+        outer_type = family  # qwen3_5 or qwen3_5_moe
+        outer = {"model_type": outer_type, "architectures": [
+                     "Qwen3_5MoeForConditionalGeneration" if family == "qwen3_5_moe" else "Qwen3_5ForConditionalGeneration"],
+                 "text_config": text, "vision_config": {"model_type": f"{outer_type}_vision", "depth": 2},
                  "tie_word_embeddings": tie}
         (folder / "config.json").write_text(json.dumps(outer, indent=2))
         state = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v

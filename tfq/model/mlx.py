@@ -147,12 +147,23 @@ def load_mlx_state(folder: Path, quant: MlxQuantization, keep: bool = False) -> 
                 raise TfqError(f"{folder}: {module} has scales but config.json leaves it unquantized")
             if module + ".biases" not in raw:
                 raise TfqError(f"{folder}: {module} has scales but no biases; tfq reads MLX's affine groups")
-            groups = kept(t, raw[module + ".scales"], raw[module + ".biases"], *spec) if keep else None
-            out[name] = groups if groups is not None else dequantize(t, raw[module + ".scales"],
-                                                                     raw[module + ".biases"], *spec)
+            scales, biases = raw[module + ".scales"], raw[module + ".biases"]
+            for part, (w, s, b) in _experts(name, (t, scales, biases)):
+                groups = kept(w, s, b, *spec) if keep else None
+                out[part] = groups if groups is not None else dequantize(w, s, b, *spec)
         else:
-            out[name] = t if t.dtype == torch.float32 else t.to(torch.float32)
+            for part, (w,) in _experts(name, (t,)):
+                out[part] = w if w.dtype == torch.float32 else w.to(torch.float32)
     return out
+
+
+def _experts(name: str, tensors: tuple):
+    """(name, tensors) of a matrix; a mixture's experts stacked by mlx-lm (mlp.switch_mlp.X [experts, ...]) as
+    one matrix an expert under transformers' names (mlp.experts.E.X)."""
+    if ".switch_mlp." not in name or tensors[0].dim() != 3:
+        return [(name, tensors)]
+    return [(name.replace(".switch_mlp.", f".experts.{e}."), tuple(t[e] for t in tensors))
+            for e in range(tensors[0].shape[0])]
 
 
 def folder_quantization(folder: Path) -> MlxQuantization | None:

@@ -187,7 +187,10 @@ class Qwen:
         """A mixture-of-experts MLP: the router (transformers' `gate`), every expert, and Qwen3.5's shared expert
         with its gate."""
         c, s = self.config, self.config.moe
+        stacked = take.unstack_experts(m, s.experts)
         experts = [self._mlp(take, f"{m}experts.{e}.", s.intermediate, Linear) for e in range(s.experts)]
+        for name in stacked:
+            del take.replaced[name]
         shared = gate = None
         if s.shared_intermediate:
             shared = self._mlp(take, m + "shared_expert.", s.shared_intermediate, Linear)

@@ -44,6 +44,22 @@ class Taker:
             self.replaced[name] = w.transpose(1, 2)
         return self(name, (channels, 1, taps))
 
+    def unstack_experts(self, m: str, experts: int) -> list[str]:
+        """A mixture's experts stored stacked under `m` (experts.gate_up_proj [experts, 2 * inter, hidden] and
+        experts.down_proj [experts, hidden, inter], as transformers holds them and Qwen3.5's published checkpoints
+        store them) taken as one matrix an expert, under the names transformers writes them by; returns those
+        names (to be let go once taken: they hold the stacked tensors)."""
+        gate_up, down = self.get(m + "experts.gate_up_proj"), self.get(m + "experts.down_proj")
+        if gate_up is None or down is None:
+            return []
+        half = gate_up.shape[1] // 2
+        for e in range(min(experts, gate_up.shape[0])):
+            self.replaced[f"{m}experts.{e}.gate_proj.weight"] = gate_up[e, :half]
+            self.replaced[f"{m}experts.{e}.up_proj.weight"] = gate_up[e, half:]
+            self.replaced[f"{m}experts.{e}.down_proj.weight"] = down[e]
+        return [f"{m}experts.{e}.{w}_proj.weight" for e in range(min(experts, gate_up.shape[0]))
+                for w in ("gate", "up", "down")]
+
     def norm(self, name: str, size: int) -> torch.Tensor:
         """An RMS norm's weight as it multiplies: Qwen3.5 multiplies by 1 + the stored weight (computed in fp32
         as transformers does, so the product's bits are the same)."""
