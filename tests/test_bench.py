@@ -75,6 +75,7 @@ def test_bench_beside_the_peer_writes_the_report(tiny_dirs, tmp_path, monkeypatc
     for lanes in (1, 2):  # the whole arm's step, split by op kind
         b = rows[lanes, "whole"]["breakdown_ms"]
         assert b["linear_ms"] > 0 and b["attention_ms"] > 0
+        assert b["experts_ms"] == 0  # a dense model
         assert b["linear_ms"] + b["attention_ms"] + b["rest_ms"] == pytest.approx(b["step_ms"], abs=0.05)
         assert "breakdown_ms" not in rows[lanes, "partial"]
     assert "a whole decode step at 2 lanes" in out

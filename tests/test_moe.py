@@ -21,6 +21,7 @@ from tfq.stream import Request
 from cli import tfq
 from test_forward import hf_model
 from test_hybrid import shipped_hybrid_suite
+from test_bench import TINY_PLAN
 from tiny import tiny_model_dir
 
 # the real models' ratios (Qwen3-30B-A3B: 128 experts, 8 chosen, normalized), small sizes
@@ -172,6 +173,30 @@ def test_the_plan_says_what_a_step_reads_of_the_experts(moe_dir, monkeypatch, ca
     assert experts["read_at_lanes"]["experts_a_layer"] == round(distinct, 1)
     assert experts["read_at_lanes"]["parameters"] == round(config.param_count() - (128 - distinct) * 3 * h * i * 4)
     assert any(line.startswith("experts: 128 in each of 4 layers, 8 chosen a row") for line in report["lines"])
+
+
+def test_bench_clocks_the_experts_apart_and_counts_the_experts_a_step_reads(moe_dir, tmp_path, monkeypatch, capsys):
+    from tfq.bench import weights_read_bytes
+    from tfq.model.load import load_model
+
+    path = tmp_path / "bench.json"
+    code, out, err = tfq(["bench", "--model", str(moe_dir), "--plan", str(TINY_PLAN), "--prompt-tokens", "12",
+                          "--tokens", "4", "--repeats", "1", "--threads", "1", "--lanes", "1,4", "--peer", "none",
+                          "--arms", "whole", "--json", str(path)], monkeypatch, capsys)
+    assert code == 0, err
+    report = json.loads(path.read_text())
+    for row in report["rows"]:
+        b = row["breakdown_ms"]
+        assert b["experts_ms"] > 0 and b["linear_ms"] > 0
+        assert b["linear_ms"] + b["attention_ms"] + b["experts_ms"] + b["rest_ms"] == pytest.approx(b["step_ms"],
+                                                                                                     abs=0.05)
+    assert "experts" in " ".join(out.split())
+    # the bytes: all experts in fp32 less those a step does not read, fewer at one lane than at four
+    config, model = ModelConfig.from_folder(moe_dir), load_model(str(moe_dir), progress=False).model
+    one, four = (weights_read_bytes(config, model, lanes) for lanes in (1, 4))
+    assert one == 4 * config.active_param_count() and one < four < 4 * config.param_count()
+    assert weights_read_bytes(config, None, 4) == four  # from the config alone, the same count
+    assert {r["lanes"]: r["bytes_per_step"] > w for r, w in zip(report["rows"], (one, four))} == {1: True, 4: True}
 
 
 @pytest.mark.parametrize("family, threads", [("qwen3_moe", 2), ("qwen3_5_moe", 3)])

@@ -1,8 +1,9 @@
-"""Where a decode step's time goes: linear layers, attention, and the rest (norms, rotary, activations, the
-cache store, indexing, the scheduler, sampling, Python).
+"""Where a decode step's time goes: linear layers, attention, a mixture's experts (its router and each expert's
+linear layers), and the rest (norms, rotary, activations, routing, the combine, the cache store, indexing, the
+scheduler, sampling, Python).
 
-A few decode steps run with a clock around every linear layer and every attention call of the model (the
-clocks cost well under a microsecond each); the rest is the step's wall time less both. Where a layer runs as
+A few decode steps run with a clock around every linear layer, every attention call and every expert of the
+model (the clocks cost well under a microsecond each); the rest is the step's wall time less all three. Where a layer runs as
 one C++ call (kernels/layer.py), the clock is inside it (`model.layer_clock`), around the same kernels. With
 `top`, a second pass under the torch profiler names the ops that take the most time (the profiler adds its own
 cost to every op, so its times only rank them; benchmarks/profile_step.py asks for it, `tfq bench` does not).
@@ -32,12 +33,21 @@ class _Clock:
         return timed
 
 
+def _clocked(moe, clock: _Clock):
+    """A mixture whose router and experts' linear layers run under `clock`."""
+    wrap = lambda e: e and dataclasses.replace(e, gate_up=clock.wrap(e.gate_up), down=clock.wrap(e.down))  # noqa: E731
+    return dataclasses.replace(moe, router=clock.wrap(moe.router), experts=[wrap(e) for e in moe.experts],
+                               shared=wrap(moe.shared),
+                               shared_gate=moe.shared_gate and clock.wrap(moe.shared_gate))
+
+
 def step_breakdown(engine, steps: int, top: int = 0) -> dict:
     """Split `steps` decode steps of a running engine (every stream past its prompt, enough tokens left to
-    run 2 * steps + 1 more): {"step_ms", "linear_ms", "attention_ms", "rest_ms", "top_ops"}, per step."""
+    run 2 * steps + 1 more): {"step_ms", "linear_ms", "attention_ms", "experts_ms", "rest_ms", "top_ops"}, per
+    step."""
     model = engine.runner.model
     engine.step()  # warm-up
-    linear, attention = _Clock(), _Clock()
+    linear, attention, experts = _Clock(), _Clock(), _Clock()
     backend, layers, head = model.backend, model.layers, model.lm_head
     one_call = model.runs_in_one_call(layers[0])
     if one_call:  # each layer is one C++ call: its own clock times the linear layers and attention inside (a
@@ -45,7 +55,8 @@ def step_breakdown(engine, steps: int, top: int = 0) -> dict:
         model.layer_clock = torch.zeros(2, dtype=torch.float64)
     else:
         model.backend = dataclasses.replace(backend, attend=attention.wrap(backend.attend))
-        model.layers = [dataclasses.replace(layer, **{name: linear.wrap(f) for name, f in linears(layer).items()})
+        model.layers = [dataclasses.replace(layer, **{name: linear.wrap(f) for name, f in linears(layer).items()},
+                                            **({"moe": _clocked(layer.moe, experts)} if layer.moe else {}))
                         for layer in layers]  # a hybrid's DeltaNet recurrence counts in the rest
     model.lm_head = linear.wrap(head)
     try:
@@ -67,6 +78,6 @@ def step_breakdown(engine, steps: int, top: int = 0) -> dict:
     per = 1e3 / steps
     ms = lambda seconds: round(seconds * per, 4)  # to 0.1 us: a tiny model's attention is a few us a step
     return {"step_ms": ms(wall), "linear_ms": ms(linear.seconds), "attention_ms": ms(attention.seconds),
-            "rest_ms": ms(wall - linear.seconds - attention.seconds),
+            "experts_ms": ms(experts.seconds), "rest_ms": ms(wall - linear.seconds - attention.seconds - experts.seconds),
             "top_ops": [{"op": e.key, "calls_per_step": e.count // steps,
                          "self_ms_per_step": round(e.self_cpu_time_total / 1e3 / steps, 3)} for e in ranked]}

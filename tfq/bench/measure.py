@@ -15,19 +15,32 @@ BANDWIDTH_TRIES = 7
 
 # ---------------------------------------------------------------------------------------- the roofline
 
-def weights_read_bytes(config: ModelConfig, model=None) -> int:
-    """Bytes a decode step reads of the weights: every linear layer, the norms and the output head, in fp32, or,
-    given the loaded model, each quantized layer at its own width with its scales (weights: gguf).
-    The embedding is a lookup of a few rows; when it is tied to the head, the head reads it whole."""
+def weights_read_bytes(config: ModelConfig, model=None, lanes: int = 1) -> int:
+    """Bytes a decode step of `lanes` rows reads of the weights: every linear layer, the norms and the output head,
+    in fp32, or, given the loaded model, each quantized layer at its own width with its scales (weights: gguf).
+    The embedding is a lookup of a few rows; when it is tied to the head, the head reads it whole. A mixture's
+    step reads the experts its rows chose: the distinct ones expected were the router's choices uniform."""
     untied_embedding = 0 if config.tie_embeddings else config.vocab_size * config.hidden_size
     fp32 = (config.param_count() - untied_embedding) * 4
+    m = config.moe
+    unread = 0 if m is None else 1 - m.expected_distinct(lanes) / m.experts  # the share of experts not read
     if model is None:
-        return fp32
+        return round(fp32 - unread * 4 * len(config.moe_layers) * m.experts * 3 * config.hidden_size * m.intermediate
+                     if m else fp32)
     from tfq.model.qwen import linears
 
-    every = [f for layer in model.layers for f in linears(layer).values()]
-    kept = [f for f in every + [model.lm_head] if hasattr(f, "nbytes")]
-    return fp32 - sum(4 * f.out_features * f.in_features - f.nbytes for f in kept)
+    size = lambda f: f.nbytes if hasattr(f, "nbytes") else 4 * f.out_features * f.in_features  # noqa: E731
+    every, experts = [], []
+    for layer in model.layers:
+        every += linears(layer).values()
+        if layer.moe is not None:
+            mix = layer.moe
+            every += [mix.router] + [f for e in [mix.shared] if e for f in (e.gate_up, e.down)]
+            every += [mix.shared_gate] if mix.shared_gate else []
+            experts += [f for e in mix.experts for f in (e.gate_up, e.down)]
+    kept = [f for f in every + experts + [model.lm_head] if hasattr(f, "nbytes")]
+    return round(fp32 - sum(4 * f.out_features * f.in_features - f.nbytes for f in kept)
+                 - unread * sum(size(f) for f in experts))
 
 
 def mean_context(prompt_tokens: int, tokens: int) -> float:

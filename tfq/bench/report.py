@@ -21,8 +21,8 @@ def bench_rows(bench: Bench, bandwidth: float) -> list[dict]:
     s = bench.settings
     out = []
     context = mean_context(s.prompt_tokens, s.tokens)
-    weights = weights_read_bytes(bench.config, bench.loaded.model)
     for lanes in s.lanes:
+        weights = weights_read_bytes(bench.config, bench.loaded.model, lanes)
         peer_runs = {r.round: r for r in bench.runs if r.lanes == lanes and r.arm == "peer"}
         names = bench.arms_at(lanes) + (["peer"] if peer_runs else [])
         for arm in names:

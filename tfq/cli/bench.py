@@ -172,8 +172,8 @@ def _print_table(report: dict, console: Console) -> None:
     probes = {**m["bandwidth_start"], **m["bandwidth_end"]}
     best = max(probes, key=probes.get)
     console.print(f"memory bandwidth {m['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (the best of {len(probes)} probes, "
-                  f"at the start and the end: {best}); a step reads {report['model']['weights_read_per_step_bytes'] / 1e9:.2f} "
-                  f"GB of weights plus the cache; load average {la[0]:.2f} before, {lb[0]:.2f} after, on "
+                  f"at the start and the end: {best}); a step at one lane reads "
+                  f"{report['model']['weights_read_per_step_bytes'] / 1e9:.2f} GB of weights plus the cache; load average {la[0]:.2f} before, {lb[0]:.2f} after, on "
                   f"{m['cpus']} CPUs", highlight=False)
     console.print("roofline: the least time a decode step can take (bytes it reads / bandwidth) over the time it took; "
                   f"vs peer: tfq/peer decode tokens/s, {_pairs(report['peer'])}; run +MiB: resident memory a "
@@ -190,8 +190,9 @@ def _print_table(report: dict, console: Console) -> None:
     for r in report["rows"]:
         b = r.get("breakdown_ms")
         if b:
+            experts = f" + experts {b['experts_ms']:.1f}" if b.get("experts_ms") else ""
             console.print(f"a whole decode step at {r['lanes']} lane{'s' * (r['lanes'] > 1)}: {b['step_ms']:.1f} ms = "
-                          f"linear layers {b['linear_ms']:.1f} + attention {b['attention_ms']:.1f} + the rest "
+                          f"linear layers {b['linear_ms']:.1f} + attention {b['attention_ms']:.1f}{experts} + the rest "
                           f"{b['rest_ms']:.1f}", highlight=False)
     for sk in report["skipped"]:
         console.print(f"skipped: lanes {sk['lanes']} {sk['arm']}: {sk['why']}", highlight=False, style="dim")
