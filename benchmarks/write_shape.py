@@ -2,8 +2,9 @@
 
     python benchmarks/write_shape.py qwen3-14b /data/qwen3-14b-shape.gguf
 
-The tensors are laid out as llama.cpp's converter writes a qwen3 or qwen35 (Qwen3.5 hybrid) model and typed as
-llama.cpp's Q4_K_M mix does (Q4_K, with Q6_K for the head and for attn_v and ffn_down in the layers `use_more_bits` picks); their blocks
+The tensors are laid out as llama.cpp's converter writes a qwen3, qwen35 (Qwen3.5 hybrid) or qwen3moe (a mixture
+of experts, each layer's experts stacked in one tensor a kind, the router in F32) model and typed as llama.cpp's
+Q4_K_M mix does (Q4_K, with Q6_K for the head and for attn_v and ffn_down in the layers `use_more_bits` picks); their blocks
 are random integers under fp16 scales sized like a trained model's (tfq.proofs.kernel_check_rowwise.
 random_blocks), so activations stay finite through every layer. The tokenizer and chat template are the
 default model's (Qwen2.5's 151,936 tokens, which Qwen3 shares; padded to Qwen3.5's 248,320). Nothing is held in memory beyond one tensor:
@@ -22,7 +23,10 @@ SHAPES = {
     "qwen3-14b": ("qwen3", 40, 5120, 40, 8, 128, 17408, 151936),
     "qwen3-32b": ("qwen3", 64, 5120, 64, 8, 128, 25600, 151936),
     "qwen3.5-27b": ("qwen35", 64, 5120, 24, 4, 256, 17408, 248320),
+    "qwen3-30b-a3b": ("qwen3moe", 48, 2048, 32, 4, 128, 6144, 151936),
 }
+# a qwen3moe shape's mixture (Qwen3-30B-A3B's): experts, chosen a row, each expert's FFN
+EXPERTS = {"qwen3-30b-a3b": (128, 8, 768)}
 # a qwen35 shape's Gated DeltaNet layers (Qwen3.5-27B's): key heads, value heads, their dims, convolution taps;
 # every fourth layer is gated full attention
 DELTANET = {"qwen3.5-27b": (16, 48, 128, 128, 4)}
@@ -43,6 +47,11 @@ def tensors(name: str) -> list[tuple[str, tuple[int, ...], str]]:
         b = f"blk.{i}."
         mlp = [(b + "ffn_gate.weight", (ffn, hidden), "Q4_K"), (b + "ffn_up.weight", (ffn, hidden), "Q4_K"),
                (b + "ffn_down.weight", (hidden, ffn), more)]
+        if arch == "qwen3moe":
+            n, _, inter = EXPERTS[name]
+            mlp = [(b + "ffn_gate_inp.weight", (n, hidden), "F32"), (b + "ffn_gate_exps.weight", (n, inter, hidden), "Q4_K"),
+                   (b + "ffn_up_exps.weight", (n, inter, hidden), "Q4_K"),
+                   (b + "ffn_down_exps.weight", (n, hidden, inter), more)]
         if arch == "qwen35" and (i + 1) % 4:
             nk, nv, kd, vd, taps = DELTANET[name]
             channels = 2 * nk * kd + nv * vd
@@ -87,11 +96,16 @@ def tokenizer_fields(writer, vocab: int) -> None:
 
 
 def values(name: str, kind: str, dims: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
-    """A tensor's bytes: random blocks for a matrix, made in slices of rows (bounded memory) into one array, or
-    fp32 values (norms ones, as a fresh model's; a DeltaNet layer's A negative, dt bias and convolution small)."""
+    """A tensor's bytes: random blocks for a matrix (each expert's of a stack), made in slices of rows (bounded
+    memory) into one array, or fp32 values (norms ones, as a fresh model's; a DeltaNet layer's A negative, dt bias
+    and convolution small; a router's rows random, so each row picks its own experts)."""
     from tfq.proofs.kernel_check_rowwise import random_blocks
 
+    if len(dims) == 3 and kind != "F32":
+        return np.concatenate([values(name, kind, dims[1:], rng) for _ in range(dims[0])])
     if kind == "F32":
+        if name.endswith("ffn_gate_inp.weight"):
+            return rng.normal(0, dims[1] ** -0.5, dims).astype(np.float32)
         if name.endswith("ssm_a"):
             return -rng.uniform(0.5, 2.0, dims).astype(np.float32)
         if name.endswith(("ssm_dt.bias", "ssm_conv1d.weight")):
@@ -132,6 +146,11 @@ def write(shape_name: str, path: Path, seed: int = 0) -> None:
         w.add_uint32(f"{arch}.full_attention_interval", 4)
         w.add_rope_dimension_count(dim // 4)
         w.add_array(f"{arch}.rope.dimension_sections", [11, 11, 10, 0])
+    if arch == "qwen3moe":  # the keys llama.cpp's converter writes for Qwen3 MoE
+        n, chosen, inter = EXPERTS[shape_name]
+        w.add_expert_count(n)
+        w.add_expert_used_count(chosen)
+        w.add_expert_feed_forward_length(inter)
     tokenizer_fields(w, vocab)
     table = tensors(shape_name)
     total = 0
@@ -140,7 +159,7 @@ def write(shape_name: str, path: Path, seed: int = 0) -> None:
         per, size = GGML_QUANT_SIZES[qtype]
         nbytes = int(np.prod(dims)) // per * size
         total += nbytes
-        raw_shape = dims if kind == "F32" else (dims[0], dims[1] // per * size)
+        raw_shape = dims if kind == "F32" else (*dims[:-1], dims[-1] // per * size)
         w.add_tensor_info(name, raw_shape, np.dtype(np.float32 if kind == "F32" else np.uint8), nbytes,
                           None if kind == "F32" else qtype)
     w.write_header_to_file()
