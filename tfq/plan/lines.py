@@ -133,6 +133,8 @@ def _device_line(plan: Plan, lay: Layout, config: ModelConfig) -> str:
         if config.hybrid:
             kernels = ("tfq's C++ kernels: linear layers, attention and the DeltaNet recurrence in fixed orders, "
                        "layer by layer (built once for this CPU; a hybrid needs them)")
+        if config.moe is not None:  # tfq/model/moe.py: the experts through the same linear kernels
+            kernels = kernels.replace("each decoder layer one call", "a mixture's layers op by op")
     else:
         import torch
 
