@@ -74,14 +74,22 @@ def route(logits: torch.Tensor, chosen: int, normalized: bool) -> Routes:
 
 def expert_outputs(moe: MoE, h: torch.Tensor, routes: Routes, act) -> torch.Tensor:
     """[rows, chosen, hidden]: each row's chosen experts' outputs in its rank order. Each expert the step's rows
-    chose runs once, on the rows that chose it."""
+    chose runs once, on the rows that chose it: the (row, rank) pairs are sorted by expert, their rows gathered
+    once, and each expert runs on its slice of them."""
     rows, chosen = routes.experts.shape
-    out = torch.empty(rows, chosen, h.shape[1], dtype=h.dtype, device=h.device)
-    for e in np.unique(routes.experts):
-        who, rank = np.nonzero(routes.experts == e)
-        who_t, rank_t = torch.from_numpy(who).to(h.device), torch.from_numpy(rank).to(h.device)
-        out[who_t, rank_t] = mlp(moe.experts[int(e)], h[who_t], act)
-    return out
+    flat = routes.experts.reshape(-1)
+    order = np.argsort(flat, kind="stable")  # pairs grouped by expert
+    ends = [*(np.flatnonzero(np.diff(flat[order])) + 1).tolist(), len(flat)]
+    index = torch.from_numpy(order).to(h.device)
+    picked = h[index // chosen]  # each pair's row, grouped by expert
+    out = torch.empty_like(picked)
+    start = 0
+    for end in ends:
+        out[start:end] = mlp(moe.experts[int(flat[order[start]])], picked[start:end], act)
+        start = end
+    grouped, out = out, torch.empty_like(out)
+    out[index] = grouped  # back to (row, rank) order
+    return out.view(rows, chosen, h.shape[1])
 
 
 def combine(outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
