@@ -35,6 +35,8 @@ class Backend:
     layer: Callable[..., torch.Tensor] | None = None  # a whole decoder layer in one call (kernels/layer.py)
     quant_linear: Callable[..., LinearFn] | None = None  # (Quantized, bias) -> layer, on GGUF blocks (kernels/quant.py)
     delta_layer: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None  # a hybrid's DeltaNet layer in one call
+    attention_layer: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None  # a mixture's attention half
+    experts: Callable[..., torch.Tensor] | None = None  # a mixture's experts in one call (kernels/layer.py)
 
     @property
     def interpreted(self) -> bool:
@@ -48,13 +50,13 @@ def torch_backend() -> Backend:
     from .rowwise import OneDnnLinear, onednn_available, rms_norm, silu
 
     if cpu_build.wanted():  # tfq's C++ kernels (kernels/cpu/): every output one fixed-order computation
-        from .layer import decoder_layer_fixed, delta_layer_fixed
+        from .layer import attention_layer_fixed, decoder_layer_fixed, delta_layer_fixed, experts_fixed
         from .quant import QuantLinear
         from .rowwise import FixedOrderLinear, rms_norm_fixed, silu_fixed
 
         return Backend("torch", torch.device("cpu"), "CPU, tfq's fixed-order kernels (linear layers, attention, "
                        "RMS norm, SiLU)", FixedOrderLinear, rms_norm_fixed, attend_fixed, write, silu_fixed,
-                       decoder_layer_fixed, QuantLinear, delta_layer_fixed)
+                       decoder_layer_fixed, QuantLinear, delta_layer_fixed, attention_layer_fixed, experts_fixed)
     linear = "oneDNN (packed fp32)" if onednn_available() else "torch, one row at a time"
     return Backend("torch", torch.device("cpu"), f"CPU, linear layers by {linear}, attention as bmm items",
                    OneDnnLinear, rms_norm, attend, write, silu)

@@ -42,6 +42,30 @@ def decoder_layer_fixed(x: torch.Tensor, input_norm: torch.Tensor, qkv: FixedOrd
         head_dim, intermediate, eps, gated, clock)
 
 
+def attention_layer_fixed(x: torch.Tensor, input_norm: torch.Tensor, qkv: FixedOrderLinear,
+                          q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, cos: torch.Tensor,
+                          sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
+                          cache_dtype: str, batch: AttentionBatch, scale: float, o: FixedOrderLinear,
+                          post_norm: torch.Tensor, heads: int, kv_heads: int, head_dim: int, eps: float,
+                          gated: bool = False, clock: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mixture-of-experts layer's attention half in one call: (x + the attention's output projected, its post
+    norm), the ops of decoder_layer_fixed before its MLP."""
+    table, offsets, lengths = attention_tables(batch, x.shape[0])
+    return cpu_build.op("attention_layer")(
+        x, input_norm, qkv.panels, qkv.bias, q_norm, k_norm, cos, sin, k_cache, v_cache, rows,
+        SATURATE.get(cache_dtype, 0.0), table, offsets, lengths, scale, KEY_TILE,
+        SPLIT_ROWS if batch.partial else 0, o.panels, post_norm, heads, kv_heads, head_dim, eps, gated, clock)
+
+
+def experts_fixed(x: torch.Tensor, ends: list[int], experts: list[tuple[FixedOrderLinear, FixedOrderLinear]],
+                  intermediate: int, clock: torch.Tensor | None = None) -> torch.Tensor:
+    """A mixture's experts in one call: x [P, hidden] the rows that chose each expert, grouped (group g: rows
+    ends[g - 1] .. ends[g]), each group through its expert (gate_up, down): SiLU(gate) * up, then down. `clock`
+    (float64 [3]) gains the seconds in [2]."""
+    return cpu_build.op("moe_experts")(x.contiguous(), ends, [g.panels for g, _ in experts],
+                                       [d.panels for _, d in experts], intermediate, clock)
+
+
 def delta_layer_fixed(x: torch.Tensor, input_norm: torch.Tensor, in_proj: FixedOrderLinear, mixer: DeltaWeights,
                       conv_state: torch.Tensor, rec_state: torch.Tensor, segments: torch.Tensor,
                       save_conv: torch.Tensor, save_rec: torch.Tensor, sizes: DeltaSizes, out_proj: FixedOrderLinear,

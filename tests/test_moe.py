@@ -136,6 +136,28 @@ def test_the_combine_is_the_rows_own_and_its_control_follows_the_batch():
     assert parted > rows // 2  # RED: most rows' sums follow the batch's order of load
 
 
+def test_the_experts_in_one_call_are_the_loops_bits(moe_dir):
+    """The backend's one-call experts (kernels/cpu/layer.cpp: moe_experts) against the same experts one by one in
+    Python; the control hands the call each group's neighbour expert."""
+    import dataclasses
+
+    from tfq.model.load import load_model
+    from tfq.model.moe import Fused, expert_outputs
+
+    model = load_model(str(moe_dir), progress=False).model
+    if model.backend.experts is None:
+        pytest.skip("tfq's CPU kernels did not build here")
+    assert all(model.runs_in_one_call(layer) for layer in model.layers)  # the attention half in one call
+    moe = model.layers[0].moe
+    h = torch.randn(24, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    routes = route(moe.router(h), moe.chosen, moe.normalized)
+    fused = Fused(model.backend.experts, model.config.moe.intermediate)
+    loop = expert_outputs(moe, h, routes, model.act)
+    assert torch.equal(expert_outputs(moe, h, routes, model.act, fused), loop)
+    shifted = dataclasses.replace(moe, experts=moe.experts[1:] + moe.experts[:1])
+    assert not torch.equal(expert_outputs(shifted, h, routes, model.act, fused), loop)
+
+
 def test_the_guard_refuses_a_combine_that_follows_the_batch(moe_dir, monkeypatch):
     from tfq.model.load import load_model
 

@@ -27,16 +27,16 @@ at::Tensor sigmoid_gate(const at::Tensor& a, const at::Tensor& gate) {
   return op.call(a.contiguous(), gate.contiguous());
 }
 
-// x [N, hidden] -> the layer's output [N, hidden]; keys and values of the N rows go to the cache at `rows`. Rotary
-// turns each head's first cos.size(-1) dimensions; `gated` (a hybrid's attention): qkv's last rows are a gate,
-// and the attention's output is times sigmoid(gate).
-at::Tensor layer(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& qkv, const OptTensor& qkv_bias,
-                 const OptTensor& q_norm, const OptTensor& k_norm, const at::Tensor& cos, const at::Tensor& sin,
-                 at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& rows, double saturate,
-                 const at::Tensor& table, const at::Tensor& offsets, const at::Tensor& lengths, double scale,
-                 int64_t tile, int64_t split, const at::Tensor& o, const at::Tensor& post_norm,
-                 const at::Tensor& gate_up, const at::Tensor& down, int64_t heads, int64_t kv_heads,
-                 int64_t head_dim, int64_t intermediate, double eps, bool gated, const OptTensor& clock) {
+// The attention half: x [N, hidden] -> the attention's output projected by o [N, hidden]; keys and values of the
+// N rows go to the cache at `rows`. Rotary turns each head's first cos.size(-1) dimensions; `gated` (a hybrid's
+// attention): qkv's last rows are a gate, and the attention's output is times sigmoid(gate).
+at::Tensor attention_part(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& qkv,
+                          const OptTensor& qkv_bias, const OptTensor& q_norm, const OptTensor& k_norm,
+                          const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
+                          const at::Tensor& rows, double saturate, const at::Tensor& table, const at::Tensor& offsets,
+                          const at::Tensor& lengths, double scale, int64_t tile, int64_t split, const at::Tensor& o,
+                          int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, bool gated,
+                          const OptTensor& clock) {
   const int64_t n = x.size(0), hidden = x.size(1), q_out = heads * head_dim, kv_out = kv_heads * head_dim;
   const at::Tensor h = rms_norm(x, input_norm, eps);
   at::Tensor mixed_qkv;
@@ -78,7 +78,62 @@ at::Tensor layer(const at::Tensor& x, const at::Tensor& input_norm, const at::Te
     Clock c(clock, 0);
     attended = linear(a, o, c10::nullopt, hidden);
   }
+  return attended;
+}
+
+// x [N, hidden] -> the layer's output [N, hidden]: the attention half, then the MLP.
+at::Tensor layer(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& qkv, const OptTensor& qkv_bias,
+                 const OptTensor& q_norm, const OptTensor& k_norm, const at::Tensor& cos, const at::Tensor& sin,
+                 at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& rows, double saturate,
+                 const at::Tensor& table, const at::Tensor& offsets, const at::Tensor& lengths, double scale,
+                 int64_t tile, int64_t split, const at::Tensor& o, const at::Tensor& post_norm,
+                 const at::Tensor& gate_up, const at::Tensor& down, int64_t heads, int64_t kv_heads,
+                 int64_t head_dim, int64_t intermediate, double eps, bool gated, const OptTensor& clock) {
+  const at::Tensor attended = attention_part(x, input_norm, qkv, qkv_bias, q_norm, k_norm, cos, sin, k_cache,
+                                             v_cache, rows, saturate, table, offsets, lengths, scale, tile, split, o,
+                                             heads, kv_heads, head_dim, eps, gated, clock);
   return mlp(x, attended, post_norm, gate_up, down, intermediate, eps, clock);
+}
+
+// A mixture-of-experts layer's attention half (its MLP is tfq/model/moe.py): (the attention residual, its post
+// norm), the residual and the norm in one pass as the MLP of `layer` starts.
+std::tuple<at::Tensor, at::Tensor> attention_layer(
+    const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& qkv, const OptTensor& qkv_bias,
+    const OptTensor& q_norm, const OptTensor& k_norm, const at::Tensor& cos, const at::Tensor& sin,
+    at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& rows, double saturate, const at::Tensor& table,
+    const at::Tensor& offsets, const at::Tensor& lengths, double scale, int64_t tile, int64_t split,
+    const at::Tensor& o, const at::Tensor& post_norm, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
+    bool gated, const OptTensor& clock) {
+  const at::Tensor attended = attention_part(x, input_norm, qkv, qkv_bias, q_norm, k_norm, cos, sin, k_cache,
+                                             v_cache, rows, saturate, table, offsets, lengths, scale, tile, split, o,
+                                             heads, kv_heads, head_dim, eps, gated, clock);
+  return add_norm(x.contiguous(), attended, post_norm, eps);
+}
+
+// A mixture's experts in one call: x [P, hidden] holds the rows that chose each expert, grouped (group g: rows
+// ends[g - 1] .. ends[g]), each group through its expert's gate_up, SiLU times up and down, the MLP's recipe.
+at::Tensor moe_experts(const at::Tensor& x, at::IntArrayRef ends, at::TensorList gate_ups, at::TensorList downs,
+                       int64_t intermediate, const OptTensor& clock) {
+  TORCH_CHECK(x.is_contiguous() && ends.size() == gate_ups.size() && ends.size() == downs.size(),
+              "tfq moe_experts: layouts");
+  auto out = at::empty_like(x);
+  const int64_t hidden = x.size(1);
+  int64_t start = 0;
+  for (size_t g = 0; g < ends.size(); g++) {
+    at::Tensor gu, y;
+    {
+      Clock c(clock, 2);
+      gu = linear(x.slice(0, start, ends[g]), gate_ups[g], c10::nullopt, 2 * intermediate);
+    }
+    const at::Tensor act = silu_mul(gu, intermediate);
+    {
+      Clock c(clock, 2);
+      y = linear(act, downs[g], c10::nullopt, hidden);
+    }
+    out.slice(0, start, ends[g]).copy_(y);
+    start = ends[g];
+  }
+  return out;
 }
 
 }  // namespace
@@ -90,4 +145,11 @@ TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) {
         "Tensor gate_up, Tensor down, int heads, int kv_heads, int head_dim, int intermediate, float eps, "
         "bool gated, Tensor? clock) -> Tensor",
         layer);
+  m.def("attention_layer(Tensor x, Tensor input_norm, Tensor qkv, Tensor? qkv_bias, Tensor? q_norm, Tensor? k_norm, "
+        "Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor rows, float saturate, Tensor table, "
+        "Tensor offsets, Tensor lengths, float scale, int tile, int split, Tensor o, Tensor post_norm, int heads, "
+        "int kv_heads, int head_dim, float eps, bool gated, Tensor? clock) -> (Tensor, Tensor)",
+        attention_layer);
+  m.def("moe_experts(Tensor x, int[] ends, Tensor[] gate_ups, Tensor[] downs, int intermediate, Tensor? clock) "
+        "-> Tensor", moe_experts);
 }

@@ -130,8 +130,8 @@ inline at::Tensor silu_mul(const at::Tensor& gu, int64_t I) {
   return y;
 }
 
-// Seconds spent in the linear layers ([0]) and the token mixer ([1]: attention, or a hybrid's DeltaNet
-// recurrence) added to `clock` when given (tfq bench's breakdown); steady_clock costs tens of nanoseconds a
+// Seconds spent in the linear layers ([0]), the token mixer ([1]: attention, or a hybrid's DeltaNet
+// recurrence) and a mixture's experts ([2]) added to `clock` when given (tfq bench's breakdown); steady_clock costs tens of nanoseconds a
 // reading, nothing beside a layer.
 struct Clock {
   double* out;

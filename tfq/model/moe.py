@@ -24,6 +24,7 @@ import torch
 
 from tfq.kernels.backend import LinearFn
 from tfq.kernels.delta import sigmoid_gate
+from tfq.kernels.layer import fusable
 from tfq.nearest import exp32
 
 Tap = Callable[[str, torch.Tensor], torch.Tensor]
@@ -72,22 +73,25 @@ def route(logits: torch.Tensor, chosen: int, normalized: bool) -> Routes:
     return Routes(ids, torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)))
 
 
-def expert_outputs(moe: MoE, h: torch.Tensor, routes: Routes, act) -> torch.Tensor:
+def expert_outputs(moe: MoE, h: torch.Tensor, routes: Routes, act, fused: Fused | None = None) -> torch.Tensor:
     """[rows, chosen, hidden]: each row's chosen experts' outputs in its rank order. Each expert the step's rows
     chose runs once, on the rows that chose it: the (row, rank) pairs are sorted by expert, their rows gathered
-    once, and each expert runs on its slice of them."""
+    once, and each expert runs on its slice of them (`fused`: all of them in one C++ call, the same ops)."""
     rows, chosen = routes.experts.shape
     flat = routes.experts.reshape(-1)
     order = np.argsort(flat, kind="stable")  # pairs grouped by expert
     ends = [*(np.flatnonzero(np.diff(flat[order])) + 1).tolist(), len(flat)]
     index = torch.from_numpy(order).to(h.device)
     picked = h[index // chosen]  # each pair's row, grouped by expert
-    out = torch.empty_like(picked)
-    start = 0
-    for end in ends:
-        out[start:end] = mlp(moe.experts[int(flat[order[start]])], picked[start:end], act)
-        start = end
-    grouped, out = out, torch.empty_like(out)
+    starts = [0, *ends[:-1]]
+    pairs = [(moe.experts[int(flat[order[s]])].gate_up, moe.experts[int(flat[order[s]])].down) for s in starts]
+    if fused is not None and fusable(*(f for pair in pairs for f in pair)):  # (a clock's wrappers are not)
+        grouped = fused.run(picked, ends, pairs)
+    else:
+        grouped = torch.empty_like(picked)
+        for start, end in zip(starts, ends):
+            grouped[start:end] = mlp(moe.experts[int(flat[order[start]])], picked[start:end], act)
+    out = torch.empty_like(grouped)
     out[index] = grouped  # back to (row, rank) order
     return out.view(rows, chosen, h.shape[1])
 
@@ -124,12 +128,25 @@ def mlp(expert: Expert, h: torch.Tensor, act) -> torch.Tensor:
     return expert.down(act(gate_up[:, :half]) * gate_up[:, half:])
 
 
-def moe_mlp(moe: MoE, h: torch.Tensor, act, tap: Tap, by_load: bool = False) -> torch.Tensor:
+@dataclass(frozen=True)
+class Fused:
+    """The backend's one-call experts (kernels/layer.py: experts_fixed) with the experts' size and the bench's
+    clock."""
+
+    op: Callable
+    intermediate: int
+    clock: torch.Tensor | None = None
+
+    def run(self, x: torch.Tensor, ends: list[int], experts: list) -> torch.Tensor:
+        return self.op(x, ends, experts, self.intermediate, self.clock)
+
+
+def moe_mlp(moe: MoE, h: torch.Tensor, act, tap: Tap, by_load: bool = False, fused: Fused | None = None) -> torch.Tensor:
     """The mixture's output for the post-norm rows h [rows, hidden] (before the residual)."""
     logits = tap("router", moe.router(h))
     routes = route(logits.float().cpu(), moe.chosen, moe.normalized)
     tap("routing weights", routes.weights)
-    outputs = tap("experts", expert_outputs(moe, h, routes, act))
+    outputs = tap("experts", expert_outputs(moe, h, routes, act, fused))
     total = combine_by_load(outputs, routes.weights, routes) if by_load else combine(outputs, routes.weights)
     total = tap("combine", total)
     if moe.shared is not None:

@@ -31,7 +31,7 @@ from tfq.proofs.startup_kernels import check_layers, ensure_exact
 from tfq.batch import Segment, Segments
 from tfq.errors import TfqError
 from tfq.model.config import ModelConfig
-from tfq.model.moe import MoE, Expert, moe_mlp
+from tfq.model.moe import MoE, Expert, Fused, moe_mlp
 from tfq.model.rope import rope_tables
 from tfq.model.taker import Taker
 
@@ -151,7 +151,7 @@ class Qwen:
         self._rope_rows = 0
         self.scale = 1.0 / math.sqrt(c.head_dim)
         self.act = backend.silu  # the MLP's activation; the guard's tests swap in flawed ones and must see them
-        self.layer_clock: torch.Tensor | None = None  # float64 [2]: tfq bench's breakdown reads the one-call layer
+        self.layer_clock: torch.Tensor | None = None  # float64 [3]: tfq bench's breakdown reads the one-call layer
         self.proved: dict = {}  # what the start-up guard proved on this model (tfq.proofs.startup), by its settings
         self.cache_index = _cache_index(c)  # layer -> its index among the cache's attention or state layers
         if shard is not None:  # what this rank computes with: its heads, its slice of the MLP
@@ -304,12 +304,19 @@ class Qwen:
         c, norm = self.config, self.backend.rms_norm
         h = tap("post norm", norm(x, layer.post_norm, c.rms_eps))
         if layer.moe is not None:
-            by_load = segments is not None and segments.experts_by_load
-            return tap("mlp residual", x + moe_mlp(layer.moe, h, self.act, tap, by_load))
+            return tap("mlp residual", x + self.mixture(layer.moe, h, tap, segments))
         gate_up = tap("gate_up", layer.gate_up(h))
         gate, up = gate_up[:, :c.intermediate_size], gate_up[:, c.intermediate_size:]
         mixed = tap("silu * up", tap("silu", self.act(gate)) * up)
         return tap("mlp residual", x + self.joined("down", tap("down", layer.down(self.joined("mlp", mixed)))))
+
+    def mixture(self, moe: MoE, h: torch.Tensor, tap: Tap, segments: Segments | None) -> torch.Tensor:
+        """A mixture of experts on the post-norm rows h (tfq/model/moe.py), its experts in one C++ call where the
+        backend has it."""
+        by_load = segments is not None and segments.experts_by_load
+        fused = Fused(self.backend.experts, self.config.moe.intermediate, self.layer_clock) \
+            if self.backend.experts is not None and self.act is self.backend.silu else None
+        return moe_mlp(moe, h, self.act, tap, by_load, fused)
 
     def deltanet_layer(self, layer: DeltaLayer, x: torch.Tensor, cache, index: int, segments: Segments,
                        tap: Tap = untapped) -> torch.Tensor:
@@ -374,8 +381,11 @@ class Qwen:
         """Whether the backend has a one-call layer of this kind and the layer is made of exactly what it runs (the
         guard's tests swap in flawed kernels, and a clock that wraps a linear layer sees it only op by op)."""
         b = self.backend
-        if b.rms_norm is not rms_norm_fixed or self.act is not b.silu or layer.moe is not None:
-            return False  # a mixture of experts runs op by op (tfq/model/moe.py)
+        if b.rms_norm is not rms_norm_fixed or self.act is not b.silu:
+            return False
+        if layer.moe is not None:  # the attention half in one call, then the mixture (tfq/model/moe.py)
+            return (isinstance(layer, Layer) and b.attention_layer is not None and b.attend is attend_fixed
+                    and b.store is write and fusable(layer.qkv, layer.o))
         if isinstance(layer, DeltaLayer):
             return (b.delta_layer is not None and fusable(layer.in_proj, layer.out_proj, layer.gate_up, layer.down)
                     and layer.in_proj.bias is None and layer.out_proj.bias is None)
@@ -387,6 +397,12 @@ class Qwen:
                  segments: Segments | None = None) -> torch.Tensor:
         """decoder_layer in one call to the backend (kernels/layer.py)."""
         c = self.config
+        if layer.moe is not None:
+            x, h = self.backend.attention_layer(
+                x, layer.input_norm, layer.qkv, layer.q_norm, layer.k_norm, cos, sin, cache.k[index], cache.v[index],
+                cache_rows, cache.dtype_name, batch, self.scale, layer.o, layer.post_norm, c.num_heads,
+                c.num_kv_heads, c.head_dim, c.rms_eps, layer.gated, self.layer_clock)
+            return x + self.mixture(layer.moe, h, untapped, segments)
         if isinstance(layer, DeltaLayer):
             state = cache.state
             out, proj = self.backend.delta_layer(
