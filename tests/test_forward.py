@@ -1,11 +1,15 @@
 """tfq's forward against an independent reference: HF transformers on the very same checkpoint folders."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from tfq.engine import Engine, EngineSettings
 from tfq.stream import Request
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def hf_model(folder):
@@ -50,23 +54,40 @@ def test_default_model_greedy_tokens_equal_transformers(default_model):
 
 
 def test_transformers_runs_beside_tfqs_kernels_package(tiny_dirs):
-    """tfq ships a top-level `kernels` package; HF's optional `kernels` hub library has the same import name.
-    transformers must not mistake ours for it: it imports and runs a model with ours already imported."""
+    """tfq's repository has a top-level `kernels` folder (installed as tfq.kernels); HF's `kernels` hub library,
+    which transformers imports where it is installed (5.25 requires it), has the same import name. From the
+    repository's root, transformers must get its own and run a model with tfq's already imported."""
     import subprocess
     import sys
 
     code = (
         "import tfq.kernels.attention, tfq.engine\n"
+        "import kernels\n"
         "from transformers.utils import import_utils\n"
-        "assert not import_utils.is_kernels_available(), 'transformers took tfq kernels for the hub library'\n"
+        "assert not import_utils.is_kernels_available() or hasattr(kernels, 'CUDAProperties'), kernels.__file__\n"
         "import torch\n"
         "from transformers import AutoModelForCausalLM\n"
         f"m = AutoModelForCausalLM.from_pretrained({str(tiny_dirs['qwen2'])!r})\n"
         "print(m(torch.tensor([[1, 2, 3]])).logits.shape)\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert "torch.Size([1, 3," in r.stdout
+
+
+def test_the_kernels_folder_steps_aside_for_an_installed_kernels_package(tmp_path):
+    """By construction, in an isolated interpreter: a package named kernels further down sys.path (a stand-in for
+    HF's) is what `import kernels` gives from the repository's root; the control, without it, gets the folder."""
+    import subprocess
+    import sys
+
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("WHO = 'the installed package'\n")
+    code = "import sys; sys.path[:0] = sys.argv[1:]; import kernels; print(getattr(kernels, 'WHO', kernels.__file__))"
+    for path, want in (([str(ROOT), str(tmp_path)], "the installed package"),
+                       ([str(ROOT)], str(ROOT / "kernels" / "__init__.py"))):
+        r = subprocess.run([sys.executable, "-I", "-c", code, *path], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and r.stdout.strip() == want, r.stderr
 
 
 @pytest.mark.parametrize("scaling", [{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
