@@ -76,7 +76,7 @@ def test_transformers_runs_beside_tfqs_kernels_package(tiny_dirs):
 
 
 def test_the_kernels_folder_steps_aside_for_an_installed_kernels_package(tmp_path):
-    """By construction, in an isolated interpreter: a package named kernels further down sys.path (a stand-in for
+    """By construction, in an isolated interpreter without site-packages: a package named kernels further down sys.path (a stand-in for
     HF's) is what `import kernels` gives from the repository's root; the control, without it, gets the folder."""
     import subprocess
     import sys
@@ -86,7 +86,7 @@ def test_the_kernels_folder_steps_aside_for_an_installed_kernels_package(tmp_pat
     code = "import sys; sys.path[:0] = sys.argv[1:]; import kernels; print(getattr(kernels, 'WHO', kernels.__file__))"
     for path, want in (([str(ROOT), str(tmp_path)], "the installed package"),
                        ([str(ROOT)], str(ROOT / "kernels" / "__init__.py"))):
-        r = subprocess.run([sys.executable, "-I", "-c", code, *path], capture_output=True, text=True, timeout=60)
+        r = subprocess.run([sys.executable, "-I", "-S", "-c", code, *path], capture_output=True, text=True, timeout=60)
         assert r.returncode == 0 and r.stdout.strip() == want, r.stderr
 
 
