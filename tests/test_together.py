@@ -100,7 +100,7 @@ def test_every_arm_exact_and_controls_red_on_random_suites_and_plans(seed, tiny_
         assert (run.equal_logits < n) == run.arm.control
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["complete"] and summary["passed"]
-    assert len(summary["arms"]) == len([a for a in ARMS if a.models != "hybrid" and not a.reduce])
+    assert len(summary["arms"]) == len([a for a in ARMS if a.applies(loaded.config)])
     whole = json.loads((tmp_path / "whole.json").read_text())
     ref = json.loads((tmp_path / "reference.json").read_text())
     assert [c["digests"] for c in whole["chats"]] == [c["digests"] for c in ref["chats"]]
@@ -207,8 +207,8 @@ def test_an_arm_whose_plan_cannot_be_made_is_named(tiny_models):
     assert [line.split(" ")[1] for line in check.left_out] == whole
     assert all(line.startswith(f"arm {name} left out: plan over budget by ")
                for line, name in zip(check.left_out, whole))
-    assert [r.arm.name for r in check.arms] == [a.name for a in ARMS if a.name not in whole and a.models != "hybrid"
-                                                 and not a.reduce]
+    assert [r.arm.name for r in check.arms] == [a.name for a in ARMS if a.name not in whole
+                                                 and a.applies(loaded.config)]
 
 
 # ------------------------------------------------------------------------ prompt scores, warm and alone

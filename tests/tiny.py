@@ -527,7 +527,7 @@ def held_bytes(model) -> int:
     """The bytes a loaded model holds in its weights: every linear layer's panels or blob, norms, biases, a
     DeltaNet layer's own tensors, and the embedding (a table left in its file's blocks: those bytes)."""
     from tfq.model.gguf_tensors import BlockRows
-    from tfq.model.qwen import linears
+    from tfq.model.layers import linears
 
     size = lambda t: 0 if t is None else t.numel() * t.element_size()  # noqa: E731
     out = size(model.lm_head.panels) + size(model.norm)

@@ -16,7 +16,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from tfq.model.qwen import linears
+from tfq.model.layers import linears
 
 
 class _Clock:

@@ -27,7 +27,7 @@ def weights_read_bytes(config: ModelConfig, model=None, lanes: int = 1) -> int:
     if model is None:
         return round(fp32 - unread * 4 * len(config.moe_layers) * m.experts * 3 * config.hidden_size * m.intermediate
                      if m else fp32)
-    from tfq.model.qwen import linears
+    from tfq.model.layers import linears
 
     size = lambda f: f.nbytes if hasattr(f, "nbytes") else 4 * f.out_features * f.in_features  # noqa: E731
     every, experts = [], []

@@ -126,6 +126,13 @@ class ModelConfig:
         return [i for i, k in enumerate(self.kinds) if k == "linear_attention"]
 
     @property
+    def cache_index(self) -> list[int]:
+        """Each layer's index among the cache's layers of its kind: attention layers hold keys and values, DeltaNet
+        layers a state slot per stream."""
+        attention, deltanet = self.attention_layers, self.deltanet_layers
+        return [attention.index(i) if k == "full_attention" else deltanet.index(i) for i, k in enumerate(self.kinds)]
+
+    @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary)
 

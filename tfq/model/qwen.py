@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
 
 from typing import Callable
 
@@ -24,14 +23,16 @@ from tfq.kernels.attention import AttentionBatch, attend_fixed, write
 from tfq.kernels.backend import Backend, LinearFn, torch_backend
 from tfq.kernels.delta import DeltaSizes, DeltaWeights, deltanet_chunks, deltanet_rows, gated_rms_norm, sigmoid_gate
 from tfq.kernels.layer import fusable
-from tfq.kernels.quant import Quantized, Stacked, join, joinable
+from tfq.kernels.quant import Quantized, Stacked
 from tfq.kernels.rowwise import rms_norm_fixed
 from tfq.nearest import exp32
 from tfq.proofs.startup_kernels import check_layers, ensure_exact
 from tfq.batch import Segment, Segments
 from tfq.errors import TfqError
 from tfq.model.config import ModelConfig
-from tfq.model.moe import MoE, Expert, Fused, moe_mlp
+from tfq.model.layers import DeltaLayer, Layer
+from tfq.model.mlp_weights import stack, take_mlp, take_moe
+from tfq.model.moe import MoE, Fused, moe_mlp
 from tfq.model.rope import rope_tables
 from tfq.model.taker import Taker
 
@@ -47,42 +48,6 @@ Tap = Callable[[str, torch.Tensor], torch.Tensor]  # (op name, its output) -> th
 
 def untapped(name: str, t: torch.Tensor) -> torch.Tensor:
     return t
-
-
-@dataclass
-class Layer:
-    input_norm: torch.Tensor
-    qkv: LinearFn
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    o: LinearFn
-    post_norm: torch.Tensor
-    gate_up: LinearFn | None  # None where the MLP is a mixture of experts
-    down: LinearFn | None
-    gated: bool = False  # a hybrid's attention: qkv's last rows are a gate; the output is times sigmoid(gate)
-    moe: MoE | None = None
-
-
-@dataclass
-class DeltaLayer:
-    """A hybrid's Gated DeltaNet layer: the projections in one linear layer (qkv | z | b | a), the recurrence's
-    own tensors, the output projection, then the MLP as in every layer."""
-
-    input_norm: torch.Tensor
-    in_proj: LinearFn
-    mixer: DeltaWeights
-    out_proj: LinearFn
-    post_norm: torch.Tensor
-    gate_up: LinearFn | None
-    down: LinearFn | None
-    moe: MoE | None = None
-
-
-def linears(layer: Layer | DeltaLayer) -> dict[str, LinearFn]:
-    """A layer's linear layers by field name (what tfq bench clocks and counts; a mixture's experts are not
-    fields of the layer)."""
-    names = ("qkv", "o") if isinstance(layer, Layer) else ("in_proj", "out_proj")
-    return {name: getattr(layer, name) for name in names + ("gate_up", "down") if getattr(layer, name) is not None}
 
 
 class Qwen:
@@ -121,9 +86,9 @@ class Qwen:
             mlp = dict(input_norm=norm(p + "input_layernorm.weight", c.hidden_size), post_norm=norm(
                 p + "post_attention_layernorm.weight", c.hidden_size), gate_up=None, down=None)
             if i in c.moe_layers:
-                mlp["moe"] = self._moe(take, m, Linear)
+                mlp["moe"] = take_moe(take, m, c, Linear)
             else:
-                mlp.update(self._mlp(take, m, c.intermediate_size, Linear).__dict__)
+                mlp.update(take_mlp(take, m, c.intermediate_size, c.hidden_size, Linear).__dict__)
             if kind == "linear_attention":
                 self.layers.append(self._deltanet(take, p + "linear_attn.", Linear, mlp))
                 continue
@@ -153,7 +118,7 @@ class Qwen:
         self.act = backend.silu  # the MLP's activation; the guard's tests swap in flawed ones and must see them
         self.layer_clock: torch.Tensor | None = None  # float64 [3]: tfq bench's breakdown reads the one-call layer
         self.proved: dict = {}  # what the start-up guard proved on this model (tfq.proofs.startup), by its settings
-        self.cache_index = _cache_index(c)  # layer -> its index among the cache's attention or state layers
+        self.cache_index = c.cache_index  # layer -> its index among the cache's attention or state layers
         if shard is not None:  # what this rank computes with: its heads, its slice of the MLP
             self.config = shard.local_config()
         first = self.layers[c.attention_layers[0]] if c.attention_layers else self.layers[0]
@@ -176,27 +141,6 @@ class Qwen:
         if isinstance(w, (Quantized, Stacked)):
             return self.backend.quant_linear(w, b)
         return self.backend.linear(w, b)
-
-    def _mlp(self, take, m: str, intermediate: int, Linear) -> Expert:
-        """A dense MLP's gate and up (in one linear layer) and down, under the names prefixed `m`."""
-        h = self.config.hidden_size
-        gate_up = stack([take(m + "gate_proj.weight", (intermediate, h)), take(m + "up_proj.weight", (intermediate, h))])
-        return Expert(Linear(gate_up), Linear(take(m + "down_proj.weight", (h, intermediate))))
-
-    def _moe(self, take, m: str, Linear) -> MoE:
-        """A mixture-of-experts MLP: the router (transformers' `gate`), every expert, and Qwen3.5's shared expert
-        with its gate."""
-        c, s = self.config, self.config.moe
-        stacked = take.unstack_experts(m, s.experts)
-        experts = [self._mlp(take, f"{m}experts.{e}.", s.intermediate, Linear) for e in range(s.experts)]
-        for name in stacked:
-            del take.replaced[name]
-        shared = gate = None
-        if s.shared_intermediate:
-            shared = self._mlp(take, m + "shared_expert.", s.shared_intermediate, Linear)
-            gate = Linear(take(m + "shared_expert_gate.weight", (1, c.hidden_size)))
-        return MoE(Linear(take(m + "gate.weight", (s.experts, c.hidden_size))), experts, s.chosen, s.normalized,
-                   shared, gate)
 
     def _deltanet(self, take, a: str, Linear, mlp: dict) -> DeltaLayer:
         """One Gated DeltaNet layer's tensors, checked against the config's sizes."""
@@ -423,18 +367,3 @@ class Qwen:
         """The final norm and the head over the rows that draw; fp32 logits on the CPU."""
         h = tap("final norm", self.backend.rms_norm(x, self.norm, self.config.rms_eps))
         return self.joined("head", tap("head", self.lm_head(h))).cpu()
-
-
-def stack(parts: list) -> torch.Tensor | Quantized | Stacked:
-    """Matrices one under the other (q, k and v into one layer): quantized if all are, else fp32 (a quantized
-    part dequantized: the same values)."""
-    if joinable(parts):
-        return join(parts)
-    return torch.cat([p.dequantized() if isinstance(p, Quantized) else p for p in parts])
-
-
-def _cache_index(c: ModelConfig) -> list[int]:
-    """Each layer's index among the cache's layers of its kind: attention layers hold keys and values, DeltaNet
-    layers a state slot per stream."""
-    attention, deltanet = c.attention_layers, c.deltanet_layers
-    return [attention.index(i) if k == "full_attention" else deltanet.index(i) for i, k in enumerate(c.kinds)]

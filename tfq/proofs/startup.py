@@ -36,7 +36,7 @@ from tfq.errors import TfqError
 from tfq.penalties import Penalties
 from tfq.sampling import logprob, sample
 from tfq.kernels.contract import KEY_TILE
-from tfq.model.qwen import DeltaLayer
+from tfq.model.layers import DeltaLayer
 
 LANE_WINDOW = 384  # rows of each probe lane: the deepest probe sits at position 300, past a 256-row split
 
