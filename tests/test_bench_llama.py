@@ -58,26 +58,19 @@ def test_the_f32_file_holds_the_weights_tfq_computes_with(tmp_path_factory, tmp_
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_a_missing_llama_cpp_names_the_install_command(tiny_dirs, monkeypatch, capsys):
-    # the real child, where import llama_cpp raises ImportError
-    blocked = ("import runpy, sys; sys.modules['llama_cpp'] = None; "
+@pytest.mark.parametrize("module, peer, says", [
+    ("llama_cpp", "llama.cpp", ('pip install -e ".[peer-llama]"', "--peer hf or none")),
+    ("transformers", "hf", ('tfq: --peer hf needs HF transformers, which is not installed; install it with: pip '
+                            'install -e ".[peer]", or pass --peer none',))])
+def test_a_missing_peer_package_names_the_install_command(tiny_dirs, monkeypatch, capsys, module, peer, says):
+    # the real child, where importing the peer's package raises ImportError
+    blocked = (f"import runpy, sys; sys.modules['{module}'] = None; "
                "runpy.run_module('tfq.bench.peer_child', run_name='__main__')")
     monkeypatch.setattr(child_peer, "CHILD", [sys.executable, "-c", blocked])
     code, out, err = tfq(["bench", "--model", str(tiny_dirs["qwen2"]), "--plan", TINY_PLAN, "--quiet", "--lanes", "1",
-                          "--peer", "llama.cpp"], monkeypatch, capsys)
+                          "--peer", peer], monkeypatch, capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
-    assert 'pip install -e ".[peer-llama]"' in err and "--peer hf or none" in err
-
-
-def test_a_missing_transformers_names_the_install_command(tiny_dirs, monkeypatch, capsys):
-    blocked = ("import runpy, sys; sys.modules['transformers'] = None; "
-               "runpy.run_module('tfq.bench.peer_child', run_name='__main__')")
-    monkeypatch.setattr(child_peer, "CHILD", [sys.executable, "-c", blocked])
-    code, out, err = tfq(["bench", "--model", str(tiny_dirs["qwen2"]), "--plan", TINY_PLAN, "--quiet", "--lanes", "1",
-                          "--peer", "hf"], monkeypatch, capsys)
-    assert code == 2 and err.strip().splitlines() == [
-        'tfq: --peer hf needs HF transformers, which is not installed; install it with: pip install -e ".[peer]", '
-        'or pass --peer none'], err
+    assert all(s in err for s in says), err
 
 
 def test_an_hf_peer_that_dies_leaves_tfqs_rows(tiny_dirs, tmp_path, monkeypatch, capsys):

@@ -57,20 +57,26 @@ def test_the_converters_f32_file_computes_as_its_hf_folder(files, hf_folder, mon
     assert bits(run(load_model(str(files["f32"]), progress=False).model, reqs, lanes=4)) != want
 
 
-def test_the_quantized_file_keeps_its_blocks_with_the_bits_of_their_values(files):
-    """weights: gguf (Q8_0 blocks kept, out_proj's inputs reordered by whole groups) against weights: fp32 on the
-    same file, alone and four together; the plan's weights are the bytes the model holds."""
-    kept = load_model(str(files["q8_0"]), progress=False, weights="gguf")
-    fp32 = load_model(str(files["q8_0"]), progress=False, weights="fp32")
-    delta = kept.model.layers[0]
-    assert (delta.in_proj.kind, delta.out_proj.kind) == ("Q8_0", "Q8_0")
+def kept_blocks_have_their_values_bits(path):
+    """weights: gguf on the file against weights: fp32 on it, four together and each alone: the same ids and
+    logits bits; the kept model holds the bytes the plan counts (the fp32 model other bytes: the control). Returns
+    (the kept model, the file's kept_summary)."""
+    kept = load_model(str(path), progress=False, weights="gguf")
+    fp32 = load_model(str(path), progress=False, weights="fp32")
     reqs = requests(4)
     want = bits(run(fp32.model, reqs, lanes=4))
     assert bits(run(kept.model, reqs, lanes=4)) == want
     assert bits([run(kept.model, [r])[0] for r in reqs]) == want
-    summary = kept_summary(read_header(files["q8_0"]))
-    assert held_bytes(kept.model) == summary.resident
-    assert held_bytes(fp32.model) != summary.resident  # the control: the fp32 model holds other bytes
+    summary = kept_summary(read_header(path))
+    assert held_bytes(kept.model) == summary.resident != held_bytes(fp32.model)
+    return kept.model, summary
+
+
+def test_the_quantized_file_keeps_its_blocks_with_the_bits_of_their_values(files):
+    """weights: gguf (Q8_0 blocks kept, out_proj's inputs reordered by whole groups) against weights: fp32 on the
+    same file, alone and four together; the plan's weights are the bytes the model holds."""
+    delta = kept_blocks_have_their_values_bits(files["q8_0"])[0].layers[0]
+    assert (delta.in_proj.kind, delta.out_proj.kind) == ("Q8_0", "Q8_0")
 
 
 def test_plan_reads_a_qwen35_file(files, monkeypatch, capsys):

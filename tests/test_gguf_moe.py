@@ -10,14 +10,13 @@ import pytest
 
 from tfq.kernels import cpu_build
 from tfq.model.gguf_header import read_header
-from tfq.model.gguf_tensors import kept_summary
 from tfq.model.load import load_model
 from cli import tfq
 from engines import bits
-from test_gguf_hybrid import converter  # noqa: F401 - the module's fixture: llama.cpp's converter
+from test_gguf_hybrid import converter, kept_blocks_have_their_values_bits  # noqa: F401 - converter: a fixture
 from test_hybrid import requests, run, shipped_hybrid_suite
 from test_moe import HYBRID_RATIOS, REAL_RATIOS
-from tiny import held_bytes, llama_converted, tiny_model_dir
+from tiny import llama_converted, tiny_model_dir
 
 pytestmark = pytest.mark.skipif(not cpu_build.load()[0], reason="tfq's CPU kernels do not build here")
 
@@ -55,17 +54,9 @@ def test_the_converters_f32_file_computes_as_its_hf_folder(converted, name):
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_the_quantized_experts_keep_their_blocks_with_the_bits_of_their_values(converted, name):
-    files = converted(name)[1]
-    kept = load_model(str(files["q8_0"]), progress=False, weights="gguf")
-    fp32 = load_model(str(files["q8_0"]), progress=False, weights="fp32")
-    moe = kept.model.layers[-1].moe
+    kept, summary = kept_blocks_have_their_values_bits(converted(name)[1]["q8_0"])
+    moe = kept.layers[-1].moe
     assert moe.experts[127].gate_up.kind == "Q8_0" and moe.experts[0].down.kind == "Q8_0"
-    reqs = requests(4)
-    want = bits(run(fp32.model, reqs, lanes=4))
-    assert bits(run(kept.model, reqs, lanes=4)) == want
-    assert bits([run(kept.model, [r])[0] for r in reqs]) == want
-    summary = kept_summary(read_header(files["q8_0"]))
-    assert held_bytes(kept.model) == summary.resident
     assert summary.step < summary.resident / 4  # a decode step at one lane reads 8 of the 128 experts
 
 
