@@ -20,13 +20,12 @@ def weights_read_bytes(config: ModelConfig, model=None, lanes: int = 1) -> int:
     in fp32, or, given the loaded model, each quantized layer at its own width with its scales (weights: gguf).
     The embedding is a lookup of a few rows; when it is tied to the head, the head reads it whole. A mixture's
     step reads the experts its rows chose: the distinct ones expected were the router's choices uniform."""
+    if model is None:
+        return round(4 * config.read_params(lanes))
     untied_embedding = 0 if config.tie_embeddings else config.vocab_size * config.hidden_size
     fp32 = (config.param_count() - untied_embedding) * 4
     m = config.moe
     unread = 0 if m is None else 1 - m.expected_distinct(lanes) / m.experts  # the share of experts not read
-    if model is None:
-        return round(fp32 - unread * 4 * len(config.moe_layers) * m.experts * 3 * config.hidden_size * m.intermediate
-                     if m else fp32)
     from tfq.model.layers import linears
 
     size = lambda f: f.nbytes if hasattr(f, "nbytes") else 4 * f.out_features * f.in_features  # noqa: E731

@@ -187,6 +187,14 @@ class ModelConfig:
         unchosen = self.moe_params() - self.moe_params(self.moe.chosen)
         return self.param_count() - len(self.moe_layers) * unchosen
 
+    def read_params(self, lanes: int) -> float:
+        """Parameters a decode step of `lanes` rows reads: all but an untied embedding (a lookup of a few rows) and,
+        of a mixture, the experts no row chose (the distinct ones expected were the router's choices uniform)."""
+        untied = 0 if self.tie_embeddings else self.vocab_size * self.hidden_size
+        m = self.moe
+        unread = 0 if m is None else (m.experts - m.expected_distinct(lanes)) * 3 * self.hidden_size * m.intermediate
+        return self.param_count() - untied - unread * len(self.moe_layers)
+
     @classmethod
     def from_dict(cls, raw: dict, where: str = "config.json") -> "ModelConfig":
         family = raw.get("model_type")

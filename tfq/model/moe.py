@@ -84,13 +84,13 @@ def expert_outputs(moe: MoE, h: torch.Tensor, routes: Routes, act, fused: Fused 
     index = torch.from_numpy(order).to(h.device)
     picked = h[index // chosen]  # each pair's row, grouped by expert
     starts = [0, *ends[:-1]]
-    pairs = [(moe.experts[int(flat[order[s]])].gate_up, moe.experts[int(flat[order[s]])].down) for s in starts]
-    if fused is not None and fusable(*(f for pair in pairs for f in pair)):  # (a clock's wrappers are not)
-        grouped = fused.run(picked, ends, pairs)
+    experts = [moe.experts[int(flat[order[s]])] for s in starts]  # each group's
+    if fused is not None and fusable(*(f for e in experts for f in (e.gate_up, e.down))):  # (a clock's wrappers
+        grouped = fused.run(picked, ends, [(e.gate_up, e.down) for e in experts])  # are not)
     else:
         grouped = torch.empty_like(picked)
-        for start, end in zip(starts, ends):
-            grouped[start:end] = mlp(moe.experts[int(flat[order[start]])], picked[start:end], act)
+        for expert, start, end in zip(experts, starts, ends):
+            grouped[start:end] = mlp(expert, picked[start:end], act)
     out = torch.empty_like(grouped)
     out[index] = grouped  # back to (row, rank) order
     return out.view(rows, chosen, h.shape[1])

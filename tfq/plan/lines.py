@@ -238,12 +238,8 @@ def experts_read(config: ModelConfig, lanes: int) -> dict:
     """What a mixture's decode step reads of its experts at `lanes` rows: each chosen expert once for every row that
     chose it, so at one lane `chosen` experts a layer, at more the distinct experts the rows chose (expected, were
     the router's choices uniform); parameters of the whole step (attention, dense layers, router and head too)."""
-    m = config.moe
-    distinct = m.expected_distinct(lanes)
-    unread = (m.experts - distinct) * 3 * config.hidden_size * m.intermediate * len(config.moe_layers)
-    untied = 0 if config.tie_embeddings else config.vocab_size * config.hidden_size  # a lookup, not read whole
-    return {"lanes": lanes, "experts_a_layer": round(distinct, 1),
-            "parameters": round(config.param_count() - untied - unread)}
+    return {"lanes": lanes, "experts_a_layer": round(config.moe.expected_distinct(lanes), 1),
+            "parameters": round(config.read_params(lanes))}
 
 
 def _experts_lines(plan: Plan, config: ModelConfig) -> list[str]:
