@@ -36,7 +36,8 @@ class Backend:
     quant_linear: Callable[..., LinearFn] | None = None  # (Quantized, bias) -> layer, on GGUF blocks (kernels/quant.py)
     delta_layer: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None  # a hybrid's DeltaNet layer in one call
     attention_layer: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None  # a mixture's attention half
-    experts: Callable[..., torch.Tensor] | None = None  # a mixture's experts in one call (kernels/layer.py)
+    moe_route: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None  # a mixture's routes (kernels/moe.py)
+    moe_mixture: Callable[..., torch.Tensor] | None = None  # its experts and their combine in one call
 
     @property
     def interpreted(self) -> bool:
@@ -50,13 +51,15 @@ def torch_backend() -> Backend:
     from .rowwise import OneDnnLinear, onednn_available, rms_norm, silu
 
     if cpu_build.wanted():  # tfq's C++ kernels (kernels/cpu/): every output one fixed-order computation
-        from .layer import attention_layer_fixed, decoder_layer_fixed, delta_layer_fixed, experts_fixed
+        from .layer import attention_layer_fixed, decoder_layer_fixed, delta_layer_fixed
+        from .moe import mixture_fixed, route_fixed
         from .quant import QuantLinear
         from .rowwise import FixedOrderLinear, rms_norm_fixed, silu_fixed
 
         return Backend("torch", torch.device("cpu"), "CPU, tfq's fixed-order kernels (linear layers, attention, "
                        "RMS norm, SiLU)", FixedOrderLinear, rms_norm_fixed, attend_fixed, write, silu_fixed,
-                       decoder_layer_fixed, QuantLinear, delta_layer_fixed, attention_layer_fixed, experts_fixed)
+                       decoder_layer_fixed, QuantLinear, delta_layer_fixed, attention_layer_fixed, route_fixed,
+                       mixture_fixed)
     linear = "oneDNN (packed fp32)" if onednn_available() else "torch, one row at a time"
     return Backend("torch", torch.device("cpu"), f"CPU, linear layers by {linear}, attention as bmm items",
                    OneDnnLinear, rms_norm, attend, write, silu)

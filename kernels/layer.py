@@ -57,15 +57,6 @@ def attention_layer_fixed(x: torch.Tensor, input_norm: torch.Tensor, qkv: FixedO
         SPLIT_ROWS if batch.partial else 0, o.panels, post_norm, heads, kv_heads, head_dim, eps, gated, clock)
 
 
-def experts_fixed(x: torch.Tensor, ends: list[int], experts: list[tuple[FixedOrderLinear, FixedOrderLinear]],
-                  intermediate: int, clock: torch.Tensor | None = None) -> torch.Tensor:
-    """A mixture's experts in one call: x [P, hidden] the rows that chose each expert, grouped (group g: rows
-    ends[g - 1] .. ends[g]), each group through its expert (gate_up, down): SiLU(gate) * up, then down. `clock`
-    (float64 [3]) gains the seconds in [2]."""
-    return cpu_build.op("moe_experts")(x.contiguous(), ends, [g.panels for g, _ in experts],
-                                       [d.panels for _, d in experts], intermediate, clock)
-
-
 def delta_layer_fixed(x: torch.Tensor, input_norm: torch.Tensor, in_proj: FixedOrderLinear, mixer: DeltaWeights,
                       conv_state: torch.Tensor, rec_state: torch.Tensor, segments: torch.Tensor,
                       save_conv: torch.Tensor, save_rec: torch.Tensor, sizes: DeltaSizes, out_proj: FixedOrderLinear,

@@ -5,6 +5,7 @@ not), the start-up guard over an MoE layer, and `tfq together` on models of the 
 chosen a row) at 2 and 3 threads (one count a family here; the note of the issue has both for both)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -136,26 +137,71 @@ def test_the_combine_is_the_rows_own_and_its_control_follows_the_batch():
     assert parted > rows // 2  # RED: most rows' sums follow the batch's order of load
 
 
-def test_the_experts_in_one_call_are_the_loops_bits(moe_dir):
-    """The backend's one-call experts (kernels/cpu/layer.cpp: moe_experts) against the same experts one by one in
-    Python; the control hands the call each group's neighbour expert."""
-    import dataclasses
+def _doubtful_exp() -> np.float32:
+    """A float32 x < 0 whose exp lies so near a point halfway between two float32s that float64's value cannot
+    round it for sure (tfq/nearest.py's test): the C++ route must hand such a row to mpmath."""
+    from tfq.nearest import _doubtful
 
+    xs = -np.random.default_rng(0).uniform(0, 8, 4_000_000).astype(np.float32)
+    e = np.exp(xs.astype(np.float64))
+    near = np.zeros(len(e), bool)
+    near[_doubtful(e, np.empty(len(e), np.int64))] = True
+    return xs[np.flatnonzero(near)[0]]
+
+
+def test_the_routes_in_one_call_are_the_recipes_bits():
+    """The C++ routes (kernels/cpu/moe.cpp) against route's numpy and mpmath: the same ids and weight bits, a
+    row at a time and together; rows glibc cannot round for sure go to route. The control: softmax by torch, a
+    recipe of its own, which the same comparison tells apart."""
+    from tfq.kernels import cpu_build
+    from tfq.kernels.moe import route_fixed
+
+    if not cpu_build.load()[0]:
+        pytest.skip("tfq's CPU kernels did not build here")
+    g = torch.Generator().manual_seed(5)
+    logits = torch.cat([3 * torch.randn(200, 128, generator=g), torch.randn(50, 128, generator=g).round(),
+                        torch.zeros(2, 128)])  # rounded logits tie often; a row of zeros ties everywhere
+    for normalized in (True, False):
+        ids, weights = route_fixed(logits, 8, normalized)
+        ref = route(logits, 8, normalized)
+        assert np.array_equal(ids.numpy(), ref.experts) and torch.equal(weights, ref.weights)
+        for i in (0, 7, 251):
+            one = route_fixed(logits[i:i + 1], 8, normalized)
+            assert torch.equal(one[0][0], ids[i]) and torch.equal(one[1][0], weights[i])
+    # RED: torch's softmax (its own exp and sum) moves some weights' bits
+    probs = torch.softmax(logits, dim=1)
+    assert not torch.equal(torch.gather(probs, 1, ids), route(logits, 8, False).weights)
+    # rows glibc's exp cannot decide: an exp below float32's normals, and one at a float32 midpoint's edge
+    x = _doubtful_exp()
+    for row in (torch.tensor([[0.0, -200.0, 1.0, -1.0]]), torch.tensor([[0.0, float(x), -1.0, -2.0]])):
+        assert route_fixed(row, 2, True) is None
+        assert route_fixed(row[:, [0, 2, 3]], 2, True) is not None  # the same row without it
+
+
+def test_the_mixture_in_one_call_is_the_loops_bits(moe_dir):
+    """The backend's one-call experts and combine (kernels/cpu/moe.cpp: moe_mixture) against expert_outputs
+    and combine in Python, together and a row alone; the control hands the call each expert's neighbour."""
     from tfq.model.load import load_model
-    from tfq.model.moe import Fused, expert_outputs
+    from tfq.model.moe import expert_outputs
 
     model = load_model(str(moe_dir), progress=False).model
-    if model.backend.experts is None:
+    if model.backend.moe_mixture is None:
         pytest.skip("tfq's CPU kernels did not build here")
     assert all(model.runs_in_one_call(layer) for layer in model.layers)  # the attention half in one call
-    moe = model.layers[0].moe
+    mix, inter = model.layers[0].moe, model.config.moe.intermediate
     h = torch.randn(24, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
-    routes = route(moe.router(h), moe.chosen, moe.normalized)
-    fused = Fused(model.backend.experts, model.config.moe.intermediate)
-    loop = expert_outputs(moe, h, routes, model.act)
-    assert torch.equal(expert_outputs(moe, h, routes, model.act, fused), loop)
-    shifted = dataclasses.replace(moe, experts=moe.experts[1:] + moe.experts[:1])
-    assert not torch.equal(expert_outputs(shifted, h, routes, model.act, fused), loop)
+    routes = route(mix.router(h), mix.chosen, mix.normalized)
+    ids = torch.from_numpy(routes.experts)
+    loop = combine(expert_outputs(mix, h, routes, model.act), routes.weights)
+    fixed = model.backend.moe_mixture(h, ids, routes.weights, *mix.panels, inter)
+    assert torch.equal(fixed, loop)
+    for i in (0, 13):
+        alone = model.backend.moe_mixture(h[i:i + 1], ids[i:i + 1], routes.weights[i:i + 1], *mix.panels, inter)
+        assert torch.equal(alone[0], loop[i])
+    gate_ups, downs = mix.panels
+    shifted = model.backend.moe_mixture(h, ids, routes.weights, gate_ups[1:] + gate_ups[:1], downs[1:] + downs[:1],
+                                        inter)
+    assert not torch.equal(shifted, loop)  # RED
 
 
 def test_the_guard_refuses_a_combine_that_follows_the_batch(moe_dir, monkeypatch):
@@ -174,6 +220,15 @@ def test_the_guard_refuses_a_combine_that_follows_the_batch(moe_dir, monkeypatch
     monkeypatch.undo()  # the control's control: the same guard passes the plain combine (on a fresh model: the
     fresh = load_model(str(moe_dir), progress=False).model  # first keeps what its guard found)
     Engine(fresh, EngineSettings(window=256, lanes=4, prefill_chunk=64), eos_ids=())
+    # what the engine runs, the C++ experts and combine (kernels/cpu/moe.cpp), flawed the same way: the guard
+    # finds the layer in one call apart from the ops
+    model = load_model(str(moe_dir), progress=False).model
+    if model.backend.moe_mixture is not None:
+        op = model.backend.moe_mixture
+        model.backend = dataclasses.replace(model.backend, moe_mixture=lambda h, *a: op(h, *a) * (
+            1 + 2 ** -8 if h.shape[0] > 1 else 1))
+        with pytest.raises(TfqError, match="layer in one call"):
+            Engine(model, EngineSettings(window=256, lanes=4, prefill_chunk=64), eos_ids=())
 
 
 def test_tensor_parallelism_refuses_a_mixture_in_one_line(moe_dir):

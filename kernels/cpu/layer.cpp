@@ -95,7 +95,7 @@ at::Tensor layer(const at::Tensor& x, const at::Tensor& input_norm, const at::Te
   return mlp(x, attended, post_norm, gate_up, down, intermediate, eps, clock);
 }
 
-// A mixture-of-experts layer's attention half (its MLP is tfq/model/moe.py): (the attention residual, its post
+// A mixture-of-experts layer's attention half (its MLP: moe.cpp): (the attention residual, its post
 // norm), the residual and the norm in one pass as the MLP of `layer` starts.
 std::tuple<at::Tensor, at::Tensor> attention_layer(
     const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& qkv, const OptTensor& qkv_bias,
@@ -108,32 +108,6 @@ std::tuple<at::Tensor, at::Tensor> attention_layer(
                                              v_cache, rows, saturate, table, offsets, lengths, scale, tile, split, o,
                                              heads, kv_heads, head_dim, eps, gated, clock);
   return add_norm(x.contiguous(), attended, post_norm, eps);
-}
-
-// A mixture's experts in one call: x [P, hidden] holds the rows that chose each expert, grouped (group g: rows
-// ends[g - 1] .. ends[g]), each group through its expert's gate_up, SiLU times up and down, the MLP's recipe.
-at::Tensor moe_experts(const at::Tensor& x, at::IntArrayRef ends, at::TensorList gate_ups, at::TensorList downs,
-                       int64_t intermediate, const OptTensor& clock) {
-  TORCH_CHECK(x.is_contiguous() && ends.size() == gate_ups.size() && ends.size() == downs.size(),
-              "tfq moe_experts: layouts");
-  auto out = at::empty_like(x);
-  const int64_t hidden = x.size(1);
-  int64_t start = 0;
-  for (size_t g = 0; g < ends.size(); g++) {
-    at::Tensor gu, y;
-    {
-      Clock c(clock, 2);
-      gu = linear(x.slice(0, start, ends[g]), gate_ups[g], c10::nullopt, 2 * intermediate);
-    }
-    const at::Tensor act = silu_mul(gu, intermediate);
-    {
-      Clock c(clock, 2);
-      y = linear(act, downs[g], c10::nullopt, hidden);
-    }
-    out.slice(0, start, ends[g]).copy_(y);
-    start = ends[g];
-  }
-  return out;
 }
 
 }  // namespace
@@ -150,6 +124,4 @@ TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) {
         "Tensor offsets, Tensor lengths, float scale, int tile, int split, Tensor o, Tensor post_norm, int heads, "
         "int kv_heads, int head_dim, float eps, bool gated, Tensor? clock) -> (Tensor, Tensor)",
         attention_layer);
-  m.def("moe_experts(Tensor x, int[] ends, Tensor[] gate_ups, Tensor[] downs, int intermediate, Tensor? clock) "
-        "-> Tensor", moe_experts);
 }

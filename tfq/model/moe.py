@@ -17,6 +17,7 @@ A decode step reads each chosen expert once for all the rows that chose it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable
 
 import numpy as np
@@ -49,6 +50,14 @@ class MoE:
     shared: Expert | None = None
     shared_gate: LinearFn | None = None
 
+    @cached_property
+    def panels(self) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """The experts' gate_up and down weights as the backend's one-call mixture takes them, by id; None where
+        some expert is not tfq's C++ linear layer (a clock's wrapper, a test's flawed kernel)."""
+        if not fusable(*(f for e in self.experts for f in (e.gate_up, e.down))):
+            return None
+        return [e.gate_up.panels for e in self.experts], [e.down.panels for e in self.experts]
+
 
 @dataclass(frozen=True)
 class Routes:
@@ -73,24 +82,19 @@ def route(logits: torch.Tensor, chosen: int, normalized: bool) -> Routes:
     return Routes(ids, torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)))
 
 
-def expert_outputs(moe: MoE, h: torch.Tensor, routes: Routes, act, fused: Fused | None = None) -> torch.Tensor:
+def expert_outputs(moe: MoE, h: torch.Tensor, routes: Routes, act) -> torch.Tensor:
     """[rows, chosen, hidden]: each row's chosen experts' outputs in its rank order. Each expert the step's rows
     chose runs once, on the rows that chose it: the (row, rank) pairs are sorted by expert, their rows gathered
-    once, and each expert runs on its slice of them (`fused`: all of them in one C++ call, the same ops)."""
+    once, and each expert runs on its slice of them."""
     rows, chosen = routes.experts.shape
     flat = routes.experts.reshape(-1)
     order = np.argsort(flat, kind="stable")  # pairs grouped by expert
     ends = [*(np.flatnonzero(np.diff(flat[order])) + 1).tolist(), len(flat)]
     index = torch.from_numpy(order).to(h.device)
     picked = h[index // chosen]  # each pair's row, grouped by expert
-    starts = [0, *ends[:-1]]
-    experts = [moe.experts[int(flat[order[s]])] for s in starts]  # each group's
-    if fused is not None and fusable(*(f for e in experts for f in (e.gate_up, e.down))):  # (a clock's wrappers
-        grouped = fused.run(picked, ends, [(e.gate_up, e.down) for e in experts])  # are not)
-    else:
-        grouped = torch.empty_like(picked)
-        for expert, start, end in zip(experts, starts, ends):
-            grouped[start:end] = mlp(expert, picked[start:end], act)
+    grouped = torch.empty_like(picked)
+    for start, end in zip([0, *ends[:-1]], ends):
+        grouped[start:end] = mlp(moe.experts[int(flat[order[start]])], picked[start:end], act)
     out = torch.empty_like(grouped)
     out[index] = grouped  # back to (row, rank) order
     return out.view(rows, chosen, h.shape[1])
@@ -130,25 +134,34 @@ def mlp(expert: Expert, h: torch.Tensor, act) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Fused:
-    """The backend's one-call experts (kernels/layer.py: experts_fixed) with the experts' size and the bench's
-    clock."""
+    """The backend's mixture in two C++ calls (kernels/moe.py: the routes, then the experts with the combine), the
+    arithmetic of route, expert_outputs and combine; with the experts' size and the bench's clock."""
 
-    op: Callable
+    route: Callable
+    mixture: Callable
     intermediate: int
     clock: torch.Tensor | None = None
 
-    def run(self, x: torch.Tensor, ends: list[int], experts: list) -> torch.Tensor:
-        return self.op(x, ends, experts, self.intermediate, self.clock)
+    def run(self, moe: MoE, h: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        routes = self.route(logits, moe.chosen, moe.normalized)
+        if routes is None:  # an exp glibc's float64 value could not round for sure: route asks mpmath
+            exact = route(logits.float().cpu(), moe.chosen, moe.normalized)
+            routes = torch.from_numpy(exact.experts), exact.weights
+        return self.mixture(h, *routes, *moe.panels, self.intermediate, self.clock)
 
 
 def moe_mlp(moe: MoE, h: torch.Tensor, act, tap: Tap, by_load: bool = False, fused: Fused | None = None) -> torch.Tensor:
-    """The mixture's output for the post-norm rows h [rows, hidden] (before the residual)."""
+    """The mixture's output for the post-norm rows h [rows, hidden] (before the residual); `fused`: the backend's
+    two calls where every expert is tfq's C++ linear layer."""
     logits = tap("router", moe.router(h))
-    routes = route(logits.float().cpu(), moe.chosen, moe.normalized)
-    tap("routing weights", routes.weights)
-    outputs = tap("experts", expert_outputs(moe, h, routes, act, fused))
-    total = combine_by_load(outputs, routes.weights, routes) if by_load else combine(outputs, routes.weights)
-    total = tap("combine", total)
+    if fused is not None and moe.panels is not None:
+        total = fused.run(moe, h, logits)
+    else:
+        routes = route(logits.float().cpu(), moe.chosen, moe.normalized)
+        tap("routing weights", routes.weights)
+        outputs = tap("experts", expert_outputs(moe, h, routes, act))
+        total = combine_by_load(outputs, routes.weights, routes) if by_load else combine(outputs, routes.weights)
+        total = tap("combine", total)
     if moe.shared is not None:
         gate = moe.shared_gate(h).expand(-1, h.shape[1])
         total = tap("shared expert", total + sigmoid_gate(mlp(moe.shared, h, act), gate))

@@ -255,11 +255,12 @@ class Qwen:
         return tap("mlp residual", x + self.joined("down", tap("down", layer.down(self.joined("mlp", mixed)))))
 
     def mixture(self, moe: MoE, h: torch.Tensor, tap: Tap, segments: Segments | None) -> torch.Tensor:
-        """A mixture of experts on the post-norm rows h (tfq/model/moe.py), its experts in one C++ call where the
-        backend has it."""
+        """A mixture of experts on the post-norm rows h (tfq/model/moe.py): untapped, in the backend's two C++ calls
+        where it has them (the start-up guard compares them with the tapped ops)."""
         by_load = segments is not None and segments.experts_by_load
-        fused = Fused(self.backend.experts, self.config.moe.intermediate, self.layer_clock) \
-            if self.backend.experts is not None and self.act is self.backend.silu else None
+        b = self.backend
+        fused = Fused(b.moe_route, b.moe_mixture, self.config.moe.intermediate, self.layer_clock) \
+            if b.moe_mixture is not None and self.act is b.silu and tap is untapped and not by_load else None
         return moe_mlp(moe, h, self.act, tap, by_load, fused)
 
     def deltanet_layer(self, layer: DeltaLayer, x: torch.Tensor, cache, index: int, segments: Segments,

@@ -1,0 +1,145 @@
+// A mixture of experts in two calls (tfq/model/moe.py writes the same arithmetic op by op, the reference):
+//
+// - moe_route: each row's routes from the router's logits, the recipe of tfq/model/moe.py's `route`: softmax with
+//   each exp(logit - max) rounded to the nearest float32 (tfq/nearest.py), their sum one addition after another in
+//   float64 rounded once, the `chosen` largest probabilities with ties to the lower id, divided by their float32 sum
+//   in rank order when normalized. glibc's float64 exp decides the float32 exactly unless its value lies near a
+//   float32 midpoint (or below float32's normals); then `sure` is false and Python's route (which asks mpmath)
+//   answers instead, so the bits are the same on every machine.
+// - moe_mixture: the rows that chose each expert gathered once (the (row, rank) pairs sorted by expert), each
+//   expert's MLP on its rows (gate_up, SiLU times up, down: the dense MLP's recipe), and each row's weighted outputs
+//   added in its own rank order, one rounding a product and one a sum.
+//
+// Why: at one lane a decode step spent about a third of a millisecond a layer in Python between these kernels.
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+#include "layer_parts.h"
+
+namespace {
+
+using namespace tfq::layer;
+
+// exp(d) as the float32 nearest the exact value, or false where glibc's float64 value cannot decide it
+// (tfq/nearest.py's test: within 2^9 float64 units of a float32 midpoint, or below float32's normals)
+bool exp32(double d, float& out) {
+  const double e = std::exp(d);
+  if (!(e >= 1.1754943508222875e-38)) return false;  // float32's smallest normal (and NaN)
+  uint64_t bits;
+  std::memcpy(&bits, &e, sizeof bits);
+  const int64_t low = static_cast<int64_t>(bits & ((uint64_t{1} << 29) - 1)) - (int64_t{1} << 28);
+  if (std::llabs(low) <= (int64_t{1} << 9)) return false;
+  out = static_cast<float>(e);
+  return true;
+}
+
+std::tuple<at::Tensor, at::Tensor, bool> moe_route(const at::Tensor& logits, int64_t chosen, bool normalized) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous() && chosen > 0 &&
+              chosen <= logits.size(1), "tfq moe_route: logits [rows, experts] float32, 0 < chosen <= experts");
+  const int64_t rows = logits.size(0), E = logits.size(1);
+  auto ids = at::empty({rows, chosen}, logits.options().dtype(at::kLong));
+  auto weights = at::empty({rows, chosen}, logits.options());
+  const float* x = logits.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  float* wp = weights.data_ptr<float>();
+  std::vector<float> p(E);
+  std::vector<int64_t> order(E);
+  for (int64_t r = 0; r < rows; r++) {
+    const float* row = x + r * E;
+    float top = row[0];
+    for (int64_t i = 0; i < E; i++) {
+      if (!std::isfinite(row[i])) return {ids, weights, false};
+      top = std::max(top, row[i]);
+    }
+    double total = 0.0;  // in id order
+    for (int64_t i = 0; i < E; i++) {
+      if (!exp32(static_cast<double>(row[i]) - static_cast<double>(top), p[i])) return {ids, weights, false};
+      total += static_cast<double>(p[i]);
+    }
+    const float sum = static_cast<float>(total);
+    for (int64_t i = 0; i < E; i++) p[i] = p[i] / sum;
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + chosen, order.end(), [&](int64_t a, int64_t b) {
+      return p[a] > p[b] || (p[a] == p[b] && a < b);  // ties to the lower id
+    });
+    float kept = 0.0f;  // in rank order
+    for (int64_t j = 0; j < chosen; j++) {
+      ip[r * chosen + j] = order[j];
+      wp[r * chosen + j] = p[order[j]];
+      kept = kept + p[order[j]];
+    }
+    if (normalized) {
+      for (int64_t j = 0; j < chosen; j++) wp[r * chosen + j] = wp[r * chosen + j] / kept;
+    }
+  }
+  return {ids, weights, true};
+}
+
+at::Tensor moe_mixture(const at::Tensor& h, const at::Tensor& ids, const at::Tensor& weights,
+                       at::TensorList gate_ups, at::TensorList downs, int64_t intermediate, const OptTensor& clock) {
+  TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && ids.scalar_type() == at::kLong &&
+              weights.scalar_type() == at::kFloat && ids.dim() == 2 && ids.sizes() == weights.sizes() &&
+              ids.size(0) == h.size(0) && gate_ups.size() == downs.size(), "tfq moe_mixture: layouts");
+  const at::Tensor x = h.contiguous(), id = ids.contiguous(), w = weights.contiguous();
+  const int64_t rows = x.size(0), hidden = x.size(1), chosen = id.size(1), pairs = rows * chosen;
+  const int64_t* ip = id.data_ptr<int64_t>();
+  const int64_t E = static_cast<int64_t>(gate_ups.size());
+  for (int64_t i = 0; i < pairs; i++) TORCH_CHECK(ip[i] >= 0 && ip[i] < E, "tfq moe_mixture: an expert id past the list");
+  std::vector<int64_t> order(pairs);  // the pairs grouped by expert, in (row, rank) order within a group
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ip[a] < ip[b]; });
+  auto picked = at::empty({pairs, hidden}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* pp = picked.data_ptr<float>();
+  for (int64_t q = 0; q < pairs; q++) std::memcpy(pp + q * hidden, xp + (order[q] / chosen) * hidden, hidden * 4);
+  auto grouped = at::empty({pairs, hidden}, x.options());
+  for (int64_t start = 0; start < pairs;) {
+    const int64_t e = ip[order[start]];
+    int64_t end = start + 1;
+    while (end < pairs && ip[order[end]] == e) end++;
+    at::Tensor gu, y;
+    {
+      Clock c(clock, 2);
+      gu = linear(picked.slice(0, start, end), gate_ups[e], c10::nullopt, 2 * intermediate);
+    }
+    const at::Tensor act = silu_mul(gu, intermediate);
+    {
+      Clock c(clock, 2);
+      y = linear(act, downs[e], c10::nullopt, hidden);
+    }
+    grouped.slice(0, start, end).copy_(y);
+    start = end;
+  }
+  std::vector<int64_t> at_pair(pairs);  // (row, rank) -> its place among the grouped outputs
+  for (int64_t q = 0; q < pairs; q++) at_pair[order[q]] = q;
+  auto out = at::empty({rows, hidden}, x.options());
+  const float* gp = grouped.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) {
+      float* total = op + r * hidden;
+      const float* first = gp + at_pair[r * chosen] * hidden;
+      const float w0 = wp[r * chosen];
+      for (int64_t i = 0; i < hidden; i++) total[i] = first[i] * w0;
+      for (int64_t j = 1; j < chosen; j++) {  // in the row's rank order
+        const float* y = gp + at_pair[r * chosen + j] * hidden;
+        const float wj = wp[r * chosen + j];
+        for (int64_t i = 0; i < hidden; i++) total[i] = total[i] + y[i] * wj;
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) {
+  m.def("moe_route(Tensor logits, int chosen, bool normalized) -> (Tensor, Tensor, bool)", moe_route);
+  m.def("moe_mixture(Tensor h, Tensor ids, Tensor weights, Tensor[] gate_ups, Tensor[] downs, int intermediate, "
+        "Tensor? clock) -> Tensor", moe_mixture);
+}

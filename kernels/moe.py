@@ -1,0 +1,26 @@
+"""A mixture of experts in two calls to tfq's C++ kernels (kernels/cpu/moe.cpp): the routes, then the experts
+with the combine. The arithmetic is tfq/model/moe.py's (route, expert_outputs, combine), which the start-up guard
+compares with these calls row by row on the running build.
+
+It exists for speed alone: at one lane a decode step spent about a third of a millisecond a layer in Python
+(numpy's routing, the gather of each expert's rows, the combine's small ops) between the experts' kernels.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import cpu_build
+
+
+def route_fixed(logits: torch.Tensor, chosen: int, normalized: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(ids int64 [rows, chosen], weights float32 [rows, chosen]) from the router's logits, or None where some
+    exp lies too near a float32 midpoint for glibc's float64 value to decide it (the caller's route decides)."""
+    ids, weights, sure = cpu_build.op("moe_route")(logits.float().contiguous(), chosen, normalized)
+    return (ids, weights) if sure else None
+
+
+def mixture_fixed(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_ups: list[torch.Tensor],
+                  downs: list[torch.Tensor], intermediate: int, clock: torch.Tensor | None = None) -> torch.Tensor:
+    """Σ over each row's ranks, in rank order, of weight * expert(h): each expert (its gate_up and down panels,
+    by id) run once on the rows that chose it. `clock` (float64 [3]) gains the experts' seconds in [2]."""
+    return cpu_build.op("moe_mixture")(h, ids, weights, gate_ups, downs, intermediate, clock)
