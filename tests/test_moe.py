@@ -204,6 +204,35 @@ def test_the_mixture_in_one_call_is_the_loops_bits(moe_dir):
     assert not torch.equal(shifted, loop)  # RED
 
 
+def test_the_mixture_on_kept_blocks_is_the_loops_bits():
+    """Experts kept in GGUF blocks (gate and up Q4_K, down Q6_K): the one-call mixture runs all their products in
+    one parallel region (quant.cpp: linear_many); against each expert's layers called one by one in Python, at 1
+    to 24 rows; the control hands the call each expert's neighbour."""
+    from tfq.kernels import cpu_build
+    from tfq.kernels.moe import mixture_fixed
+    from tfq.kernels.quant import QuantLinear, from_blocks, join
+    from tfq.kernels.rowwise import silu_fixed
+    from tfq.model.moe import MoE, Expert, expert_outputs
+    from test_quant import random_blocks
+
+    if not cpu_build.load()[0]:
+        pytest.skip("tfq's CPU kernels did not build here")
+    hidden, inter, experts = 256, 256, 8
+    q = lambda kind, n, k, seed: from_blocks(kind, random_blocks(kind, n, k, seed), (n, k))  # noqa: E731
+    mix = MoE(None, [Expert(QuantLinear(join([q("Q4_K", inter, hidden, 3 * e), q("Q4_K", inter, hidden, 3 * e + 1)])),
+                            QuantLinear(q("Q6_K", hidden, inter, 3 * e + 2))) for e in range(experts)], 3, True)
+    g = torch.Generator().manual_seed(7)
+    for rows in (1, 3, 24):
+        h = torch.randn(rows, hidden, generator=g)
+        routes = route(torch.randn(rows, experts, generator=g), 3, True)
+        loop = combine(expert_outputs(mix, h, routes, silu_fixed), routes.weights)
+        ids = torch.from_numpy(routes.experts)
+        assert torch.equal(mixture_fixed(h, ids, routes.weights, *mix.panels, inter), loop)
+    gate_ups, downs = mix.panels
+    shifted = mixture_fixed(h, ids, routes.weights, gate_ups[1:] + gate_ups[:1], downs[1:] + downs[:1], inter)
+    assert not torch.equal(shifted, loop)  # RED
+
+
 def test_the_guard_refuses_a_combine_that_follows_the_batch(moe_dir, monkeypatch):
     from tfq.model.load import load_model
 

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "layer_parts.h"
+#include "quant_blob.h"
 
 namespace {
 
@@ -35,6 +36,19 @@ bool exp32(double d, float& out) {
   if (std::llabs(low) <= (int64_t{1} << 9)) return false;
   out = static_cast<float>(e);
   return true;
+}
+
+// A blob of quant.cpp's layout (GGUF's blocks with fp32 activations), which linear_many computes
+bool kept_blob(const at::Tensor& w) {
+  return w.scalar_type() == at::kByte && w.dim() == 1 && w.numel() >= tfq::blob::HEADER &&
+         tfq::blob::segments_of(w)[0].h.magic == tfq::blob::MAGIC;
+}
+
+// Its segments, for a product [*, k] -> [*, n]
+std::vector<tfq::blob::Segment> checked(const at::Tensor& w, int64_t k, int64_t n) {
+  std::vector<tfq::blob::Segment> segs = tfq::blob::segments_of(w);
+  TORCH_CHECK(segs[0].h.k == k && segs.back().first + segs.back().h.n == n, "tfq moe_mixture: an expert's shape");
+  return segs;
 }
 
 std::tuple<at::Tensor, at::Tensor, bool> moe_route(const at::Tensor& logits, int64_t chosen, bool normalized) {
@@ -96,23 +110,49 @@ at::Tensor moe_mixture(const at::Tensor& h, const at::Tensor& ids, const at::Ten
   const float* xp = x.data_ptr<float>();
   float* pp = picked.data_ptr<float>();
   for (int64_t q = 0; q < pairs; q++) std::memcpy(pp + q * hidden, xp + (order[q] / chosen) * hidden, hidden * 4);
+  struct Group {
+    int64_t expert, start, end;
+  };
+  std::vector<Group> groups;
+  for (int64_t start = 0, end; start < pairs; start = end) {
+    for (end = start + 1; end < pairs && ip[order[end]] == ip[order[start]];) end++;
+    groups.push_back({ip[order[start]], start, end});
+  }
   auto grouped = at::empty({pairs, hidden}, x.options());
-  for (int64_t start = 0; start < pairs;) {
-    const int64_t e = ip[order[start]];
-    int64_t end = start + 1;
-    while (end < pairs && ip[order[end]] == e) end++;
-    at::Tensor gu, y;
+  bool kept = true;  // every chosen expert in quant.cpp's blobs: all their products in one parallel region
+  for (const Group& g : groups) kept = kept && kept_blob(gate_ups[g.expert]) && kept_blob(downs[g.expert]);
+  if (kept) {
+    auto gu = at::empty({pairs, 2 * intermediate}, x.options());
+    std::vector<tfq::quant::Product> products;
+    for (const Group& g : groups)
+      products.push_back({pp + g.start * hidden, g.end - g.start, checked(gate_ups[g.expert], hidden, 2 * intermediate),
+                          gu.data_ptr<float>() + g.start * 2 * intermediate, 2 * intermediate, nullptr});
     {
       Clock c(clock, 2);
-      gu = linear(picked.slice(0, start, end), gate_ups[e], c10::nullopt, 2 * intermediate);
+      tfq::quant::linear_many(products);
     }
-    const at::Tensor act = silu_mul(gu, intermediate);
-    {
-      Clock c(clock, 2);
-      y = linear(act, downs[e], c10::nullopt, hidden);
+    const at::Tensor act = silu_mul(gu, intermediate);  // a row's own: the same bits a group at a time
+    products.clear();
+    for (const Group& g : groups)
+      products.push_back({act.data_ptr<float>() + g.start * intermediate, g.end - g.start,
+                          checked(downs[g.expert], intermediate, hidden), grouped.data_ptr<float>() + g.start * hidden,
+                          hidden, nullptr});
+    Clock c(clock, 2);
+    tfq::quant::linear_many(products);
+  } else {
+    for (const Group& g : groups) {
+      at::Tensor gu, y;
+      {
+        Clock c(clock, 2);
+        gu = linear(picked.slice(0, g.start, g.end), gate_ups[g.expert], c10::nullopt, 2 * intermediate);
+      }
+      const at::Tensor act = silu_mul(gu, intermediate);
+      {
+        Clock c(clock, 2);
+        y = linear(act, downs[g.expert], c10::nullopt, hidden);
+      }
+      grouped.slice(0, g.start, g.end).copy_(y);
     }
-    grouped.slice(0, start, end).copy_(y);
-    start = end;
   }
   std::vector<int64_t> at_pair(pairs);  // (row, rank) -> its place among the grouped outputs
   for (int64_t q = 0; q < pairs; q++) at_pair[order[q]] = q;

@@ -313,27 +313,8 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& blob, const c10::optio
     tfq::q8::linear(x, segs, b.has_value() ? b->data_ptr<float>() : nullptr, y.data_ptr<float>(), N);
     return y;
   }
-  // every panel of every segment is one job; a job's segment is found by its index
-  std::vector<int64_t> job_start{0};
-  std::vector<PanelFn> fns;
-  for (const Segment& s : segs) {
-    job_start.push_back(job_start.back() + s.h.panels);
-    fns.push_back(panel_fn(s.h));
-  }
-  const float* xp = x.data_ptr<float>();
-  const float* bp = b.has_value() ? b->data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, job_start.back(), 1, [&](int64_t p0, int64_t p1) {
-    thread_local std::vector<float> buffer;
-    size_t s = 0;
-    for (int64_t p = p0; p < p1; p++) {
-      while (p >= job_start[s + 1]) s++;
-      const Segment& seg = segs[s];
-      const int64_t local = p - job_start[s], out = seg.first + local * PANEL;
-      fns[s](seg.h, seg.panels + local * seg.h.panel_bytes, xp, M, bp ? bp + out : nullptr, yp + out, N,
-             std::min(PANEL, seg.h.n - local * PANEL), buffer);
-    }
-  });
+  tfq::quant::linear_many({{x.data_ptr<float>(), M, segs, y.data_ptr<float>(), N,
+                             b.has_value() ? b->data_ptr<float>() : nullptr}});
   return y;
 }
 
@@ -435,6 +416,38 @@ at::Tensor qcat(at::TensorList blobs) {
 }
 
 }  // namespace
+
+namespace tfq::quant {
+
+void linear_many(const std::vector<Product>& products) {
+  struct Job {
+    PanelFn fn;
+    const Segment* seg;
+    int64_t local;  // the panel's index in its segment
+    const Product* product;
+  };
+  std::vector<Job> jobs;
+  for (const Product& p : products) {
+    for (const Segment& seg : p.segs) {
+      TORCH_CHECK(seg.h.magic == tfq::blob::MAGIC, "tfq linear_many: blobs of quant.cpp's layout");
+      const PanelFn fn = panel_fn(seg.h);
+      for (int64_t local = 0; local < seg.h.panels; local++) jobs.push_back({fn, &seg, local, &p});
+    }
+  }
+  at::parallel_for(0, static_cast<int64_t>(jobs.size()), 1, [&](int64_t j0, int64_t j1) {
+    thread_local std::vector<float> buffer;
+    for (int64_t j = j0; j < j1; j++) {
+      const Job& job = jobs[j];
+      const Segment& seg = *job.seg;
+      const Product& p = *job.product;
+      const int64_t out = seg.first + job.local * PANEL;
+      job.fn(seg.h, seg.panels + job.local * seg.h.panel_bytes, p.x, p.M, p.bias ? p.bias + out : nullptr,
+             p.y + out, p.N, std::min(PANEL, seg.h.n - job.local * PANEL), buffer);
+    }
+  });
+}
+
+}  // namespace tfq::quant
 
 TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) {
   m.def("qpack(Tensor q, Tensor s, Tensor? o, int bits, int group, int zero, int rounding=0, Tensor? sd=None, "

@@ -104,3 +104,19 @@ namespace tfq::q8 {
 // y = x W^T + b on a blob of quant_q8.cpp's layout (`segs` from segments_of, y [M, N] to fill)
 void linear(const at::Tensor& x, const std::vector<blob::Segment>& segs, const float* bias, float* y, int64_t N);
 }  // namespace tfq::q8
+
+namespace tfq::quant {
+// One product y [M, N] (rows N apart) = x [M, K] W^T (+ bias), W a blob of quant.cpp's layout (fp32 activations)
+struct Product {
+  const float* x;
+  int64_t M;
+  std::vector<blob::Segment> segs;  // segments_of(W)
+  float* y;
+  int64_t N;
+  const float* bias;  // nullptr: none
+};
+// The products in one parallel region, each panel of each one job, each computed as qlinear computes it (qlinear
+// is this with one product): a mixture's experts at a decode step are 16 small products a layer, and one region
+// for all of them saves the threads' start and join, and the wait for the slowest, of each.
+void linear_many(const std::vector<Product>& products);
+}  // namespace tfq::quant
