@@ -8,7 +8,8 @@
 //   answers instead, so the bits are the same on every machine.
 // - moe_mixture: the rows that chose each expert gathered once (the (row, rank) pairs sorted by expert), each
 //   expert's MLP on its rows (gate_up, SiLU times up, down: the dense MLP's recipe), and each row's weighted outputs
-//   added in its own rank order, one rounding a product and one a sum.
+//   added in its own rank order, one rounding a product and one a sum. Experts kept in GGUF blocks run all their
+//   gate_ups in one parallel region, then all their downs (quant.cpp: linear_many, each panel as qlinear does it).
 //
 // Why: at one lane a decode step spent about a third of a millisecond a layer in Python between these kernels.
 #include <torch/library.h>
