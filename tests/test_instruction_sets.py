@@ -98,11 +98,12 @@ for kh, kd, vh, vd in ((2, 32, 6, 32), (1, 24, 3, 40)):
 res["sigmoid gate"] = ops.sigmoid_gate(x, torch.randn(x.shape, generator=g) * 10)
 # a mixture of experts: routes (ties among the rounded logits), then the experts and the combine
 logits = torch.cat([3 * torch.randn(64, 128, generator=g), torch.randn(16, 128, generator=g).round()])
-res["moe routes"], res["moe weights"], _ = ops.moe_route(logits, 8, True)
+res["moe routes"], res["moe weights"], res["moe rows unsure"] = ops.moe_route(logits, 8, True)
 gate_ups = [ops.pack(torch.randn(64, 96, generator=g)) for _ in range(6)]
 downs = [ops.pack(torch.randn(96, 32, generator=g)) for _ in range(6)]
 res["moe mixture"] = ops.moe_mixture(torch.randn(10, 96, generator=g), torch.randint(0, 6, (10, 3), generator=g),
-                                     torch.rand(10, 3, generator=g), gate_ups, downs, 32, None)
+                                     torch.rand(10, 3, generator=g), torch.classes.tfq_cpu.ExpertBank(gate_ups, downs),
+                                     32, None)
 # fma where rounding twice goes wrong: a * b a float midpoint (1 + 2^-11 + 2^-24), c far below a double's ulp of it,
 # so only a fused operation sees which side; then specials (zeros, infinities, NaN, subnormals, overflow), random
 near = 1 + 2.0 ** -12

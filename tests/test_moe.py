@@ -16,7 +16,7 @@ from tfq.engine import Engine, EngineSettings
 from tfq.errors import TfqError
 from tfq.model import moe
 from tfq.model.config import ModelConfig
-from tfq.model.moe import Routes, combine, combine_by_load, route
+from tfq.model.moe import Routes, combine, combine_by_load, filled_routes, route
 from tfq.stream import Request
 
 from cli import tfq
@@ -162,9 +162,9 @@ def test_the_routes_in_one_call_are_the_recipes_bits():
     logits = torch.cat([3 * torch.randn(200, 128, generator=g), torch.randn(50, 128, generator=g).round(),
                         torch.zeros(2, 128)])  # rounded logits tie often; a row of zeros ties everywhere
     for normalized in (True, False):
-        ids, weights = route_fixed(logits, 8, normalized)
+        ids, weights, unsure = route_fixed(logits, 8, normalized)
         ref = route(logits, 8, normalized)
-        assert np.array_equal(ids.numpy(), ref.experts) and torch.equal(weights, ref.weights)
+        assert len(unsure) == 0 and np.array_equal(ids.numpy(), ref.experts) and torch.equal(weights, ref.weights)
         for i in (0, 7, 251):
             one = route_fixed(logits[i:i + 1], 8, normalized)
             assert torch.equal(one[0][0], ids[i]) and torch.equal(one[1][0], weights[i])
@@ -173,9 +173,12 @@ def test_the_routes_in_one_call_are_the_recipes_bits():
     assert not torch.equal(torch.gather(probs, 1, ids), route(logits, 8, False).weights)
     # rows glibc's exp cannot decide: an exp below float32's normals, and one at a float32 midpoint's edge
     x = _doubtful_exp()
-    for row in (torch.tensor([[0.0, -200.0, 1.0, -1.0]]), torch.tensor([[0.0, float(x), -1.0, -2.0]])):
-        assert route_fixed(row, 2, True) is None
-        assert route_fixed(row[:, [0, 2, 3]], 2, True) is not None  # the same row without it
+    rows = torch.tensor([[0.0, -200.0, 1.0, -1.0], [0.0, float(x), -1.0, -2.0], [0.5, 0.25, -1.0, 2.0]])
+    assert route_fixed(rows, 2, True)[2].tolist() == [0, 1]
+    assert len(route_fixed(rows[:, [0, 2, 3]], 2, True)[2]) == 0  # the same rows without them
+    ids, weights = filled_routes(route_fixed, rows, 2, True)  # what the engine runs: route fills those rows
+    ref = route(rows, 2, True)
+    assert np.array_equal(ids.numpy(), ref.experts) and torch.equal(weights, ref.weights)
 
 
 def test_the_mixture_in_one_call_is_the_loops_bits(moe_dir):
@@ -193,15 +196,13 @@ def test_the_mixture_in_one_call_is_the_loops_bits(moe_dir):
     routes = route(mix.router(h), mix.chosen, mix.normalized)
     ids = torch.from_numpy(routes.experts)
     loop = combine(expert_outputs(mix, h, routes, model.act), routes.weights)
-    fixed = model.backend.moe_mixture(h, ids, routes.weights, *mix.panels, inter)
+    fixed = model.backend.moe_mixture(h, ids, routes.weights, mix.bank, inter)
     assert torch.equal(fixed, loop)
     for i in (0, 13):
-        alone = model.backend.moe_mixture(h[i:i + 1], ids[i:i + 1], routes.weights[i:i + 1], *mix.panels, inter)
+        alone = model.backend.moe_mixture(h[i:i + 1], ids[i:i + 1], routes.weights[i:i + 1], mix.bank, inter)
         assert torch.equal(alone[0], loop[i])
-    gate_ups, downs = mix.panels
-    shifted = model.backend.moe_mixture(h, ids, routes.weights, gate_ups[1:] + gate_ups[:1], downs[1:] + downs[:1],
-                                        inter)
-    assert not torch.equal(shifted, loop)  # RED
+    shifted = dataclasses.replace(mix, experts=mix.experts[1:] + mix.experts[:1]).bank
+    assert not torch.equal(model.backend.moe_mixture(h, ids, routes.weights, shifted, inter), loop)  # RED
 
 
 def test_the_mixture_on_kept_blocks_is_the_loops_bits():
@@ -227,10 +228,9 @@ def test_the_mixture_on_kept_blocks_is_the_loops_bits():
         routes = route(torch.randn(rows, experts, generator=g), 3, True)
         loop = combine(expert_outputs(mix, h, routes, silu_fixed), routes.weights)
         ids = torch.from_numpy(routes.experts)
-        assert torch.equal(mixture_fixed(h, ids, routes.weights, *mix.panels, inter), loop)
-    gate_ups, downs = mix.panels
-    shifted = mixture_fixed(h, ids, routes.weights, gate_ups[1:] + gate_ups[:1], downs[1:] + downs[:1], inter)
-    assert not torch.equal(shifted, loop)  # RED
+        assert torch.equal(mixture_fixed(h, ids, routes.weights, mix.bank, inter), loop)
+    shifted = dataclasses.replace(mix, experts=mix.experts[1:] + mix.experts[:1]).bank
+    assert not torch.equal(mixture_fixed(h, ids, routes.weights, shifted, inter), loop)  # RED
 
 
 def test_the_guard_refuses_a_combine_that_follows_the_batch(moe_dir, monkeypatch):

@@ -4,8 +4,8 @@
 //   each exp(logit - max) rounded to the nearest float32 (tfq/nearest.py), their sum one addition after another in
 //   float64 rounded once, the `chosen` largest probabilities with ties to the lower id, divided by their float32 sum
 //   in rank order when normalized. glibc's float64 exp decides the float32 exactly unless its value lies near a
-//   float32 midpoint (or below float32's normals); then `sure` is false and Python's route (which asks mpmath)
-//   answers instead, so the bits are the same on every machine.
+//   float32 midpoint (or below float32's normals); such a row is returned as unsure (its ids and weights zeros)
+//   and Python's route (which asks mpmath) answers for it, so the bits are the same on every machine.
 // - moe_mixture: the rows that chose each expert gathered once (the (row, rank) pairs sorted by expert), each
 //   expert's MLP on its rows (gate_up, SiLU times up, down: the dense MLP's recipe), and each row's weighted outputs
 //   added in its own rank order, one rounding a product and one a sum. Experts kept in GGUF blocks run all their
@@ -39,6 +39,15 @@ bool exp32(double d, float& out) {
   return true;
 }
 
+// A mixture's experts, held once: a call passes one object instead of two lists of `experts` tensors (whose
+// conversion from Python cost tens of microseconds a layer)
+struct ExpertBank : torch::CustomClassHolder {
+  std::vector<at::Tensor> gate_ups, downs;
+  ExpertBank(std::vector<at::Tensor> g, std::vector<at::Tensor> d) : gate_ups(std::move(g)), downs(std::move(d)) {
+    TORCH_CHECK(gate_ups.size() == downs.size(), "tfq ExpertBank: a gate_up and a down an expert");
+  }
+};
+
 // A blob of quant.cpp's layout (GGUF's blocks with fp32 activations), which linear_many computes
 bool kept_blob(const at::Tensor& w) {
   return w.scalar_type() == at::kByte && w.dim() == 1 && w.numel() >= tfq::blob::HEADER &&
@@ -52,12 +61,13 @@ std::vector<tfq::blob::Segment> checked(const at::Tensor& w, int64_t k, int64_t 
   return segs;
 }
 
-std::tuple<at::Tensor, at::Tensor, bool> moe_route(const at::Tensor& logits, int64_t chosen, bool normalized) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t chosen, bool normalized) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous() && chosen > 0 &&
               chosen <= logits.size(1), "tfq moe_route: logits [rows, experts] float32, 0 < chosen <= experts");
   const int64_t rows = logits.size(0), E = logits.size(1);
-  auto ids = at::empty({rows, chosen}, logits.options().dtype(at::kLong));
-  auto weights = at::empty({rows, chosen}, logits.options());
+  auto ids = at::zeros({rows, chosen}, logits.options().dtype(at::kLong));
+  auto weights = at::zeros({rows, chosen}, logits.options());
+  std::vector<int64_t> unsure;
   const float* x = logits.data_ptr<float>();
   int64_t* ip = ids.data_ptr<int64_t>();
   float* wp = weights.data_ptr<float>();
@@ -66,14 +76,19 @@ std::tuple<at::Tensor, at::Tensor, bool> moe_route(const at::Tensor& logits, int
   for (int64_t r = 0; r < rows; r++) {
     const float* row = x + r * E;
     float top = row[0];
-    for (int64_t i = 0; i < E; i++) {
-      if (!std::isfinite(row[i])) return {ids, weights, false};
+    bool sure = true;
+    for (int64_t i = 0; i < E && sure; i++) {
+      sure = std::isfinite(row[i]);
       top = std::max(top, row[i]);
     }
     double total = 0.0;  // in id order
-    for (int64_t i = 0; i < E; i++) {
-      if (!exp32(static_cast<double>(row[i]) - static_cast<double>(top), p[i])) return {ids, weights, false};
+    for (int64_t i = 0; i < E && sure; i++) {
+      sure = exp32(static_cast<double>(row[i]) - static_cast<double>(top), p[i]);
       total += static_cast<double>(p[i]);
+    }
+    if (!sure) {
+      unsure.push_back(r);
+      continue;
     }
     const float sum = static_cast<float>(total);
     for (int64_t i = 0; i < E; i++) p[i] = p[i] / sum;
@@ -91,14 +106,18 @@ std::tuple<at::Tensor, at::Tensor, bool> moe_route(const at::Tensor& logits, int
       for (int64_t j = 0; j < chosen; j++) wp[r * chosen + j] = wp[r * chosen + j] / kept;
     }
   }
-  return {ids, weights, true};
+  auto which = at::empty({static_cast<int64_t>(unsure.size())}, logits.options().dtype(at::kLong));
+  std::copy(unsure.begin(), unsure.end(), which.data_ptr<int64_t>());
+  return {ids, weights, which};
 }
 
 at::Tensor moe_mixture(const at::Tensor& h, const at::Tensor& ids, const at::Tensor& weights,
-                       at::TensorList gate_ups, at::TensorList downs, int64_t intermediate, const OptTensor& clock) {
+                       const c10::intrusive_ptr<ExpertBank>& bank, int64_t intermediate, const OptTensor& clock) {
+  const std::vector<at::Tensor>& gate_ups = bank->gate_ups;
+  const std::vector<at::Tensor>& downs = bank->downs;
   TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && ids.scalar_type() == at::kLong &&
               weights.scalar_type() == at::kFloat && ids.dim() == 2 && ids.sizes() == weights.sizes() &&
-              ids.size(0) == h.size(0) && gate_ups.size() == downs.size(), "tfq moe_mixture: layouts");
+              ids.size(0) == h.size(0), "tfq moe_mixture: layouts");
   const at::Tensor x = h.contiguous(), id = ids.contiguous(), w = weights.contiguous();
   const int64_t rows = x.size(0), hidden = x.size(1), chosen = id.size(1), pairs = rows * chosen;
   const int64_t* ip = id.data_ptr<int64_t>();
@@ -180,7 +199,8 @@ at::Tensor moe_mixture(const at::Tensor& h, const at::Tensor& ids, const at::Ten
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) {
-  m.def("moe_route(Tensor logits, int chosen, bool normalized) -> (Tensor, Tensor, bool)", moe_route);
-  m.def("moe_mixture(Tensor h, Tensor ids, Tensor weights, Tensor[] gate_ups, Tensor[] downs, int intermediate, "
-        "Tensor? clock) -> Tensor", moe_mixture);
+  m.def("moe_route(Tensor logits, int chosen, bool normalized) -> (Tensor, Tensor, Tensor)", moe_route);
+  m.class_<ExpertBank>("ExpertBank").def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>>());
+  m.def("moe_mixture(Tensor h, Tensor ids, Tensor weights, __torch__.torch.classes.tfq_cpu.ExpertBank bank, "
+        "int intermediate, Tensor? clock) -> Tensor", moe_mixture);
 }

@@ -26,6 +26,7 @@ import torch
 from tfq.kernels.backend import LinearFn
 from tfq.kernels.delta import sigmoid_gate
 from tfq.kernels.layer import fusable
+from tfq.kernels.moe import expert_bank
 from tfq.nearest import exp32
 
 Tap = Callable[[str, torch.Tensor], torch.Tensor]
@@ -51,12 +52,12 @@ class MoE:
     shared_gate: LinearFn | None = None
 
     @cached_property
-    def panels(self) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
-        """The experts' gate_up and down weights as the backend's one-call mixture takes them, by id; None where
-        some expert is not tfq's C++ linear layer (a clock's wrapper, a test's flawed kernel)."""
+    def bank(self):
+        """The experts as the backend's one-call mixture takes them (kernels/moe.py: expert_bank); None where some
+        expert is not tfq's C++ linear layer (a clock's wrapper, a test's flawed kernel)."""
         if not fusable(*(f for e in self.experts for f in (e.gate_up, e.down))):
             return None
-        return [e.gate_up.panels for e in self.experts], [e.down.panels for e in self.experts]
+        return expert_bank([e.gate_up.panels for e in self.experts], [e.down.panels for e in self.experts])
 
 
 @dataclass(frozen=True)
@@ -143,18 +144,24 @@ class Fused:
     clock: torch.Tensor | None = None
 
     def run(self, moe: MoE, h: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        routes = self.route(logits, moe.chosen, moe.normalized)
-        if routes is None:  # an exp glibc's float64 value could not round for sure: route asks mpmath
-            exact = route(logits.float().cpu(), moe.chosen, moe.normalized)
-            routes = torch.from_numpy(exact.experts), exact.weights
-        return self.mixture(h, *routes, *moe.panels, self.intermediate, self.clock)
+        ids, weights = filled_routes(self.route, logits, moe.chosen, moe.normalized)
+        return self.mixture(h, ids, weights, moe.bank, self.intermediate, self.clock)
+
+
+def filled_routes(fast: Callable, logits: torch.Tensor, chosen: int, normalized: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, weights) by the backend's routes (kernels/moe.py: route_fixed), the rows it was unsure of by route."""
+    ids, weights, unsure = fast(logits, chosen, normalized)
+    if len(unsure):  # an exp glibc's float64 value could not round for sure: route asks mpmath
+        exact = route(logits[unsure].float().cpu(), chosen, normalized)
+        ids[unsure], weights[unsure] = torch.from_numpy(exact.experts), exact.weights
+    return ids, weights
 
 
 def moe_mlp(moe: MoE, h: torch.Tensor, act, tap: Tap, by_load: bool = False, fused: Fused | None = None) -> torch.Tensor:
     """The mixture's output for the post-norm rows h [rows, hidden] (before the residual); `fused`: the backend's
     two calls where every expert is tfq's C++ linear layer."""
     logits = tap("router", moe.router(h))
-    if fused is not None and moe.panels is not None:
+    if fused is not None and moe.bank is not None:
         total = fused.run(moe, h, logits)
     else:
         routes = route(logits.float().cpu(), moe.chosen, moe.normalized)
