@@ -36,8 +36,9 @@ class Backend:
     quant_linear: Callable[..., LinearFn] | None = None  # (Quantized, bias) -> layer, on GGUF blocks (kernels/quant.py)
     delta_layer: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None  # a hybrid's DeltaNet layer in one call
     attention_layer: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None  # a mixture's attention half
-    moe_route: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None  # a mixture's routes (kernels/moe.py)
-    moe_mixture: Callable[..., torch.Tensor] | None = None  # its experts and their combine in one call
+    # a mixture's routes (ids, weights, unsure rows), and its experts with their combine (kernels/moe.py)
+    moe_route: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+    moe_mixture: Callable[..., torch.Tensor] | None = None
 
     @property
     def interpreted(self) -> bool:

@@ -48,10 +48,13 @@ struct ExpertBank : torch::CustomClassHolder {
   }
 };
 
-// A blob of quant.cpp's layout (GGUF's blocks with fp32 activations), which linear_many computes
+// A blob of quant.cpp's layout (GGUF's blocks with fp32 activations), which linear_many computes: its first
+// header's magic (a blob's segments share their layout; segments_of checks the rest)
 bool kept_blob(const at::Tensor& w) {
-  return w.scalar_type() == at::kByte && w.dim() == 1 && w.numel() >= tfq::blob::HEADER &&
-         tfq::blob::segments_of(w)[0].h.magic == tfq::blob::MAGIC;
+  int32_t magic = 0;
+  if (w.scalar_type() == at::kByte && w.dim() == 1 && w.numel() >= tfq::blob::HEADER)
+    std::memcpy(&magic, w.data_ptr<uint8_t>(), sizeof magic);
+  return magic == tfq::blob::MAGIC;
 }
 
 // Its segments, for a product [*, k] -> [*, n]
@@ -122,7 +125,8 @@ at::Tensor moe_mixture(const at::Tensor& h, const at::Tensor& ids, const at::Ten
   const int64_t rows = x.size(0), hidden = x.size(1), chosen = id.size(1), pairs = rows * chosen;
   const int64_t* ip = id.data_ptr<int64_t>();
   const int64_t E = static_cast<int64_t>(gate_ups.size());
-  for (int64_t i = 0; i < pairs; i++) TORCH_CHECK(ip[i] >= 0 && ip[i] < E, "tfq moe_mixture: an expert id past the list");
+  for (int64_t i = 0; i < pairs; i++)
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < E, "tfq moe_mixture: an expert id past the list");
   std::vector<int64_t> order(pairs);  // the pairs grouped by expert, in (row, rank) order within a group
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ip[a] < ip[b]; });

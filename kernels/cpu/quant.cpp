@@ -299,7 +299,7 @@ PanelFn panel_fn(const Header& h) {
 }
 
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& blob, const c10::optional<at::Tensor>& b, int64_t N) {
-  const std::vector<Segment> segs = segments_of(blob);
+  std::vector<Segment> segs = segments_of(blob);
   const int64_t n_total = segs.back().first + segs.back().h.n;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == segs[0].h.k && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "tfq qlinear: x [M, K] fp32, contiguous");
@@ -313,7 +313,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& blob, const c10::optio
     tfq::q8::linear(x, segs, b.has_value() ? b->data_ptr<float>() : nullptr, y.data_ptr<float>(), N);
     return y;
   }
-  tfq::quant::linear_many({{x.data_ptr<float>(), M, segs, y.data_ptr<float>(), N,
+  tfq::quant::linear_many({{x.data_ptr<float>(), M, std::move(segs), y.data_ptr<float>(), N,
                              b.has_value() ? b->data_ptr<float>() : nullptr}});
   return y;
 }
