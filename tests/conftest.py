@@ -1,10 +1,27 @@
 """Shared fixtures: tiny random checkpoints written by the tests and loaded through tfq's own loader."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from tiny import write_tiny_checkpoint
+
+
+WORKER_GIB = 7  # the most one worker of the suite holds at once (the default model under load: 6.3 GB peak)
+MOST_WORKERS = 4  # past it the suite's time is its longest file's; more workers only oversubscribe the cores
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto` (pyproject's addopts): a worker a core, as many as the memory available holds, at most
+    MOST_WORKERS. `-n 0` runs the suite in this one process."""
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable")) / 2 ** 20
+    except (OSError, StopIteration):
+        available = WORKER_GIB
+    return max(1, min(os.cpu_count() or 1, int(available // WORKER_GIB), MOST_WORKERS))
 
 
 @pytest.fixture(scope="session")
