@@ -6,17 +6,19 @@ import pytest
 from tfq.pages import PagePool
 from tfq.prefix import PrefixCache, root_key
 from tfq.scheduler import Scheduler
+from tfq.step_cost import StepCost, Work, chunk_work
 from tfq.stream import Request, Status, Stream
 
 
 def scheduler(lanes: int = 4, prefill_chunk: int = 64, step_tokens: int = 0, window: int = 1024,
-              page_rows: int = 0, pool_pages: int = 0, prefix: bool = False) -> Scheduler:
+              page_rows: int = 0, pool_pages: int = 0, prefix: bool = False, step_steps: int = 0) -> Scheduler:
     """Contiguous lanes; with page_rows, every lane paged from a pool (by default one that holds every lane's
     window), and a prefix cache if asked."""
     pool_pages = pool_pages or (lanes * window // page_rows if page_rows else 0)
     pool = PagePool(0 if page_rows else lanes, window, page_rows, pool_pages,
                     prefix=PrefixCache(root_key("test")) if prefix else None)
-    return Scheduler(lanes, 0 if page_rows else lanes, prefill_chunk, window, pool, step_tokens=step_tokens)
+    return Scheduler(lanes, 0 if page_rows else lanes, prefill_chunk, window, pool, step_tokens=step_tokens,
+                     step_steps=step_steps)
 
 
 def add(s: Scheduler, prompt: int | list[int], index: int, max_tokens: int = 100) -> Stream:
@@ -101,6 +103,79 @@ def test_the_plan_refuses_a_budget_below_every_lane_decoding(budget, lanes):
             step_tokens(plan, "cpu")
     else:
         assert step_tokens(plan, "cpu") == lanes + 32 and step_tokens(plan, "cuda:0") == lanes * plan.prefill_chunk
+
+
+LINE = (0.02, 0.004, 2e-6)  # seconds a step: a + b * rows + c * keys (a made-up machine)
+
+
+def line_seconds(work: Work, line=LINE) -> float:
+    a, b, c = line
+    return a + b * work.rows + c * work.keys
+
+
+def teach(cost: StepCost, line=LINE) -> None:
+    """Steps of varied work, each taking what the line says: the fit has seen every term vary."""
+    for rows, start in [(1, 10), (4, 100), (8, 500), (32, 0), (64, 200), (2, 1000), (16, 50), (128, 300), (3, 3000)]:
+        cost.observe(chunk_work(start, rows), line_seconds(chunk_work(start, rows), line))
+
+
+def test_the_cost_of_steps_is_learned_from_the_steps_seen():
+    """Not a bit depends on it (it only sizes prompt chunks), so a float tolerance: the fit predicts work it never
+    saw, and follows the machine when its steps slow down."""
+    cost = StepCost()
+    teach(cost)
+    assert cost.ready
+    for work in (chunk_work(700, 40), chunk_work(0, 512), Work(8, 8 * 900)):
+        assert cost.seconds(work) == pytest.approx(line_seconds(work), rel=1e-6)
+    slower = tuple(2 * x for x in LINE)
+    for _ in range(40):
+        teach(cost, slower)
+    assert cost.seconds(chunk_work(700, 40)) == pytest.approx(line_seconds(chunk_work(700, 40), slower), rel=0.05)
+
+
+def most_rows_in(seconds: float, work: Work, start: int, most: int) -> int:
+    """The reference: the most rows at `start`, counted up one by one, that keep the step within `seconds`."""
+    n = 0
+    while n < most and line_seconds(work + chunk_work(start, n + 1)) <= seconds:
+        n += 1
+    return n
+
+
+def test_a_timed_budget_gives_a_prompt_the_rows_that_keep_the_step_within_three_decode_steps():
+    """Once the cost is learned, a prompt beside decodes takes the rows whose step the cost puts within
+    step_steps decode steps of every running stream; further into its prompt (more keys a row) it takes fewer.
+    Before, the rows of step_tokens bound it; the control, the rows bound alone, gives another count."""
+    s = scheduler(lanes=4, prefill_chunk=512, step_tokens=40, step_steps=3, window=4096)
+    a, b = decoding(s, prompt=10, index=0), decoding(s, prompt=20, index=1)
+    long = add(s, 3000, 2)
+    assert advance(s, s.schedule()) == {0: 1, 1: 1, 2: 38}  # not learned yet: the rows bound
+    teach(s.cost)
+    decodes = chunk_work(a.cached, 1) + chunk_work(b.cached, 1)
+    bound = 3 * line_seconds(decodes + chunk_work(long.cached, 1))
+    want = most_rows_in(bound, decodes, long.cached, 512)
+    assert advance(s, s.schedule()) == {0: 1, 1: 1, 2: want} and 0 < want < 38
+    for _ in range(20):  # deeper into the prompt
+        advance(s, s.schedule())
+    decodes = chunk_work(a.cached, 1) + chunk_work(b.cached, 1)
+    later = most_rows_in(3 * line_seconds(decodes + chunk_work(long.cached, 1)), decodes, long.cached, 512)
+    assert advance(s, s.schedule())[2] == later < want
+    rows_only = scheduler(lanes=4, prefill_chunk=512, step_tokens=40, window=4096)  # the control
+    decoding(rows_only, prompt=10, index=0), decoding(rows_only, prompt=20, index=1), add(rows_only, 3000, 2)
+    teach(rows_only.cost)
+    assert advance(rows_only, rows_only.schedule())[2] == 38 != want
+
+
+@pytest.mark.parametrize("line", [LINE, (0.0, 1.0, 0.0), (0.0, 0.0, 1.0)])
+def test_a_timed_budget_of_one_decode_step_still_moves_every_prompt(line):
+    """The tightest bound (one decode step of every running stream) still leaves each prompt a row a step, deep
+    into its prompt or not, whatever the terms of the cost: every prompt goes on."""
+    s = scheduler(lanes=4, prefill_chunk=512, step_tokens=40, step_steps=1, window=4096)
+    decoding(s, prompt=10, index=0)
+    add(s, 300, 1), add(s, 2000, 2)
+    teach(s.cost, line)
+    for _ in range(5):
+        rows = advance(s, s.schedule())
+        assert rows[0] == 1 and rows[1] >= 1 and rows[2] >= 1
 
 
 def decoding(s: Scheduler, prompt: int = 10, index: int = 0, max_tokens: int = 100) -> Stream:

@@ -71,6 +71,7 @@ class EngineSettings:
     prefix_cache: bool = False  # full pages found again by their tokens (tfq/prefix.py)
     logits_rows: int = 0  # logits rows one forward may hold; 0: auto (tfq.plan.layout.auto_logits_rows)
     step_tokens: int = 0  # rows a forward holds at most while a stream decodes; 0: no bound
+    step_steps: int = 0  # or, once the cost of steps is learned, decode steps of every running stream; 0: rows
 
     @property
     def contiguous_lanes(self) -> int:
@@ -82,7 +83,8 @@ class EngineSettings:
         return cls(window=layout.window, lanes=layout.lanes, prefill_chunk=plan.prefill_chunk, kv_dtype=plan.kv.dtype,
                    page_rows=layout.page_rows, paged_all=plan.kv.paged == "all", pool_pages=layout.pool_pages,
                    partial=plan.attention == "partial", prefix_cache=plan.kv.prefix_cache == "on",
-                   logits_rows=layout.logits_rows, step_tokens=layout.step_tokens)
+                   logits_rows=layout.logits_rows, step_tokens=layout.step_tokens,
+                   step_steps=layout.step_steps)
 
 
 @dataclass(frozen=True)
@@ -125,7 +127,7 @@ class Engine:
                            f"({s.lanes} lanes x {self.drawing_rows}); set logits_rows to {least} or more")
         self.scheduler = Scheduler(s.lanes, s.contiguous_lanes, s.prefill_chunk, s.window, self.pages,
                                    s.logits_rows or auto_logits_rows(s.lanes, s.prefill_chunk, self.drawing_rows),
-                                   s.step_tokens)
+                                   s.step_tokens, s.step_steps)
         self.streams: dict[int, Stream] = {}
         self._next_id = 0
         self._grammars: Grammars | None = None  # built on the first constrained request (about a second)
@@ -202,6 +204,7 @@ class Engine:
 
     def step(self) -> list[Output]:
         """One forward: what every stream that reached the end of its rows drew."""
+        start = time.perf_counter()  # the step's time, all of it a token waits on: what the step budget learns
         guesses = self._grammatical(self.runner.propose(*self.scheduler.guess_budgets(self.drawing_rows - 1)))
         step = self.scheduler.schedule(guesses)
         outputs = [Output(st.id, -1, "", True) for st in step.failed]
@@ -210,7 +213,7 @@ class Engine:
                 self.threads.step(self._proved)
             drawn = [self._draw_rows(st, feed, rows) for st, feed, rows in zip(step.streams, step.feeds,
                                                                                 self._forward(step))]
-            self.runner.settle(self.scheduler.update(step, [len(d) for d in drawn]))
+            self.runner.settle(self.scheduler.update(step, [len(d) for d in drawn], time.perf_counter() - start))
             outputs += [out for d in drawn for out in d]
         return outputs
 

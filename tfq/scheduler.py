@@ -6,9 +6,10 @@ in the cache for its rows (a prompt chunk of at most `prefill_chunk` rows, or th
 drafter's guesses). `update(step, drawn)` takes what each stream drew and owns everything that changes: rows
 cached, guesses kept, pages published and given back, the verifies a hybrid must roll back, finishing.
 
-While some stream decodes, a forward holds at most `step_tokens` rows: the decodes and verifies first, then
-prompt chunks, oldest first, in what is left; so a long prompt holds back no stream's next token by more than
-one such forward. When the page pool runs dry it drops guesses first, then preempts the newest stream holding
+While some stream decodes, a forward is bounded: the decodes and verifies first, then prompt chunks, oldest
+first, in what is left; so a long prompt holds back no stream's next token by more than one such forward. The
+bound is `step_tokens` rows, or with `step_steps`, time: the prompt rows that keep the step within that many
+decode steps of every running stream, by the cost of steps learned as they run (tfq/step_cost.py). When the page pool runs dry it drops guesses first, then preempts the newest stream holding
 pages; a preempted stream goes back to the front of the queue and recomputes its
 cache when readmitted (its reply is unchanged: every row is computed the same way). The result is a plain
 `Step` record that the runner turns into tensors; `update` returns `Verified` records for the runner.
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 
 from tfq.batch import Feed
 from tfq.pages import PagePool
+from tfq.step_cost import StepCost, Work, chunk_work
 from tfq.stream import Finish, Status, Stream
 
 log = logging.getLogger(__name__)
@@ -60,7 +62,7 @@ class Verified:
 
 class Scheduler:
     def __init__(self, lanes: int, contiguous_lanes: int, prefill_chunk: int, window: int, pages: PagePool,
-                 logits_rows: int = 0, step_tokens: int = 0):
+                 logits_rows: int = 0, step_tokens: int = 0, step_steps: int = 0):
         self.lanes: list[Stream | None] = [None] * lanes
         self.contiguous_lanes = contiguous_lanes  # lanes below this index are contiguous, the rest take pages
         self.prefill_chunk = prefill_chunk
@@ -69,6 +71,9 @@ class Scheduler:
         # logits rows one forward may hold (0: no bound); streams scoring their prompts share what drawing leaves
         self.logits_rows = logits_rows
         self.step_tokens = step_tokens  # rows a forward holds at most while a stream decodes (0: no bound)
+        # with it, decode steps of every running stream a step may last instead, once the cost is learned
+        self.step_steps = step_steps
+        self.cost = StepCost()  # what steps cost here (observe: the engine's clock)
         self._chunks: dict[int, int] = {}  # this step's rows of its own tokens, by stream id (_share_rows)
         self.waiting: deque[Stream] = deque()
         self.admitted = 0
@@ -167,13 +172,19 @@ class Scheduler:
     def _share_rows(self, running: list[Stream]) -> dict[int, int]:
         """Rows of its own tokens each stream feeds this step. A decode (the last token, and its guesses) is
         never cut. Prompt chunks, oldest first, take at most `prefill_chunk` rows each; while some stream
-        decodes, only what `step_tokens` leaves after the decodes; and a stream scoring its prompt only what
+        decodes, only what `step_tokens` leaves after the decodes, or with `step_steps` and a learned cost, the rows
+        that keep the step within that many decode steps of every running stream; and a stream scoring its prompt only what
         the forward's logits rows leave once every other stream's drawing rows are counted (the plan keeps
         logits_rows at least lanes x drawing rows, so the oldest always gets a row). 0: it sits this step out.
         Chunking changes no bits (the rule)."""
         decoding = [st for st in running if st.pending == 1]
-        rows_left = self.step_tokens - sum(1 + len(st.guesses) for st in decoding) if self.step_tokens and decoding \
-            else None
+        timed = bool(self.step_steps and decoding and self.cost.ready)
+        rows_left = self.step_tokens - sum(1 + len(st.guesses) for st in decoding) \
+            if self.step_tokens and decoding and not timed else None
+        if timed:  # seconds left: the bound less the decodes' own work
+            decode_step = sum((chunk_work(st.cached, 1) for st in running), Work())
+            work = sum((chunk_work(st.cached, 1 + len(st.guesses)) for st in decoding), Work())
+            seconds_left = self.step_steps * self.cost.seconds(decode_step)
         logits_left = self.logits_rows - sum(1 + len(st.guesses) for st in running if not st.scoring) \
             if self.logits_rows else None
         chunks = {}
@@ -182,6 +193,9 @@ class Scheduler:
             prompt = st.pending > 1
             if prompt and rows_left is not None:
                 n = min(n, rows_left)
+            if prompt and timed:
+                n = self._rows_in_time(st, n, work, seconds_left)
+                work += chunk_work(st.cached, n)
             if st.scoring and logits_left is not None:
                 n = min(n, logits_left - len(st.guesses))
             n = max(0, n)
@@ -191,6 +205,19 @@ class Scheduler:
                 logits_left -= n
             chunks[st.id] = n
         return chunks
+
+    def _rows_in_time(self, st: Stream, most: int, work: Work, seconds: float) -> int:
+        """The most prompt rows of `st` (at most `most`) that a step already holding `work` takes within
+        `seconds`. The oldest prompt always gets a row: the bound is at least a step of one row for each running
+        stream, the cost is a + b * rows + c * keys with no term below 0, and a row costs least first."""
+        lo, hi = 0, most  # the step's cost grows with every row: bisect
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.cost.seconds(work + chunk_work(st.cached, mid)) <= seconds:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def _chunk(self, st: Stream) -> int:
         """Rows of its own tokens a stream feeds this step (its guesses come after them)."""
@@ -228,11 +255,14 @@ class Scheduler:
                 ready.append(st)
         return ready
 
-    def update(self, step: Step, drawn: list[int]) -> list[Verified]:
+    def update(self, step: Step, drawn: list[int], seconds: float | None = None) -> list[Verified]:
         """What the step's forward changed. drawn[i]: tokens step.streams[i] drew (appended to its tokens, its
         finish set, by the engine); a stream that failed drawing is finished. Its rows before the last drawn token
         are cached; of its guesses, those its draws confirmed; a verify's rejected rows give their pages back;
-        every full page is published for later streams. Returns the verifies a hybrid rolls back."""
+        every full page is published for later streams. seconds: the step's time, which the cost of steps learns
+        from. Returns the verifies a hybrid rolls back."""
+        if seconds is not None:
+            self.cost.observe(sum((chunk_work(f.start, len(f.tokens)) for f in step.feeds), Work()), seconds)
         verified = []
         for st, feed, n in zip(step.streams, step.feeds, drawn):
             if st.finish is Finish.ERROR:

@@ -81,6 +81,7 @@ class Layout:
     logits_rows: int = 0  # logits rows one forward may hold: every lane's drawing rows, and prompt rows scored
     logits_bytes: int = 0  # those rows in fp32 (in total_bytes)
     step_tokens: int = 0  # rows a forward holds at most while a stream decodes
+    step_steps: int = 0  # or, once the engine has learned what its steps cost, decode steps of every running stream
     forward_rows: int = 0  # rows of the largest forward: every lane's prompt chunk
     activation_bytes: int = 0  # what those rows hold at once in fp32 (in total_bytes)
     overhead_bytes: int = 0  # fixed: torch, the kernels, the tokenizer (not in total_bytes; the plan states it)
@@ -191,16 +192,27 @@ def auto_logits_rows(lanes: int, prefill_chunk: int, drawing_rows: int) -> int:
     return max(prefill_chunk, lanes * drawing_rows)
 
 
-# Prompt rows a CPU forward takes beside every lane's decode (step_tokens: auto). On the default model here a
-# prompt row costs about 4 ms and a decode step at 8 lanes about 85 ms, so 32 rows keep a forward within three
-# decode steps (tfq bench serve: time between tokens).
+# step_tokens: auto on the CPU. A step that carries prompt rows lasts at most STEP_DECODE_STEPS decode steps of
+# every stream running, by the cost of steps the engine learns as it runs (tfq/step_cost.py): a prompt row costs
+# more the longer its context, and a decode step more the more streams decode, so no one number of rows keeps
+# the time between tokens (tfq bench serve) within a bound. Until the cost is learned (the first few steps),
+# STEP_PROMPT_ROWS prompt rows beside every lane's drawing rows: on the default model here a prompt row costs
+# about 4 ms and a decode step of 8 lanes about 85 ms.
+STEP_DECODE_STEPS = 3
 STEP_PROMPT_ROWS = 32
+
+
+def step_steps(plan: PlanView, device: str) -> int:
+    """Decode steps a step with prompt rows may last (step_tokens: auto on the CPU), else 0: rows bound it."""
+    return STEP_DECODE_STEPS if getattr(plan, "step_tokens", "auto") == "auto" and not device.startswith("cuda") \
+        else 0
 
 
 def step_tokens(plan: PlanView, device: str) -> int:
     """Rows a forward holds at most while some stream decodes: every lane's drawing rows first, then prompt
-    chunks. auto: on the CPU those rows and STEP_PROMPT_ROWS more; on a GPU, where a prompt row costs a decode
-    step's fraction, no bound beyond the lanes' prompt chunks. A TfqError when fewer than every lane drawing."""
+    chunks. auto: on the CPU those rows and STEP_PROMPT_ROWS more (until the time bound, step_steps, takes
+    over); on a GPU, where a prompt row costs a decode step's fraction, no bound beyond the lanes' prompt
+    chunks. A TfqError when fewer than every lane drawing."""
     drawing = max(1, verify_rows(getattr(plan, "draft", "none")))
     least = plan.lanes * drawing
     chosen = getattr(plan, "step_tokens", "auto")
@@ -278,7 +290,7 @@ def compute_layout(plan: PlanView, config: ModelConfig) -> Layout:
     )
     cache = lay.rows_total * row + state  # the bytes are the rows the engine allocates, counted in one place
     return dataclasses.replace(lay, cache_bytes=cache, logits_rows=scored, logits_bytes=logits,
-                               step_tokens=step_tokens(plan, device),
+                               step_tokens=step_tokens(plan, device), step_steps=step_steps(plan, device),
                                forward_rows=forward_rows, activation_bytes=activations, overhead_bytes=FIXED_OVERHEAD,
                                total_bytes=weights + cache + logits + activations)
 

@@ -31,9 +31,8 @@ def plan_lines(plan: Plan, config: ModelConfig, layout: Layout) -> list[str]:
         f"window: {plan.window} rows a stream may hold, prompt and reply together{t('window')}",
         f"lanes: {plan.lanes} stream{'s' * (plan.lanes > 1)} in one forward at most{t('lanes')}",
         f"prefill: prompts go in chunks of {plan.prefill_chunk} rows{t('prefill_chunk')}",
-        f"step: while any stream decodes, a forward holds at most {lay.step_tokens} rows{t('step_tokens')}: every "
-        f"lane's decode first, then prompt chunks in what is left, so a prompt holds back another stream's next "
-        f"token by one such forward at most",
+        f"step: while any stream decodes, {_step_bound(lay)}{t('step_tokens')}: every lane's decode first, then "
+        f"prompt chunks in what is left, so a prompt holds back another stream's next token by one such step at most",
         f"logits: at most {lay.logits_rows} rows a forward, {human_bytes(lay.logits_bytes)} in fp32{t('logits_rows')}: "
         f"every lane's drawing rows, and the prompt rows of streams that score their prompts, in chunks within it",
         f"cached row: {human_bytes(lay.row_bytes)} a row in {dtype}{t('kv.dtype')} ({len(config.attention_layers)} "
@@ -202,6 +201,13 @@ def _prefix_line(plan: Plan, lay: Layout) -> str:
     return (f"{head}: a full {lay.page_rows}-row page is found again by the tokens up to its end; pages no stream "
             f"holds keep their rows until the pool needs them, so it may keep all {lay.pool_pages} pages, least "
             f"recently used evicted first{lane}")
+
+
+def _step_bound(lay) -> str:
+    if lay.step_steps:
+        return (f"a step lasts at most {lay.step_steps} decode steps of the streams running, by what steps cost "
+                f"here as the engine learns it (until then it holds at most {lay.step_tokens} rows)")
+    return f"a forward holds at most {lay.step_tokens} rows"
 
 
 def _weights_lines(plan: Plan, config: ModelConfig, lay: Layout) -> list[str]:
