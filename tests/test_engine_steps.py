@@ -108,3 +108,15 @@ def test_generate_keeps_nothing_of_finished_streams(tiny_models):
     for _ in range(3):
         engine.generate(requests(model.config.vocab_size)[:2])
     assert engine.streams == {}
+
+
+def test_a_timed_step_budget_learns_from_every_step_and_changes_no_bits(tiny_models):
+    """step_steps: the engine times each step for the scheduler's cost of steps (one observation a forward),
+    and every reply under the timed budget (whose chunks follow the clock) equals its request's run alone."""
+    model = tiny_models["qwen3"].model
+    reqs = requests(model.config.vocab_size)
+    engine = Engine(model, EngineSettings(window=WINDOW, lanes=3, prefill_chunk=29, step_tokens=4, step_steps=2),
+                    eos_ids=(), keep_logits=True)
+    results = engine.generate(reqs)
+    assert engine.scheduler.cost.ready and engine.scheduler.cost.seen == engine.forwards
+    assert all(same(r, alone(model, q)) for r, q in zip(results, reqs))
