@@ -165,17 +165,19 @@ def test_a_timed_budget_gives_a_prompt_the_rows_that_keep_the_step_within_three_
     assert advance(rows_only, rows_only.schedule())[2] == 38 != want
 
 
+@pytest.mark.parametrize("guesses", [[], [5, 6, 8]])
 @pytest.mark.parametrize("line", [LINE, (0.0, 1.0, 0.0), (0.0, 0.0, 1.0)])
-def test_a_timed_budget_of_one_decode_step_still_moves_every_prompt(line):
-    """The tightest bound (one decode step of every running stream) still leaves each prompt a row a step, deep
-    into its prompt or not, whatever the terms of the cost: every prompt goes on."""
+def test_a_timed_budget_of_one_decode_step_still_moves_every_prompt(line, guesses):
+    """The tightest bound (one decode step of the running streams, a verify for a stream that guesses) still
+    leaves each prompt a row a step, deep into its prompt or not, whatever the terms of the cost: every prompt
+    goes on."""
     s = scheduler(lanes=4, prefill_chunk=512, step_tokens=40, step_steps=1, window=4096)
     decoding(s, prompt=10, index=0)
     add(s, 300, 1), add(s, 2000, 2)
     teach(s.cost, line)
     for _ in range(5):
-        rows = advance(s, s.schedule())
-        assert rows[0] == 1 and rows[1] >= 1 and rows[2] >= 1
+        rows = advance(s, s.schedule({0: guesses}))
+        assert rows[0] == 1 + len(guesses) and rows[1] >= 1 and rows[2] >= 1
 
 
 def decoding(s: Scheduler, prompt: int = 10, index: int = 0, max_tokens: int = 100) -> Stream:

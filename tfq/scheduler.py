@@ -9,10 +9,12 @@ cached, guesses kept, pages published and given back, the verifies a hybrid must
 While some stream decodes, a forward is bounded: the decodes and verifies first, then prompt chunks, oldest
 first, in what is left; so a long prompt holds back no stream's next token by more than one such forward. The
 bound is `step_tokens` rows, or with `step_steps`, time: the prompt rows that keep the step within that many
-decode steps of every running stream, by the cost of steps learned as they run (tfq/step_cost.py). When the page pool runs dry it drops guesses first, then preempts the newest stream holding
-pages; a preempted stream goes back to the front of the queue and recomputes its
-cache when readmitted (its reply is unchanged: every row is computed the same way). The result is a plain
-`Step` record that the runner turns into tensors; `update` returns `Verified` records for the runner.
+decode steps of the running streams, by the cost of steps learned as they run (tfq/step_cost.py).
+
+When the page pool runs dry it drops guesses first, then preempts the newest stream holding pages; a preempted
+stream goes back to the front of the queue and recomputes its cache when readmitted (its reply is unchanged:
+every row is computed the same way). The result is a plain `Step` record that the runner turns into tensors;
+`update` returns `Verified` records for the runner.
 """
 from __future__ import annotations
 
@@ -172,19 +174,19 @@ class Scheduler:
     def _share_rows(self, running: list[Stream]) -> dict[int, int]:
         """Rows of its own tokens each stream feeds this step. A decode (the last token, and its guesses) is
         never cut. Prompt chunks, oldest first, take at most `prefill_chunk` rows each; while some stream
-        decodes, only what `step_tokens` leaves after the decodes, or with `step_steps` and a learned cost, the rows
-        that keep the step within that many decode steps of every running stream; and a stream scoring its prompt only what
-        the forward's logits rows leave once every other stream's drawing rows are counted (the plan keeps
+        decodes, only what `step_tokens` leaves after the decodes, or with `step_steps` and a learned cost, the
+        rows that keep the step within that many decode steps (_rows_in_time); and a stream scoring its prompt
+        only what the forward's logits rows leave once every other stream's drawing rows are counted (the plan keeps
         logits_rows at least lanes x drawing rows, so the oldest always gets a row). 0: it sits this step out.
         Chunking changes no bits (the rule)."""
         decoding = [st for st in running if st.pending == 1]
         timed = bool(self.step_steps and decoding and self.cost.ready)
         rows_left = self.step_tokens - sum(1 + len(st.guesses) for st in decoding) \
             if self.step_tokens and decoding and not timed else None
-        if timed:  # seconds left: the bound less the decodes' own work
-            decode_step = sum((chunk_work(st.cached, 1) for st in running), Work())
-            work = sum((chunk_work(st.cached, 1 + len(st.guesses)) for st in decoding), Work())
-            seconds_left = self.step_steps * self.cost.seconds(decode_step)
+        if timed:  # the bound: step_steps decode steps of the running streams (a prompt's: one row where it is)
+            work = Work.total(chunk_work(st.cached, 1 + len(st.guesses)) for st in decoding)
+            prompts = Work.total(chunk_work(st.cached, 1) for st in running if st.pending > 1)
+            seconds = self.step_steps * self.cost.seconds(work + prompts)
         logits_left = self.logits_rows - sum(1 + len(st.guesses) for st in running if not st.scoring) \
             if self.logits_rows else None
         chunks = {}
@@ -194,7 +196,7 @@ class Scheduler:
             if prompt and rows_left is not None:
                 n = min(n, rows_left)
             if prompt and timed:
-                n = self._rows_in_time(st, n, work, seconds_left)
+                n = self._rows_in_time(st, n, work, seconds)
                 work += chunk_work(st.cached, n)
             if st.scoring and logits_left is not None:
                 n = min(n, logits_left - len(st.guesses))
@@ -208,8 +210,8 @@ class Scheduler:
 
     def _rows_in_time(self, st: Stream, most: int, work: Work, seconds: float) -> int:
         """The most prompt rows of `st` (at most `most`) that a step already holding `work` takes within
-        `seconds`. The oldest prompt always gets a row: the bound is at least a step of one row for each running
-        stream, the cost is a + b * rows + c * keys with no term below 0, and a row costs least first."""
+        `seconds`. The oldest prompt always gets a row: the bound is at least the decodes and a row of each
+        prompt where it stands, and the cost (a + b * rows + c * keys) has no term below 0."""
         lo, hi = 0, most  # the step's cost grows with every row: bisect
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -262,7 +264,7 @@ class Scheduler:
         every full page is published for later streams. seconds: the step's time, which the cost of steps learns
         from. Returns the verifies a hybrid rolls back."""
         if seconds is not None:
-            self.cost.observe(sum((chunk_work(f.start, len(f.tokens)) for f in step.feeds), Work()), seconds)
+            self.cost.observe(Work.total(chunk_work(f.start, len(f.tokens)) for f in step.feeds), seconds)
         verified = []
         for st, feed, n in zip(step.streams, step.feeds, drawn):
             if st.finish is Finish.ERROR:

@@ -3,13 +3,15 @@
     seconds = a + b * rows + c * keys
 
 rows: the rows the forward computes (a: what every step pays whatever it holds, such as reading every weight
-once; b: a row's linear layers); keys: the cache rows its rows attend to, summed over them (attention). The coefficients are fitted by least squares over the steps seen,
-each older step weighing DECAY times less, so the fit follows the machine as its load and thread count change.
+once; b: a row's linear layers); keys: the cache rows its rows attend to, summed over them (attention). The
+coefficients are fitted by least squares over the steps seen, each older step weighing DECAY times less, so the
+fit follows the machine as its load and thread count change.
 None of this touches a bit: it only decides how many prompt rows share a forward, and chunking is exact.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterable
 
 import numpy as np
 
@@ -27,6 +29,10 @@ class Work:
 
     def __add__(self, other: "Work") -> "Work":
         return Work(self.rows + other.rows, self.keys + other.keys)
+
+    @staticmethod
+    def total(works: Iterable["Work"]) -> "Work":
+        return sum(works, Work())
 
     def terms(self) -> np.ndarray:
         return np.array([1.0, self.rows, self.keys])
