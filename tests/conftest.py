@@ -9,7 +9,7 @@ import torch
 from tiny import write_tiny_checkpoint
 
 
-WORKER_GIB = 9  # the most one process of the suite holds at once, with room (8.2 GB peak in a full run)
+WORKER_GIB = 9  # the most one process of the suite holds at once, with room (8.2-8.9 GB peak in full runs)
 MOST_WORKERS = 4  # past it the suite's time is its longest file's; more workers only oversubscribe the cores
 
 
