@@ -314,3 +314,37 @@ def test_the_build_finds_the_ninja_that_pip_installed(monkeypatch):
     assert shutil.which("ninja") is None
     cpu_build._ninja_on_path()
     assert shutil.which("ninja") is not None and ninja.BIN_DIR in shutil.which("ninja")
+
+
+def _meta_arguments(op) -> list:
+    """An op's arguments from its schema, each tensor on the meta device (no memory behind it)."""
+    args = []
+    for a in op._schema.arguments:
+        kind = str(a.type)  # Tensor, Optional[Tensor], List[Tensor], int, float, bool, a class
+        if kind.startswith("Optional["):
+            args.append(None)
+        elif kind == "List[Tensor]":
+            args.append([torch.empty(1, device="meta")])
+        elif kind == "Tensor":
+            args.append(torch.empty(1, device="meta"))
+        elif "ExpertBank" in kind:
+            args.append(torch.classes.tfq_cpu.ExpertBank([], []))
+        else:
+            args.append({"int": 1, "float": 1.0, "bool": False}[kind])
+    return args
+
+
+def test_every_cpu_kernel_refuses_a_tensor_off_the_cpu():
+    """A kernel given a tensor on another device (a GPU's, here the meta device's) is refused by torch's dispatcher
+    with an error naming the op: never run, so no other device's pointer is read (on a GPU machine the CPU linear
+    handed CUDA weights crashed the process). Control: the same op on the CPU runs."""
+    from tfq.kernels import cpu_build
+
+    ops = cpu_build.ops()
+    for name in cpu_build.OPS:
+        op = getattr(ops, name).default
+        if not any("Tensor" in str(a.type) for a in op._schema.arguments):
+            continue  # lanes(): nothing to refuse
+        with pytest.raises(NotImplementedError, match=f"tfq_cpu::{name}:? .*Meta"):
+            op(*_meta_arguments(op))
+    assert cpu_build.op("pack")(torch.ones(64, 8)).shape == (1, 8, 64)

@@ -133,11 +133,12 @@ def test_controls_are_red(tmp_path):
     stream beside a paged one (one layer: a 262-row prompt is slow in the interpreter)."""
     folder = write_tiny_checkpoint(tmp_path / "one", family="qwen2", seed=13, layers=1, hidden=64, heads=8,
                                    kv_heads=2, head_dim=32, intermediate=128, vocab=300)
-    # the controls are about attention: its Triton kernels run, the linear layers and norms are torch's (the
-    # interpreter runs a 262-row linear as 262 programs)
+    # the controls are about attention: under the interpreter (which runs a 262-row linear as 262 programs) only
+    # its Triton kernels run, the linear layers and norms being the CPU's; on a GPU the whole Triton backend runs
     cpu = torch_backend()
-    attention_only = replace(BACKEND, name="triton-attention", linear=cpu.linear, rms_norm=cpu.rms_norm)
-    model = Qwen(ModelConfig.from_folder(folder), load_state_dict(folder), attention_only)
+    backend = BACKEND if DEV.type == "cuda" else replace(BACKEND, name="triton-attention", linear=cpu.linear,
+                                                         rms_norm=cpu.rms_norm)
+    model = Qwen(ModelConfig.from_folder(folder), load_state_dict(folder), backend)
     long, short = _requests((262, 9), seed=7, tokens=2)
     rows = _run(model, [long])[0]
     assert not same(rows, _run(model, [long], partial=True)[0])

@@ -329,5 +329,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 
 TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) {
   m.def("attend(Tensor q, Tensor k_cache, Tensor v_cache, Tensor table, Tensor offsets, Tensor lengths, float scale, "
-        "int tile, int split) -> Tensor", attend);
+        "int tile, int split) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(tfq_cpu, CPU, m) {
+  m.impl("attend", attend);
 }

@@ -267,7 +267,12 @@ at::Tensor sigmoid_gate(const at::Tensor& x, const at::Tensor& g) {
 TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) {
   m.def("deltanet(Tensor x, Tensor a, Tensor b, Tensor conv_w, Tensor A, Tensor dt_bias, Tensor(a!) conv_state, "
         "Tensor(b!) rec_state, Tensor segments, Tensor(c!) save_conv, Tensor(d!) save_rec, int key_heads, "
-        "int key_dim, int value_heads, int value_dim) -> Tensor", deltanet);
-  m.def("gated_rms_norm(Tensor x, Tensor w, Tensor z, float eps) -> Tensor", gated_rms_norm);
-  m.def("sigmoid_gate(Tensor x, Tensor g) -> Tensor", sigmoid_gate);
+        "int key_dim, int value_heads, int value_dim) -> Tensor");
+  m.def("gated_rms_norm(Tensor x, Tensor w, Tensor z, float eps) -> Tensor");
+  m.def("sigmoid_gate(Tensor x, Tensor g) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(tfq_cpu, CPU, m) {
+  m.impl("deltanet", deltanet);
+  m.impl("gated_rms_norm", gated_rms_norm);
+  m.impl("sigmoid_gate", sigmoid_gate);
 }

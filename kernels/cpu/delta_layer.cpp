@@ -80,6 +80,8 @@ TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) {
         "Tensor norm, Tensor(a!) conv_state, Tensor(b!) rec_state, Tensor segments, Tensor(c!) save_conv, "
         "Tensor(d!) save_rec, int key_heads, int key_dim, int value_heads, int value_dim, Tensor out_proj, "
         "Tensor post_norm, Tensor gate_up, Tensor down, int intermediate, float eps, Tensor? clock) -> "
-        "(Tensor, Tensor)",
-        delta_layer);
+        "(Tensor, Tensor)");
+}
+TORCH_LIBRARY_IMPL(tfq_cpu, CPU, m) {
+  m.impl("delta_layer", delta_layer);
 }

@@ -117,11 +117,13 @@ TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) {
         "Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor rows, float saturate, Tensor table, "
         "Tensor offsets, Tensor lengths, float scale, int tile, int split, Tensor o, Tensor post_norm, "
         "Tensor gate_up, Tensor down, int heads, int kv_heads, int head_dim, int intermediate, float eps, "
-        "bool gated, Tensor? clock) -> Tensor",
-        layer);
+        "bool gated, Tensor? clock) -> Tensor");
   m.def("attention_layer(Tensor x, Tensor input_norm, Tensor qkv, Tensor? qkv_bias, Tensor? q_norm, Tensor? k_norm, "
         "Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor rows, float saturate, Tensor table, "
         "Tensor offsets, Tensor lengths, float scale, int tile, int split, Tensor o, Tensor post_norm, int heads, "
-        "int kv_heads, int head_dim, float eps, bool gated, Tensor? clock) -> (Tensor, Tensor)",
-        attention_layer);
+        "int kv_heads, int head_dim, float eps, bool gated, Tensor? clock) -> (Tensor, Tensor)");
+}
+TORCH_LIBRARY_IMPL(tfq_cpu, CPU, m) {
+  m.impl("layer", layer);
+  m.impl("attention_layer", attention_layer);
 }

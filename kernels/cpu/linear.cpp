@@ -222,6 +222,12 @@ void panel_rows_fp32(const float* x, int64_t M, int64_t K, const float* panel, c
 }  // namespace tfq
 
 TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) {
-  m.def("pack(Tensor w) -> Tensor", pack);
-  m.def("linear(Tensor x, Tensor panels, Tensor? b, int n) -> Tensor", linear);
+  m.def("pack(Tensor w) -> Tensor");
+  m.def("linear(Tensor x, Tensor panels, Tensor? b, int n) -> Tensor");
+}
+// Every op's kernel is registered for CPU tensors only (here and in each file): the dispatcher refuses a tensor on
+// another device with an error naming the op, where the kernel would read a GPU or meta pointer and crash.
+TORCH_LIBRARY_IMPL(tfq_cpu, CPU, m) {
+  m.impl("pack", pack);
+  m.impl("linear", linear);
 }

@@ -203,8 +203,12 @@ at::Tensor moe_mixture(const at::Tensor& h, const at::Tensor& ids, const at::Ten
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) {
-  m.def("moe_route(Tensor logits, int chosen, bool normalized) -> (Tensor, Tensor, Tensor)", moe_route);
+  m.def("moe_route(Tensor logits, int chosen, bool normalized) -> (Tensor, Tensor, Tensor)");
   m.class_<ExpertBank>("ExpertBank").def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>>());
   m.def("moe_mixture(Tensor h, Tensor ids, Tensor weights, __torch__.torch.classes.tfq_cpu.ExpertBank bank, "
-        "int intermediate, Tensor? clock) -> Tensor", moe_mixture);
+        "int intermediate, Tensor? clock) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(tfq_cpu, CPU, m) {
+  m.impl("moe_route", moe_route);
+  m.impl("moe_mixture", moe_mixture);
 }

@@ -451,7 +451,12 @@ void linear_many(const std::vector<Product>& products) {
 
 TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) {
   m.def("qpack(Tensor q, Tensor s, Tensor? o, int bits, int group, int zero, int rounding=0, Tensor? sd=None, "
-        "Tensor? sq=None, Tensor? od=None, Tensor? oq=None) -> Tensor", qpack);
-  m.def("qcat(Tensor[] blobs) -> Tensor", qcat);
-  m.def("qlinear(Tensor x, Tensor blob, Tensor? b, int n) -> Tensor", qlinear);
+        "Tensor? sq=None, Tensor? od=None, Tensor? oq=None) -> Tensor");
+  m.def("qcat(Tensor[] blobs) -> Tensor");
+  m.def("qlinear(Tensor x, Tensor blob, Tensor? b, int n) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(tfq_cpu, CPU, m) {
+  m.impl("qpack", qpack);
+  m.impl("qcat", qcat);
+  m.impl("qlinear", qlinear);
 }

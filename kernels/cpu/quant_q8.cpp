@@ -471,5 +471,8 @@ at::Tensor qpack_q8(const at::Tensor& q, const at::Tensor& s, const c10::optiona
 
 TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) {
   m.def("qpack_q8(Tensor q, Tensor s, Tensor? o, int bits, int group, int zero, Tensor? sd=None, Tensor? sq=None, "
-        "Tensor? od=None, Tensor? oq=None) -> Tensor", tfq::q8::qpack_q8);
+        "Tensor? od=None, Tensor? oq=None) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(tfq_cpu, CPU, m) {
+  m.impl("qpack_q8", tfq::q8::qpack_q8);
 }

@@ -82,7 +82,12 @@ std::string lanes() { return tfq::LANES; }
 
 TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) {
   m.def("lanes() -> str", lanes);
-  m.def("fma(Tensor a, Tensor b, Tensor c) -> Tensor", fma_op);
-  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", rms_norm);
-  m.def("silu(Tensor x) -> Tensor", silu);
+  m.def("fma(Tensor a, Tensor b, Tensor c) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("silu(Tensor x) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(tfq_cpu, CPU, m) {
+  m.impl("fma", fma_op);
+  m.impl("rms_norm", rms_norm);
+  m.impl("silu", silu);
 }
