@@ -60,16 +60,20 @@ def test_the_quantized_experts_keep_their_blocks_with_the_bits_of_their_values(c
     assert summary.step < summary.resident / 4  # a decode step at one lane reads 8 of the 128 experts
 
 
-# one thread count a family here, the other than its HF folder's run in test_moe.py (the note has both)
-@pytest.mark.parametrize("name, threads", [("qwen3_moe", 3), ("qwen3_5_moe", 2)])
-def test_together_on_the_converters_quantized_file_every_arm(converted, tmp_path, monkeypatch, capsys, name, threads):
+# one thread count a family here, the other than its HF folder's run in test_moe.py (the note has both);
+# Qwen3's with 8-bit activations (its experts' products then go through quant_q8.cpp's linear_many)
+@pytest.mark.parametrize("name, threads, weights", [("qwen3_moe", 3, "gguf-q8"), ("qwen3_5_moe", 2, "gguf")])
+def test_together_on_the_converters_quantized_file_every_arm(converted, tmp_path, monkeypatch, capsys, name, threads,
+                                                              weights):
     files = converted(name)[1]
     summary = tmp_path / "summary.json"
     code, out, err = tfq(["together", "--model", str(files["q8_0"]), "--suite", str(shipped_hybrid_suite()),
-                          "--tokens", "32", "--threads", str(threads), "--evidence", str(tmp_path / "ev"), "--json",
-                          str(summary)], monkeypatch, capsys)
+                          "--tokens", "32", "--threads", str(threads), "--set", f"weights={weights}", "--evidence",
+                          str(tmp_path / "ev"), "--json", str(summary)], monkeypatch, capsys)
     assert code == 0, out + err
-    arms = {a["arm"]: a for a in json.loads(summary.read_text())["arms"]}
+    doc = json.loads(summary.read_text())
+    assert doc["versions"]["weights"] == weights
+    arms = {a["arm"]: a for a in doc["arms"]}
     controls = {"partial", "paged-partial", "experts-by-load"} | (
         {"deltanet-chunks"} if name == "qwen3_5_moe" else {"prefix-partial"})
     assert controls < set(arms) and {"whole", "paged", "chunked", "preempted", "drafted"} < set(arms)

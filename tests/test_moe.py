@@ -205,10 +205,12 @@ def test_the_mixture_in_one_call_is_the_loops_bits(moe_dir):
     assert not torch.equal(model.backend.moe_mixture(h, ids, routes.weights, shifted, inter), loop)  # RED
 
 
-def test_the_mixture_on_kept_blocks_is_the_loops_bits():
-    """Experts kept in GGUF blocks (gate and up Q4_K, down Q6_K): the one-call mixture runs all their products in
-    one parallel region (quant.cpp: linear_many); against each expert's layers called one by one in Python, at 1
-    to 24 rows; the control hands the call each expert's neighbour."""
+@pytest.mark.parametrize("activations", ["fp32", "q8"])
+def test_the_mixture_on_kept_blocks_is_the_loops_bits(activations):
+    """Experts kept in GGUF blocks (gate and up Q4_K, down Q6_K), with fp32 activations (`weights: gguf`) or 8-bit
+    ones (`gguf-q8`): the one-call mixture runs all their products in one parallel region (quant.cpp's and
+    quant_q8.cpp's linear_many); against each expert's layers called one by one in Python, at 1 to 24 rows; the
+    control hands the call each expert's neighbour."""
     from tfq.kernels import cpu_build
     from tfq.kernels.moe import mixture_fixed
     from tfq.kernels.quant import QuantLinear, from_blocks, join
@@ -219,7 +221,8 @@ def test_the_mixture_on_kept_blocks_is_the_loops_bits():
     if not cpu_build.load()[0]:
         pytest.skip("tfq's CPU kernels did not build here")
     hidden, inter, experts = 256, 256, 8
-    q = lambda kind, n, k, seed: from_blocks(kind, random_blocks(kind, n, k, seed), (n, k))  # noqa: E731
+    q = lambda kind, n, k, seed: from_blocks(kind, random_blocks(kind, n, k, seed), (n, k)).with_activations(  # noqa: E731
+        activations)
     mix = MoE(None, [Expert(QuantLinear(join([q("Q4_K", inter, hidden, 3 * e), q("Q4_K", inter, hidden, 3 * e + 1)])),
                             QuantLinear(q("Q6_K", hidden, inter, 3 * e + 2))) for e in range(experts)], 3, True)
     g = torch.Generator().manual_seed(7)

@@ -48,13 +48,13 @@ struct ExpertBank : torch::CustomClassHolder {
   }
 };
 
-// A blob of quant.cpp's layout (GGUF's blocks with fp32 activations), which linear_many computes: its first
-// header's magic (a blob's segments share their layout; segments_of checks the rest)
-bool kept_blob(const at::Tensor& w) {
+// A blob's layout: its first header's magic (a blob's segments share their layout; segments_of checks the rest),
+// or 0 for fp32 panels
+int32_t magic_of(const at::Tensor& w) {
   int32_t magic = 0;
   if (w.scalar_type() == at::kByte && w.dim() == 1 && w.numel() >= tfq::blob::HEADER)
     std::memcpy(&magic, w.data_ptr<uint8_t>(), sizeof magic);
-  return magic == tfq::blob::MAGIC;
+  return magic == tfq::blob::MAGIC || magic == tfq::blob::MAGIC_Q8 ? magic : 0;
 }
 
 // Its segments, for a product [*, k] -> [*, n]
@@ -143,9 +143,15 @@ at::Tensor moe_mixture(const at::Tensor& h, const at::Tensor& ids, const at::Ten
     groups.push_back({ip[order[start]], start, end});
   }
   auto grouped = at::empty({pairs, hidden}, x.options());
-  bool kept = true;  // every chosen expert in quant.cpp's blobs: all their products in one parallel region
-  for (const Group& g : groups) kept = kept && kept_blob(gate_ups[g.expert]) && kept_blob(downs[g.expert]);
-  if (kept) {
+  // every chosen expert in blobs of one layout (quant.cpp's or quant_q8.cpp's): all their products in one
+  // parallel region, by that layout's linear_many
+  int32_t magic = groups.empty() ? 0 : magic_of(gate_ups[groups[0].expert]);
+  for (const Group& g : groups)
+    if (magic_of(gate_ups[g.expert]) != magic || magic_of(downs[g.expert]) != magic) magic = 0;
+  const auto many = magic == tfq::blob::MAGIC      ? &tfq::quant::linear_many
+                    : magic == tfq::blob::MAGIC_Q8 ? &tfq::q8::linear_many
+                                                   : nullptr;
+  if (many) {
     auto gu = at::empty({pairs, 2 * intermediate}, x.options());
     std::vector<tfq::quant::Product> products;
     for (const Group& g : groups)
@@ -153,7 +159,7 @@ at::Tensor moe_mixture(const at::Tensor& h, const at::Tensor& ids, const at::Ten
                           gu.data_ptr<float>() + g.start * 2 * intermediate, 2 * intermediate, nullptr});
     {
       Clock c(clock, 2);
-      tfq::quant::linear_many(products);
+      many(products);
     }
     const at::Tensor act = silu_mul(gu, intermediate);  // a row's own: the same bits a group at a time
     products.clear();
@@ -162,7 +168,7 @@ at::Tensor moe_mixture(const at::Tensor& h, const at::Tensor& ids, const at::Ten
                           checked(downs[g.expert], intermediate, hidden), grouped.data_ptr<float>() + g.start * hidden,
                           hidden, nullptr});
     Clock c(clock, 2);
-    tfq::quant::linear_many(products);
+    many(products);
   } else {
     for (const Group& g : groups) {
       at::Tensor gu, y;

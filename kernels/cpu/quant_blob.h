@@ -100,11 +100,6 @@ inline std::vector<Segment> segments_of(const at::Tensor& blob) {
 
 }  // namespace tfq::blob
 
-namespace tfq::q8 {
-// y = x W^T + b on a blob of quant_q8.cpp's layout (`segs` from segments_of, y [M, N] to fill)
-void linear(const at::Tensor& x, const std::vector<blob::Segment>& segs, const float* bias, float* y, int64_t N);
-}  // namespace tfq::q8
-
 namespace tfq::quant {
 // One product y [M, N] (rows N apart) = x [M, K] W^T (+ bias), W a blob of quant.cpp's layout (fp32 activations)
 struct Product {
@@ -120,3 +115,11 @@ struct Product {
 // for all of them saves the threads' start and join, and the wait for the slowest, of each.
 void linear_many(const std::vector<Product>& products);
 }  // namespace tfq::quant
+
+namespace tfq::q8 {
+// y = x W^T + b on a blob of quant_q8.cpp's layout (`segs` from segments_of, y [M, N] to fill)
+void linear(const at::Tensor& x, const std::vector<blob::Segment>& segs, const float* bias, float* y, int64_t N);
+// quant::linear_many for blobs of quant_q8.cpp's layout: each product's rows rounded once, then every panel of
+// every product one job, each thread a contiguous run of them (one stream through its experts' blocks)
+void linear_many(const std::vector<quant::Product>& products);
+}  // namespace tfq::q8

@@ -383,6 +383,39 @@ void linear(const at::Tensor& x, const std::vector<Segment>& segs, const float* 
   });
 }
 
+void linear_many(const std::vector<quant::Product>& products) {
+  std::vector<Rounded> rounded;  // a product's rows, rounded once for all its panels
+  rounded.reserve(products.size());
+  struct Job {
+    PanelFn fn;
+    const Segment* seg;
+    int64_t local;  // the panel's index in its segment
+    size_t product;
+  };
+  std::vector<Job> jobs;
+  for (size_t i = 0; i < products.size(); i++) {
+    const quant::Product& p = products[i];
+    rounded.push_back(round_rows(p.x, p.M, p.segs[0].h.k));
+    for (const Segment& seg : p.segs) {
+      TORCH_CHECK(seg.h.magic == blob::MAGIC_Q8, "tfq q8 linear_many: blobs of quant_q8.cpp's layout");
+      const PanelFn fn = panel_fn(seg.h);
+      for (int64_t local = 0; local < seg.h.panels; local++) jobs.push_back({fn, &seg, local, i});
+    }
+  }
+  // contiguous runs, not the shared counter of `linear`: a small matrix's panels taken one by one by turns would
+  // leave each thread's stream (and its prefetches, which run on past a panel's end) full of the other's panels
+  at::parallel_for(0, static_cast<int64_t>(jobs.size()), 1, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; j++) {
+      const Job& job = jobs[j];
+      const Segment& seg = *job.seg;
+      const quant::Product& p = products[job.product];
+      const int64_t out = seg.first + job.local * OUT;
+      job.fn(seg.h, seg.panels + job.local * seg.h.panel_bytes, rounded[job.product], p.M,
+             p.bias ? p.bias + out : nullptr, p.y + out, p.N, std::min(OUT, seg.h.n - job.local * OUT));
+    }
+  });
+}
+
 namespace {
 
 bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; }
