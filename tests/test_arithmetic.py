@@ -73,17 +73,18 @@ def test_a_bad_linear_choice_is_one_line(monkeypatch, capsys, tiny_dirs):
 
 
 @pytest.mark.parametrize("n_in", [16, 90, 896, 4864])
-def test_the_kernel_sums_each_output_in_its_fixed_order(n_in):
+@pytest.mark.parametrize("rows", [3, 40, 100])  # the kernel's three ways through a panel (linear.cpp: panel_rows)
+def test_the_kernel_sums_each_output_in_its_fixed_order(n_in, rows):
     """Every output is acc = fma(x[k], w[k], acc) for k = 0, 1, ... in order (from 0), then + bias: computed here
     in numpy, one rounding a step, the kernel's bits exactly."""
     import numpy as np
 
     g = torch.Generator().manual_seed(n_in)
     w, b = torch.randn(70, n_in, generator=g), torch.randn(70, generator=g)  # 70: a full panel and part of one
-    x = torch.randn(3, n_in, generator=g)
+    x = torch.randn(rows, n_in, generator=g)
     got = FixedOrderLinear(w, b)(x).numpy()
     xs, ws = x.numpy().astype(np.float64), w.numpy().astype(np.float64)
-    acc = np.zeros((3, 70), np.float32)
+    acc = np.zeros((rows, 70), np.float32)
     for k in range(n_in):  # fma: the exact product (float64 holds it) plus acc, rounded once to float32
         acc = (xs[:, k, None] * ws[None, :, k] + acc).astype(np.float32)
     assert np.array_equal(acc + b.numpy(), got)

@@ -98,7 +98,7 @@ void rows_tile(int64_t rows, const float* x, int64_t K, const float* panel, int6
 }
 
 constexpr int64_t KBLOCK = 64;  // inputs of a panel block that the tiles of a few rows share while it is in L1
-constexpr int64_t FEW = 4 * MR;  // up to this many rows (3 or 4 tiles), the tiles go block by block
+constexpr int64_t FEW = 16 * MR;  // up to this many rows (3 to 16 tiles), the tiles go block by block
 constexpr int64_t LARGE_PANEL = 512 << 10;  // bytes: a panel this large and the next do not both stay in L2
 
 // A panel's rows in as few tiles as MR allows, their rows balanced (8 rows: 4 + 4); the recipe is the same in
@@ -106,10 +106,10 @@ constexpr int64_t LARGE_PANEL = 512 << 10;  // bytes: a panel this large and the
 // on the default model's layers by benchmarks/linear_shapes.py, docs/contract.md section 3):
 //   1 tile: it streams the panel, prefetching its own rows ahead;
 //   2 tiles: the first streams the panel into L2, the second computes from L2 and prefetches the next panel
-//     (unless a panel is too large for it and the next to share L2: then as 3-4 tiles);
-//   3-4 tiles: blocks of KBLOCK inputs, each read from memory once for every tile while in L1, the tiles
+//     (unless a panel is too large for it and the next to share L2: then as 3-16 tiles);
+//   3-16 tiles: blocks of KBLOCK inputs, each read from memory once for every tile while in L1, the tiles
 //     splitting the prefetch of the next block between them;
-//   more (prompts): tile by tile over the whole panel, which stays in L2.
+//   more (long prompts, where arithmetic outweighs the stream): tile by tile over the whole panel, in L2.
 void panel_rows(const float* x, int64_t M, int64_t K, const float* panel, const float* bias, float* y, int64_t N,
                 int64_t outputs) {
   const int64_t tiles = (M + MR - 1) / MR, base = M / tiles, extra = M % tiles;
