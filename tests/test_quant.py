@@ -22,7 +22,7 @@ from tiny import held_bytes, write_tiny_gguf
 
 pytestmark = pytest.mark.skipif(not cpu_build.load()[0], reason="tfq's CPU kernels do not build here")
 
-ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 70)
+ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 70, 96, 97, 130)
 THREADS = (1, 2, 3, 4, 8)
 
 
@@ -53,7 +53,7 @@ def test_quantized_layer_gives_the_fp32_layers_bits_at_every_row_count(layer, bi
     x = torch.randn(max(ROWS), q.shape[1])
     full = quant(x)
     assert torch.equal(full, fp32(x)), kind
-    for m in ROWS:  # fewer rows (registers up to 8, a buffer beyond), and the rows reversed
+    for m in ROWS:  # fewer rows (registers up to 8, L1 blocks up to 96, a whole panel beyond), the rows reversed
         assert torch.equal(quant(x[:m]), full[:m]), (kind, m)
     assert torch.equal(quant(x.flip(0)), full.flip(0)), kind
 

@@ -97,8 +97,18 @@ void rows_tile(int64_t rows, const float* x, int64_t K, const float* panel, int6
   }
 }
 
-constexpr int64_t KBLOCK = 64;  // inputs of a panel block that the tiles of a few rows share while it is in L1
-constexpr int64_t FEW = 16 * MR;  // up to this many rows (3 to 16 tiles), the tiles go block by block
+constexpr int64_t KBLOCK = tfq::BLOCK_INPUTS;
+constexpr int64_t FEW = tfq::BLOCKED_ROWS;  // up to this many rows (3 to 16 tiles), the tiles go block by block
+static_assert(FEW % MR == 0, "the blocks' accumulators hold whole tiles");
+// rows of accumulators, plus the bias, into y (from the panel's first output; a row of y is N apart)
+void store_rows(const V (*acc)[VECS], int64_t rows, const float* bias, float* y, int64_t N, int64_t outputs) {
+  alignas(64) float out[PANEL];
+  for (int64_t i = 0; i < rows; i++) {
+    for (int j = 0; j < VECS; j++) vstore(out + 16 * j, acc[i][j]);
+    for (int64_t n = 0; n < outputs; n++) y[i * N + n] = out[n] + (bias ? bias[n] : 0.f);
+  }
+}
+
 constexpr int64_t LARGE_PANEL = 512 << 10;  // bytes: a panel this large and the next do not both stay in L2
 
 // A panel's rows in as few tiles as MR allows, their rows balanced (8 rows: 4 + 4); the recipe is the same in
@@ -114,13 +124,7 @@ void panel_rows(const float* x, int64_t M, int64_t K, const float* panel, const 
                 int64_t outputs) {
   const int64_t tiles = (M + MR - 1) / MR, base = M / tiles, extra = M % tiles;
   alignas(64) V acc[FEW][VECS];
-  auto finish = [&](int64_t m, int64_t rows, V (*a)[VECS]) {
-    alignas(64) float out[PANEL];
-    for (int64_t i = 0; i < rows; i++) {
-      for (int j = 0; j < VECS; j++) vstore(out + 16 * j, a[i][j]);
-      for (int64_t n = 0; n < outputs; n++) y[(m + i) * N + n] = out[n] + (bias ? bias[n] : 0.f);
-    }
-  };
+  auto finish = [&](int64_t m, int64_t rows, V (*a)[VECS]) { store_rows(a, rows, bias, y + m * N, N, outputs); };
   auto zero = [&](int64_t rows) {
     for (int64_t i = 0; i < rows; i++)
       for (int j = 0; j < VECS; j++) acc[i][j] = vzero();
@@ -150,6 +154,28 @@ void panel_rows(const float* x, int64_t M, int64_t K, const float* panel, const 
     finish(m, rows, acc);
     m += rows;
   }
+}
+
+// panel_rows' block path with each block written by `fill` into an L1 buffer (panel.h: panel_rows_filled)
+void filled_rows(const float* x, int64_t M, int64_t K, tfq::FillBlock fill, const void* from, const float* bias,
+                 float* y, int64_t N, int64_t outputs) {
+  const int64_t tiles = (M + MR - 1) / MR, base = M / tiles, extra = M % tiles;
+  alignas(64) V acc[FEW][VECS];
+  alignas(64) float block[KBLOCK * PANEL];
+  for (int64_t i = 0; i < M; i++)
+    for (int j = 0; j < VECS; j++) acc[i][j] = vzero();
+  const Ahead none{nullptr, 1, 0, 0, false};
+  for (int64_t k0 = 0; k0 < K; k0 += KBLOCK) {
+    const int64_t k1 = std::min(K, k0 + KBLOCK);
+    fill(from, k0, k1, block);
+    int64_t m = 0;
+    for (int64_t t = 0; t < tiles; t++) {
+      const int64_t rows = base + (t < extra);
+      rows_tile(rows, x + m * K + k0, K, block, 0, k1 - k0, acc + m, none);  // x shifted: its column k0 is 0
+      m += rows;
+    }
+  }
+  store_rows(acc, M, bias, y, N, outputs);
 }
 
 // fp32 panels in weights memory (2 MiB pages where the system allows it: panel.h)
@@ -218,6 +244,12 @@ at::Tensor weights_memory(int64_t bytes) {
 void panel_rows_fp32(const float* x, int64_t M, int64_t K, const float* panel, const float* bias, float* y, int64_t N,
                      int64_t outputs) {
   panel_rows(x, M, K, panel, bias, y, N, outputs);
+}
+
+void panel_rows_filled(const float* x, int64_t M, int64_t K, FillBlock fill, const void* from, const float* bias,
+                       float* y, int64_t N, int64_t outputs) {
+  TORCH_CHECK(M <= BLOCKED_ROWS, "tfq panel_rows_filled: at most ", BLOCKED_ROWS, " rows");
+  filled_rows(x, M, K, fill, from, bias, y, N, outputs);
 }
 }  // namespace tfq
 

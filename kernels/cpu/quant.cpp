@@ -193,17 +193,29 @@ inline V weights(const uint8_t* row, int j, const Group& sc) {
   return tfq::vround_bf16(tfq::vadd(tfq::vround_bf16(product), sc.o[j]));
 }
 
-// The panel's fp32 weights [K][64], as linear.cpp's pack lays them out
+// The panel's fp32 weights for inputs [k0, k1) (whole groups), as linear.cpp's pack lays them out: [k1 - k0][64]
 template <int BITS, int ROUND, int MODE>
-void unpack_panel(const Header& h, const uint8_t* panel, float* out) {
-  for (int64_t g = 0; g < h.k / h.group; g++) {
+void unpack_rows(const Header& h, const uint8_t* panel, int64_t k0, int64_t k1, float* out) {
+  for (int64_t g = k0 / h.group; g < k1 / h.group; g++) {
     const Group grp = group_at<ROUND, MODE>(h, panel, g);
     for (int64_t r = 0; r < h.group; r++) {
       const uint8_t* row = grp.rows + r * h.row_bytes;
-      float* dst = out + (g * h.group + r) * PANEL;
+      TFQ_PREFETCH_L2(row + AHEAD_L2);
+      float* dst = out + (g * h.group + r - k0) * PANEL;
       for (int j = 0; j < 4; j++) vstore(dst + 16 * j, weights<BITS, ROUND>(row, j, grp));
     }
   }
+}
+
+struct PanelBytes {
+  const Header* h;
+  const uint8_t* panel;
+};
+
+template <int BITS, int ROUND, int MODE>
+void fill_block(const void* from, int64_t k0, int64_t k1, float* block) {
+  const auto* p = static_cast<const PanelBytes*>(from);
+  unpack_rows<BITS, ROUND, MODE>(*p->h, p->panel, k0, k1, block);
 }
 
 // rows [mr] x NV vectors of the panel's outputs, unpacking each weight vector once for all of them: NV = 4 is the
@@ -271,8 +283,13 @@ void panel_job(const Header& h, const uint8_t* panel, const float* x, int64_t M,
     fused_rows<BITS, ROUND, MODE>(h, panel, x, M, bias, y, N, outputs);
     return;
   }
+  if (M <= tfq::BLOCKED_ROWS && tfq::BLOCK_INPUTS % h.group == 0) {  // unpacked a block at a time, into L1
+    const PanelBytes from{&h, panel};
+    tfq::panel_rows_filled(x, M, h.k, &fill_block<BITS, ROUND, MODE>, &from, bias, y, N, outputs);
+    return;
+  }
   buffer.resize(static_cast<size_t>(h.k * PANEL));
-  unpack_panel<BITS, ROUND, MODE>(h, panel, buffer.data());
+  unpack_rows<BITS, ROUND, MODE>(h, panel, 0, h.k, buffer.data());
   tfq::panel_rows_fp32(x, M, h.k, buffer.data(), bias, y, N, outputs);
 }
 
