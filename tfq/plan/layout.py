@@ -198,7 +198,7 @@ def auto_logits_rows(lanes: int, prefill_chunk: int, drawing_rows: int) -> int:
 # the time between tokens (tfq bench serve) within a bound. 2, not 3: the learned cost is off by up to a
 # quarter either way (95th percentiles, docs/serve.md), and with 2 the measured p99 stays near 3 decode steps.
 # Until the cost is learned (the first few steps), STEP_PROMPT_ROWS prompt rows beside every lane's drawing
-# rows: on the default model here a prompt row costs about 4 ms and a decode step of 8 lanes about 85 ms.
+# rows: on the default model here a prompt row costs 2.5-4 ms and a decode step of 8 lanes 75-85 ms.
 STEP_DECODE_STEPS = 2
 STEP_PROMPT_ROWS = 32
 
