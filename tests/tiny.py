@@ -137,6 +137,22 @@ def _one_tensor_an_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     return out
 
 
+def _exp_rounds_nearest(a_log: torch.Tensor) -> torch.Tensor:
+    """a_log with each value moved toward 0 by ulps until this CPU's torch.exp of it is the nearest float32.
+    llama.cpp's converter stores A = -torch.exp(A_log) and tfq computes a folder's A as the nearest float32
+    (tfq/nearest.py); torch's vector exp is off by an ulp for some values, which ones by CPU, so without this a
+    converted file's A could differ from its folder's by luck of the draw (seen on a Xeon: one value in 48)."""
+    from tfq.nearest import exp32
+
+    x = a_log.numpy().copy()
+    for _ in range(64):
+        off = torch.exp(torch.from_numpy(x)).numpy() != exp32(x)
+        if not off.any():
+            return torch.from_numpy(x)
+        x[off] = np.nextafter(x[off], np.float32(0))
+    raise AssertionError("torch.exp rounds none of 64 neighbouring values to the nearest float32")
+
+
 def write_tiny_checkpoint(
     folder: Path,
     family: str = "qwen2",
@@ -234,6 +250,8 @@ def write_tiny_checkpoint(
     for k in state:
         if k.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
             state[k] = state[k] * branch_scale
+        if k.endswith("A_log"):
+            state[k] = _exp_rounds_nearest(state[k])
     if tie:
         state.pop("lm_head.weight")
     config.architectures = [model_cls.__name__]
