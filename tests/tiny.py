@@ -141,7 +141,7 @@ def _exp_rounds_nearest(a_log: torch.Tensor) -> torch.Tensor:
     """a_log with each value moved toward 0 by ulps until this CPU's torch.exp of it is the nearest float32.
     llama.cpp's converter stores A = -torch.exp(A_log) and tfq computes a folder's A as the nearest float32
     (tfq/nearest.py); torch's vector exp is off by an ulp for some values, which ones by CPU, so without this a
-    converted file's A could differ from its folder's by luck of the draw (seen on a Xeon: one value in 48)."""
+    converted file's A could differ from its folder's by luck of the draw (seen on a Xeon: one value of 36)."""
     from tfq.nearest import exp32
 
     x = a_log.numpy().copy()
