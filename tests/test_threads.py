@@ -1,13 +1,17 @@
 """The CPU thread count follows the cores other processes leave free, and never changes a stream's bits."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from tfq.engine import Engine, EngineSettings
 from tfq.errors import TfqError
 from tfq.stream import Request
-from tfq.threads import CpuSample, Threads, fix_threads, ladder, read_sample
+from tfq.threads import CpuSample, Threads, fix_threads, ladder, read_sample, release_workers
+
+from served import eventually, server, tiny_served
 
 
 class FakeCpu:
@@ -86,6 +90,43 @@ def test_threads_fixed_by_the_user_turn_the_policy_off(monkeypatch):
 def test_this_machine_can_be_sampled():
     s = read_sample()
     assert s is not None and s.busy > 0 and s.own > 0
+
+
+def _threads_now() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts this process's threads in /proc (Linux)")
+def test_a_thread_gives_its_openmp_workers_back_and_gets_them_again(restored_threads):
+    """The thread that built a served engine gives back its OpenMP workers (tfq/threads.py: release_workers), so
+    the engine thread's pool is the only one; computing again brings them back, with the same bits. Control: a
+    thread that only computes keeps its workers (without the release they would stay for its whole life)."""
+    from tfq.kernels import cpu_build
+
+    torch.set_num_threads(2)
+    g = torch.Generator().manual_seed(7)
+    panels, x = cpu_build.op("pack")(torch.randn(256, 64, generator=g)), torch.randn(3, 64, generator=g)
+    first = cpu_build.op("linear")(x, panels, None, 256)  # 4 panels on 2 threads: a parallel region, a worker
+    held = _threads_now()
+    assert torch.equal(cpu_build.op("linear")(x, panels, None, 256), first) and _threads_now() == held  # control
+    assert release_workers()
+    assert eventually(lambda: _threads_now() < held, timeout_s=30), "the worker did not go"
+    assert torch.equal(cpu_build.op("linear")(x, panels, None, 256), first)
+    assert _threads_now() == held
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts this process's threads in /proc (Linux)")
+def test_the_thread_that_builds_a_server_keeps_no_workers(tiny_dirs, tiny_models, restored_threads):
+    """`tfq serve` builds its engine on one thread and steps it on another (tfq/serve/loop.py): the builder's
+    workers go, so the engine thread's are the only ones. (Without the release they stay: the test above.)"""
+    from tfq.kernels import cpu_build
+
+    torch.set_num_threads(2)
+    cpu_build.op("linear")(torch.ones(2, 64), cpu_build.op("pack")(torch.ones(256, 64)), None, 256)
+    held = _threads_now()
+    served = server(tiny_served(tiny_dirs, tiny_models))
+    assert eventually(lambda: _threads_now() < held, timeout_s=30), "the builder kept its workers"
+    assert not served.loop.dead
 
 
 COUNTS = (1, 2, 3, 4, 5, 8, 16)

@@ -20,6 +20,7 @@ import torch
 
 from tfq.engine import Engine, ForwardFault, Output
 from tfq.stream import Finish, Request, Result
+from tfq.threads import release_workers
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class EngineLoop:
         self.stuck_after_s = stuck_after_s
         self.on_dead: Callable[[str], None] | None = None  # told once, from whichever thread found it dead
         self.threads = torch.get_num_threads()  # the count the engine's guard proved at construction
+        release_workers()  # built on this thread, stepped on the engine thread: one pool of workers, not two
         self._cond = threading.Condition()
         self._adds: list[Ticket] = []
         self._aborts: list[Ticket] = []
