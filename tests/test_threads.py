@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -92,41 +93,62 @@ def test_this_machine_can_be_sampled():
     assert s is not None and s.busy > 0 and s.own > 0
 
 
-def _threads_now() -> int:
-    return len(os.listdir("/proc/self/task"))
+def _tids() -> set[int]:
+    return {int(t) for t in os.listdir("/proc/self/task")}
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts this process's threads in /proc (Linux)")
-def test_a_thread_gives_its_openmp_workers_back_and_gets_them_again(restored_threads):
-    """The thread that built a served engine gives back its OpenMP workers (tfq/threads.py: release_workers), so
-    the engine thread's pool is the only one; computing again brings them back, with the same bits. Control: a
-    thread that only computes keeps its workers (without the release they would stay for its whole life)."""
+def _on_a_new_thread(work):
+    """work() on a thread of its own (no OpenMP workers yet, whatever earlier tests ran here): what it returns."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(work).result()
+
+
+def _workers_of(compute) -> set[int]:
+    """The threads that appear while this thread runs `compute` at 2 threads: its OpenMP workers."""
+    torch.set_num_threads(2)
+    before = _tids()
+    compute()
+    return _tids() - before
+
+
+def _linear():
     from tfq.kernels import cpu_build
 
-    torch.set_num_threads(2)
     g = torch.Generator().manual_seed(7)
     panels, x = cpu_build.op("pack")(torch.randn(256, 64, generator=g)), torch.randn(3, 64, generator=g)
-    first = cpu_build.op("linear")(x, panels, None, 256)  # 4 panels on 2 threads: a parallel region, a worker
-    held = _threads_now()
-    assert torch.equal(cpu_build.op("linear")(x, panels, None, 256), first) and _threads_now() == held  # control
-    assert release_workers()
-    assert eventually(lambda: _threads_now() < held, timeout_s=30), "the worker did not go"
-    assert torch.equal(cpu_build.op("linear")(x, panels, None, 256), first)
-    assert _threads_now() == held
+    return cpu_build.op("linear")(x, panels, None, 256)  # 4 panels on 2 threads: a parallel region
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts this process's threads in /proc (Linux)")
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads this process's threads in /proc (Linux)")
+def test_a_thread_gives_its_openmp_workers_back_and_gets_them_again(restored_threads):
+    """A thread gives back its OpenMP workers (tfq/threads.py: release_workers, what a served engine's builder
+    does), and computing again brings workers back, with the same bits. Control: a thread that only computes
+    keeps its workers (libgomp keeps them for the thread's whole life)."""
+
+    def work():
+        first = []
+        workers = _workers_of(lambda: first.append(_linear()))
+        assert workers, "a parallel region at 2 threads started no worker"
+        assert torch.equal(_linear(), first[0]) and workers <= _tids()  # control: still there
+        assert release_workers()
+        assert eventually(lambda: not workers & _tids(), timeout_s=30), "the workers did not go"
+        assert _workers_of(lambda: first.append(_linear())) and torch.equal(first[-1], first[0])
+
+    _on_a_new_thread(work)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads this process's threads in /proc (Linux)")
 def test_the_thread_that_builds_a_server_keeps_no_workers(tiny_dirs, tiny_models, restored_threads):
     """`tfq serve` builds its engine on one thread and steps it on another (tfq/serve/loop.py): the builder's
-    workers go, so the engine thread's are the only ones. (Without the release they stay: the test above.)"""
-    from tfq.kernels import cpu_build
+    workers go, so the engine thread's are the only ones. (Without the release they stay: the control above.)"""
 
-    torch.set_num_threads(2)
-    cpu_build.op("linear")(torch.ones(2, 64), cpu_build.op("pack")(torch.ones(256, 64)), None, 256)
-    held = _threads_now()
-    served = server(tiny_served(tiny_dirs, tiny_models))
-    assert eventually(lambda: _threads_now() < held, timeout_s=30), "the builder kept its workers"
-    assert not served.loop.dead
+    def work():
+        workers = _workers_of(_linear)
+        served = server(tiny_served(tiny_dirs, tiny_models))
+        assert eventually(lambda: not workers & _tids(), timeout_s=30), "the builder kept its workers"
+        assert not served.loop.dead
+
+    _on_a_new_thread(work)
 
 
 COUNTS = (1, 2, 3, 4, 5, 8, 16)
