@@ -1,7 +1,9 @@
 """The CPU thread count follows the cores other processes leave free, and never changes a stream's bits."""
 from __future__ import annotations
 
+import ctypes
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -97,18 +99,30 @@ def _tids() -> set[int]:
     return {int(t) for t in os.listdir("/proc/self/task")}
 
 
-def _on_a_new_thread(work):
-    """work() on a thread of its own (no OpenMP workers yet, whatever earlier tests ran here): what it returns."""
+def _named(name: str) -> set[int]:
+    """This process's threads called `name`, but the calling one."""
+    found = set()
+    for tid in _tids() - {threading.get_native_id()}:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() == name:
+                    found.add(tid)
+        except OSError:  # it ended while we looked
+            pass
+    return found
+
+
+def _on_a_new_thread(work, name: str = "tfq-omp-check"):
+    """work(name) on a thread of its own called `name` (no OpenMP workers yet, whatever earlier tests ran): a
+    thread it starts, such as an OpenMP worker, takes the name too, so its workers are told from any other."""
+
+    def named():
+        ctypes.CDLL(None).prctl(15, name.encode(), 0, 0, 0)  # PR_SET_NAME
+        torch.set_num_threads(2)
+        return work(name)
+
     with ThreadPoolExecutor(1) as pool:
-        return pool.submit(work).result()
-
-
-def _workers_of(compute) -> set[int]:
-    """The threads that appear while this thread runs `compute` at 2 threads: its OpenMP workers."""
-    torch.set_num_threads(2)
-    before = _tids()
-    compute()
-    return _tids() - before
+        return pool.submit(named).result()
 
 
 def _linear():
@@ -125,14 +139,14 @@ def test_a_thread_gives_its_openmp_workers_back_and_gets_them_again(restored_thr
     does), and computing again brings workers back, with the same bits. Control: a thread that only computes
     keeps its workers (libgomp keeps them for the thread's whole life)."""
 
-    def work():
-        first = []
-        workers = _workers_of(lambda: first.append(_linear()))
+    def work(name):
+        first = _linear()
+        workers = _named(name)
         assert workers, "a parallel region at 2 threads started no worker"
-        assert torch.equal(_linear(), first[0]) and workers <= _tids()  # control: still there
+        assert torch.equal(_linear(), first) and _named(name) == workers  # control: a thread keeps its workers
         assert release_workers()
         assert eventually(lambda: not workers & _tids(), timeout_s=30), "the workers did not go"
-        assert _workers_of(lambda: first.append(_linear())) and torch.equal(first[-1], first[0])
+        assert torch.equal(_linear(), first) and _named(name) - workers, "no workers came back"
 
     _on_a_new_thread(work)
 
@@ -142,8 +156,10 @@ def test_the_thread_that_builds_a_server_keeps_no_workers(tiny_dirs, tiny_models
     """`tfq serve` builds its engine on one thread and steps it on another (tfq/serve/loop.py): the builder's
     workers go, so the engine thread's are the only ones. (Without the release they stay: the control above.)"""
 
-    def work():
-        workers = _workers_of(_linear)
+    def work(name):
+        _linear()
+        workers = _named(name)
+        assert workers, "a parallel region at 2 threads started no worker"
         served = server(tiny_served(tiny_dirs, tiny_models))
         assert eventually(lambda: not workers & _tids(), timeout_s=30), "the builder kept its workers"
         assert not served.loop.dead
