@@ -292,6 +292,8 @@ BAD_OVERRIDES = [
     ({}, ["lanes=3.5"], "--set lanes=3.5: lanes must be a positive integer"),
     ({"TFQ_DEVICE": "tpu"}, [], "TFQ_DEVICE=tpu: device must be auto, cpu, cuda or cuda:N"),
     ({}, ["device=cuda:99"], "device cuda:99 (set by --set): this machine sees"),
+    ({"TFQ_TP": "1000"}, [], "tp 1000 (set by TFQ_TP) is more ranks than the model has hidden columns (128) to "
+                             "share among them; set tp to at most 128"),
     ({"TFQ_LOGITS_ROWS": "none"}, [], "TFQ_LOGITS_ROWS=none: logits_rows must be auto or a positive number of rows"),
     ({}, ["logits_rows=7", "draft=ngram:3"], "logits_rows 7 (set by --set) is fewer than the rows every lane draws "
                                              "from at once (8 lanes x 4); set logits_rows to 32 or more, or auto"),

@@ -249,6 +249,10 @@ def compute_layout(plan: PlanView, config: ModelConfig) -> Layout:
         )
     if config.hybrid and getattr(plan.kv, "prefix_cache", "off") == "on":
         raise fail(f"kv.prefix_cache: on{tag(plan, 'kv.prefix_cache')} {PREFIX_ON_HYBRID}")
+    tp = getattr(plan, "tp", 1)
+    if tp > config.hidden_size:  # each rank a process holding a share of every split (tfq/parallel/shard.py)
+        raise fail(f"tp {tp}{tag(plan, 'tp')} is more ranks than the model has hidden columns ({config.hidden_size}) "
+                   f"to share among them; set tp to at most {config.hidden_size}")
     from tfq.model.footprint import FIXED_OVERHEAD, activation_row_bytes, weight_bytes
 
     row = row_bytes(config, plan.kv.dtype)
