@@ -68,6 +68,10 @@ def test_prompts_file(tiny_dirs, tmp_path):
     (["--regex", "("], "unclosed group"),
     (["--regex", "a", "--json-schema", str(ROOT / "pyproject.toml")], "not JSON"),
     (["--presence-penalty", "3"], "presence_penalty"),
+    (["--presence-penalty", "nan"], "presence_penalty"),
+    (["--frequency-penalty", "inf"], "frequency_penalty"),
+    (["--repetition-penalty", "1e-45"], "repetition_penalty must be in [0.1, 10]"),
+    (["--repetition-penalty", "11"], "repetition_penalty"),
 ])
 def test_bad_input_is_one_line_exit_2(tiny_dirs, args, words):
     base = {"--model": str(tiny_dirs["qwen2"])}

@@ -10,11 +10,13 @@ rounded. So they are a function of the row's bits alone, on any machine and at a
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from tfq.errors import TfqError
 from tfq.nearest import BLOCK, exp32, log64
 
 
@@ -42,10 +44,17 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, seed: int, po
     in that order; top-p keeps the smallest head holding top_p of the whole; a keyed uniform draw picks within
     it. Only the head is ever sorted: the whole's sum needs the weights' values in order, not their ids."""
     if temperature <= 0:  # numpy's argmax (the first of equal maxima) is 25x faster here than torch's
-        return int(logits.numpy().argmax())
+        x = logits.numpy()
+        token = int(x.argmax())  # a NaN anywhere is "the largest": it shows in the check
+        drawable(float(x[token]), position)
+        return token
+    top = logits.max()  # a NaN anywhere makes it NaN
+    drawable(float(top), position)
     scaled = logits / temperature
     if not bool(torch.isfinite(scaled).all()):  # T so small that logits / T overflows: scale from the max,
-        scaled = (logits - logits.max()) / temperature  # which stays 0 (the rest -inf), not inf - inf = NaN
+        scaled = (logits - top) / temperature  # which stays 0 (the rest -inf), not inf - inf = NaN
+        if np.float32(temperature) == 0:  # T under float32's least: the max's 0 / 0 is NaN; T -> 0 keeps it
+            scaled = torch.where(logits == top, 0.0, scaled)
     w = weights(scaled)[1]
     total = _running_sum(np.sort(w)[::-1])  # equal weights are equal values: the ids' order cannot change a sum
     g = torch.Generator().manual_seed(draw_key(seed, position))
@@ -58,6 +67,13 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, seed: int, po
         ids, cum = _head(w, lambda cum: cum[-1] > r * total)
         keep, u = len(cum), r * total
     return int(ids[min(int(np.searchsorted(cum[:keep], u, side="right")), keep - 1)])
+
+
+def drawable(top: float, position: int) -> None:
+    """A row whose largest logit is not finite has no distribution to draw from: a NaN or +inf in it (a penalty
+    or bias that overflowed), or every token masked (-inf). An error for the stream, never a draw of noise."""
+    if not math.isfinite(top):
+        raise TfqError(f"the row for position {position} has no finite largest logit ({top}); nothing to draw from")
 
 
 def _head(w: np.ndarray, enough) -> tuple[np.ndarray, np.ndarray]:

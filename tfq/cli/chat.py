@@ -94,7 +94,7 @@ def chat(
     regex: Optional[str] = typer.Option(None, "--regex", help="A regex every reply matches."),
     presence_penalty: float = typer.Option(0.0, "--presence-penalty", help="-2 to 2, as OpenAI's."),
     frequency_penalty: float = typer.Option(0.0, "--frequency-penalty", help="-2 to 2, as OpenAI's."),
-    repetition_penalty: float = typer.Option(1.0, "--repetition-penalty", help="> 0 to 10, as vLLM's (1: none)."),
+    repetition_penalty: float = typer.Option(1.0, "--repetition-penalty", help="0.1 to 10, as vLLM's (1: none)."),
     tools_file: Optional[str] = typer.Option(None, "--tools", help="A JSON file of tools (OpenAI's shape) the model "
                                              "may call; the calls it writes are listed after the reply."),
     tool_choice: str = typer.Option("auto", "--tool-choice", help="auto | required | none | a tool's name."),

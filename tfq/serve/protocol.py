@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import replace
 from typing import Literal, Optional, Union
 
@@ -18,12 +19,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from tfq.grammar import Constraint, constraint_of
-from tfq.penalties import Penalties
+from tfq.penalties import LEAST_REPETITION, MOST_BIAS, MOST_BIASED, MOST_PENALTY, MOST_REPETITION, Penalties
 from tfq.stream import MOST_TOP_LOGPROBS, Request, choices
 
 MOST_CHOICES = 16
 MOST_STOPS = 4
 MOST_TOOLS = 128
+TOKEN_ID = re.compile(r"[0-9]{1,9}")  # a logit_bias key: ASCII digits, short enough to be a vocabulary's id
 
 
 def lone_surrogate(value, path: str = "") -> str | None:
@@ -96,10 +98,10 @@ class Sampling(BaseModel):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None  # accepted and ignored, as OpenAI's
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(1.0, gt=0, le=10)  # vLLM's
-    logit_bias: Optional[dict[str, float]] = None
+    presence_penalty: float = Field(0.0, ge=-MOST_PENALTY, le=MOST_PENALTY)
+    frequency_penalty: float = Field(0.0, ge=-MOST_PENALTY, le=MOST_PENALTY)
+    repetition_penalty: float = Field(1.0, ge=LEAST_REPETITION, le=MOST_REPETITION)  # vLLM's
+    logit_bias: Optional[dict[str, float]] = Field(None, max_length=MOST_BIASED)
     response_format: Optional[ResponseFormat] = None
     structured_outputs: Optional[StructuredOutputs] = None  # vLLM's
     # tfq's own: each choice's token ids, and the digest of the logits each token was drawn from
@@ -126,11 +128,15 @@ class Sampling(BaseModel):
     @field_validator("logit_bias")
     @classmethod
     def _bias(cls, v):
+        tokens: dict[int, str] = {}
         for key, value in (v or {}).items():
-            if not key.isdigit():
-                raise ValueError(f"keys are token ids written as strings (\"1234\"), got {key!r}")
-            if not (math.isfinite(value) and -100 <= value <= 100):
-                raise ValueError(f"token {key}: a bias is in [-100, 100], got {value!r}")
+            if not TOKEN_ID.fullmatch(key):  # "²".isdigit() is true, and int() of 5,000 digits raises
+                raise ValueError(f"keys are token ids written as ASCII digits (\"1234\"), got {key[:20]!r}")
+            if int(key) in tokens:
+                raise ValueError(f"{tokens[int(key)]!r} and {key!r} name the same token; give it once")
+            tokens[int(key)] = key
+            if not (math.isfinite(value) and -MOST_BIAS <= value <= MOST_BIAS):
+                raise ValueError(f"token {key}: a bias is in [-{MOST_BIAS:g}, {MOST_BIAS:g}], got {value!r}")
         return v
 
     @model_validator(mode="after")
