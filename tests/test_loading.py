@@ -255,6 +255,45 @@ def test_interrupted_conversion_leaves_nothing(tmp_path_factory, cache, monkeypa
     assert not stale.exists() and fresh.exists()
 
 
+WRITER = """
+import sys, time
+from pathlib import Path
+from tfq.model import source
+
+def produce(out):
+    (out / "model.safetensors").write_bytes(b"half")  # half written, then a long wait
+    print("writing", flush=True)
+    time.sleep(600)
+
+source._convert_once(Path(sys.argv[1]), produce)
+"""
+
+
+def test_the_clean_up_leaves_a_live_writers_entry_and_removes_a_dead_ones(cache):
+    """Another process converting into the cache (its entry older than the clean-up's hour: one big file can
+    take longer) keeps its entry through a clean-up; once it is killed, the next clean-up removes the entry."""
+    import subprocess
+    import sys
+
+    folder = cache / "converted"
+    folder.mkdir(parents=True)
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(folder / "abc-v1")], stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, "TFQ_CACHE": str(cache)})
+    try:
+        assert writer.stdout.readline() == "writing\n"
+        entries = [p for p in folder.glob(".*") if p.is_dir()]
+        assert len(entries) == 1
+        for p in folder.glob(".*"):
+            os.utime(p, (time.time() - 7200,) * 2)
+        source._remove_stale(folder)
+        assert (entries[0] / "model.safetensors").read_bytes() == b"half"  # the writer lives: untouched
+    finally:
+        writer.kill()
+        writer.wait(60)
+    source._remove_stale(folder)
+    assert list(folder.iterdir()) == []  # its entry and lock file, with the writer gone
+
+
 def test_header_parser_agrees_with_gguf_reader(tmp_path_factory):
     from gguf import GGUFReader
 

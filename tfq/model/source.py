@@ -1,6 +1,7 @@
 """Where a model comes from: `default`, an HF checkpoint folder, or a .gguf file (converted once, cached)."""
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -18,6 +19,7 @@ from tfq.model.config import ModelConfig
 CONVERTER_VERSION = 1
 SHIPPED_DEFAULT_CONFIG = Path(__file__).with_name("default_config.json")
 _HASHES = "sha256.json"
+_LOCK = ".lock"  # beside a temporary entry being written
 
 
 def cache_dir() -> Path:
@@ -153,6 +155,7 @@ def _convert_once(target: Path, produce: Callable[[Path], None]) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale(target.parent)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        lock = _hold(_lock_of(tmp))  # fresh, so no clean-up takes it before the lock is held
     except OSError as e:
         raise TfqError(f"cannot write the cache folder {target.parent} ({e.strerror or e}); set TFQ_CACHE to a writable folder") from None
     try:
@@ -167,18 +170,60 @@ def _convert_once(target: Path, produce: Callable[[Path], None]) -> Path:
         raise TfqError(f"converting into {target} failed ({e.strerror or e}); is the disk full? set TFQ_CACHE elsewhere") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        _let_go(lock, _lock_of(tmp))
     return target
 
 
+def _lock_of(entry: Path) -> Path:
+    """The lock file beside a temporary entry: held while its writer lives (the kernel lets go when it dies)."""
+    return entry.with_name(entry.name + _LOCK)
+
+
+def _hold(lock: Path) -> int:
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def _let_go(fd: int, lock: Path) -> None:
+    lock.unlink(missing_ok=True)  # before letting go: a clean-up that opens it then finds nothing
+    os.close(fd)
+
+
 def _remove_stale(folder: Path, age_s: float = 3600.0) -> None:
-    """Delete what a killed conversion left behind (hidden temporary entries, untouched for an hour)."""
+    """Delete what a killed conversion left behind: hidden temporary entries untouched for an hour whose writer
+    is gone. An entry with a lock file is another process's conversion while that process holds the lock (a
+    conversion may write one file for longer than an hour, so age alone cannot tell); one without is from a
+    tfq that did not lock, or its lock file is gone with its writer."""
     now = time.time()
     for p in folder.glob(".*"):
         try:
-            if now - p.stat().st_mtime > age_s:
-                shutil.rmtree(p) if p.is_dir() else p.unlink()
+            if p.name.endswith(_LOCK):
+                if not p.with_name(p.name[:-len(_LOCK)]).exists() and now - p.stat().st_mtime > age_s:
+                    _remove_unheld(p, p)  # a lock file left without its entry
+            elif now - p.stat().st_mtime > age_s:
+                _remove_unheld(p, _lock_of(p))
         except OSError:
             pass
+
+
+def _remove_unheld(entry: Path, lock: Path) -> None:
+    """Remove `entry` (and its lock file) unless a live writer holds the lock."""
+    try:
+        fd = os.open(lock, os.O_RDWR)
+    except FileNotFoundError:
+        fd = None
+    try:
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return  # its writer lives
+        shutil.rmtree(entry) if entry.is_dir() else entry.unlink(missing_ok=True)
+        lock.unlink(missing_ok=True)
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def _hash_memo() -> tuple[Path, dict]:
