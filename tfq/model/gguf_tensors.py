@@ -5,6 +5,7 @@ are one matrix an expert here, as in an HF checkpoint (`matrices`)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
 from typing import Iterator
@@ -83,12 +84,27 @@ def matrices(h: GgufHeader) -> list[TensorInfo]:
     out = []
     for t in h.tensors:
         if len(t.dims) == 3 and t.name.endswith("_exps.weight"):
+            _check_experts(h, t)
             per = t.n_bytes // t.dims[2]
             out += [TensorInfo(f"{t.name[:-len('weight')]}{e}.weight", t.dims[:2], t.ggml_type, t.offset + e * per,
                                per) for e in range(t.dims[2])]
         else:
             out.append(t)
     return out
+
+
+# More experts than any model has (llama.cpp's LLAMA_MAX_EXPERTS is 512): `matrices` builds a record an expert.
+MAX_EXPERTS = 4096
+
+
+def _check_experts(h: GgufHeader, t: TensorInfo) -> None:
+    """A stacked experts tensor holds expert_count experts, at most MAX_EXPERTS: a crafted last dim must not
+    stand for billions of records (the header has checked that its bytes lie in the file, not that they are few)."""
+    key = f"{h.metadata.get('general.architecture')}.expert_count"
+    experts = h.count(key)
+    if t.dims[2] != experts or experts > MAX_EXPERTS:
+        raise TfqError(f"{h.path}: tensor {t.name} stacks {t.dims[2]:,} experts but {key} is {experts:,} "
+                       f"(at most {MAX_EXPERTS} are read); the file is damaged: download or convert it again")
 
 
 def tensor_names(h: GgufHeader) -> list[tuple[str, TensorInfo]]:
@@ -137,9 +153,11 @@ def hf_layouts(h: GgufHeader) -> dict[str, HfLayout]:
     arch = h.metadata.get("general.architecture")
     if arch not in HYBRID_ARCHS:
         return {}
-    md = h.metadata
-    nk, nv = int(md[f"{arch}.ssm.group_count"]), int(md[f"{arch}.ssm.time_step_rank"])
-    kd, vd = int(md[f"{arch}.ssm.state_size"]), int(md[f"{arch}.ssm.inner_size"]) // nv
+    nk, nv = h.count(f"{arch}.ssm.group_count"), h.count(f"{arch}.ssm.time_step_rank")
+    kd, vd = h.count(f"{arch}.ssm.state_size"), h.count(f"{arch}.ssm.inner_size") // nv
+    if nv % nk:
+        raise TfqError(f"{h.path}: GGUF metadata {arch}.ssm.time_step_rank ({nv}) is not a multiple of "
+                       f"{arch}.ssm.group_count ({nk}); the file is damaged")
 
     def grouped(head: int) -> np.ndarray | None:  # tiled -> grouped, for value heads of `head` dims
         if nk == nv:
@@ -151,24 +169,34 @@ def hf_layouts(h: GgufHeader) -> dict[str, HfLayout]:
         v = grouped(head)
         return None if v is None else np.concatenate([np.arange(2 * nk * kd), 2 * nk * kd + v])
 
+    # part: (its HF layout, given the value heads' orders, and how many rows or inputs (axis) it reorders)
+    qkv = 2 * nk * kd + nv * vd
+    parts = {"attn_qkv.weight": (lambda t: HfLayout(rows=after_qk(vd)), 0, qkv),
+             "attn_gate.weight": (lambda t: HfLayout(rows=grouped(vd)), 0, nv * vd),
+             "ssm_beta.weight": (lambda t: HfLayout(rows=grouped(1)), 0, nv),
+             "ssm_alpha.weight": (lambda t: HfLayout(rows=grouped(1)), 0, nv),
+             "ssm_dt.bias": (lambda t: HfLayout(rows=grouped(1)), 0, nv),
+             "ssm_a": (lambda t: HfLayout(rows=grouped(1), a_log=True), 0, nv),
+             "ssm_conv1d.weight": (lambda t: HfLayout(rows=after_qk(vd), shape=(t.shape[0], 1, t.shape[-1])), 0,
+                                   qkv),
+             "ssm_out.weight": (lambda t: HfLayout(cols=grouped(vd)), 1, nv * vd)}
     out = {}
     for t in h.tensors:
         part = t.name.split(".", 2)[-1] if t.name.startswith("blk.") else t.name
         if part.endswith("norm.weight") and part != "ssm_norm.weight":
             out[t.name] = HfLayout(norm=True)
-        elif part == "attn_qkv.weight":
-            out[t.name] = HfLayout(rows=after_qk(vd))
-        elif part == "attn_gate.weight":
-            out[t.name] = HfLayout(rows=grouped(vd))
-        elif part in ("ssm_beta.weight", "ssm_alpha.weight", "ssm_dt.bias"):
-            out[t.name] = HfLayout(rows=grouped(1))
-        elif part == "ssm_a":
-            out[t.name] = HfLayout(rows=grouped(1), a_log=True)
-        elif part == "ssm_conv1d.weight":
-            out[t.name] = HfLayout(rows=after_qk(vd), shape=(t.shape[0], 1, t.shape[-1]))
-        elif part == "ssm_out.weight":
-            out[t.name] = HfLayout(cols=grouped(vd))
+        elif part in parts:
+            layout, axis, size = parts[part]
+            _check_reordered(h, t, axis, size)  # before any order is built from the metadata's sizes
+            out[t.name] = layout(t)
     return out
+
+
+def _check_reordered(h: GgufHeader, t: TensorInfo, axis: int, size: int) -> None:
+    """The tensor's rows (axis 0) or inputs (1) number `size`, as the metadata's DeltaNet sizes say."""
+    if axis >= len(t.shape) or t.shape[axis] != size:
+        raise TfqError(f"{h.path}: tensor {t.name} has shape {t.shape}, but the file's ssm.* sizes give it "
+                       f"{size:,} {'rows' if axis == 0 else 'inputs'}; the file is damaged")
 
 
 def model_name(name: str, layout: HfLayout | None) -> str:
@@ -187,7 +215,7 @@ def dequantized(h: GgufHeader, data: np.ndarray, t: TensorInfo) -> np.ndarray:
 
     qtype = GGMLQuantizationType(t.ggml_type)
     rows = t.shape[:-1]
-    raw = data[t.offset:t.offset + t.n_bytes].reshape(*rows, t.n_bytes // max(1, int(np.prod(rows, dtype=np.int64))))
+    raw = data[t.offset:t.offset + t.n_bytes].reshape(*rows, t.n_bytes // math.prod(rows))
     try:
         out = dequantize(raw, qtype)
     except NotImplementedError:
@@ -358,9 +386,8 @@ def kept_summary(h: GgufHeader, activations: str = "fp32") -> KeptWeights:
     layouts = hf_layouts(h)
     hybrid = bool(layouts)
     arch = h.metadata.get("general.architecture")
-    experts, chosen = h.metadata.get(f"{arch}.expert_count"), h.metadata.get(f"{arch}.expert_used_count")
     for t in matrices(h):
-        size = int(np.prod(t.shape, dtype=np.int64))
+        size = math.prod(t.shape)
         kind = GGMLQuantizationType(t.ggml_type).name
         kept = kind in KEPT and len(t.shape) == 2
         cols = layouts[t.name].cols if t.name in layouts else None
@@ -384,7 +411,9 @@ def kept_summary(h: GgufHeader, activations: str = "fp32") -> KeptWeights:
             resident += matrix  # the head computes with the embedding's blocks, packed
         else:
             resident += matrix
-        share = chosen / experts if _EXPERT.search(t.name) else 1  # a row reads only its chosen experts
+        share = 1  # a row reads only its chosen experts
+        if _EXPERT.search(t.name):
+            share = h.count(f"{arch}.expert_used_count") / h.count(f"{arch}.expert_count")
         fp32 += round(4 * size * share)
         step += round(matrix * share)
     return KeptWeights(resident, step, fp32, embedding, counts)
