@@ -20,6 +20,9 @@ import pytest
 import tfq.engine
 import tfq.stream
 from served import NAME, POOL, TINY_PLAN, eventually, idle, raw, server, tiny_served
+from test_draft import RandomDrafter
+from tfq.engine import Controls
+from tfq.grammar import OwnCompile
 from tfq.serve.background import serving
 
 POISON = 666  # the seed of the request a fault is put in
@@ -88,8 +91,8 @@ def stops(monkeypatch, engine):
 def decoder(monkeypatch, engine):
     real = engine.add
 
-    def add(request):
-        id_ = real(request)
+    def add(request, grammar=None):
+        id_ = real(request, grammar)
         if request.seed == POISON:
             engine.streams[id_].decoder = Exploding()
         return id_
@@ -133,6 +136,64 @@ def test_a_requests_own_fault_fails_it_alone(tiny, monkeypatch, fault):
                                                                          for s, b in alone]
         m = settled(base)
         assert m['tfq_requests_total{outcome="failed"}'] == 1 and m['tfq_requests_total{outcome="finished"}'] == 2
+
+
+class Panic(BaseException):
+    """Stands for pyo3's PanicException: a Rust panic (in llguidance, in tokenizers) reaches Python as a
+    BaseException, which `except Exception` lets through."""
+
+
+class PanickingGuessChecks:
+    """A compile whose matchers panic checking a drafter's guesses once the reply has `after` tokens: a fault
+    inside llguidance, mid-reply, on the path only drafting takes."""
+
+    def __init__(self, after: int):
+        self.after, self.own = after, OwnCompile()
+
+    def __call__(self, llg, text: str):
+        return _Panicking(self.own(llg, text), self.after)
+
+
+class _Panicking:
+    def __init__(self, matcher, after: int, taken: int = 0):
+        self.m, self.after, self.taken = matcher, after, taken
+
+    def deep_copy(self):
+        return _Panicking(self.m.deep_copy(), self.after)
+
+    def consume_token(self, token: int) -> bool:
+        self.taken += 1
+        return self.m.consume_token(token)
+
+    def validate_tokens(self, tokens: list[int]) -> int:
+        if self.taken >= self.after:
+            raise Panic("a panic in the grammar library put in by the test")
+        return self.m.validate_tokens(tokens)
+
+    def __getattr__(self, name: str):
+        return getattr(self.m, name)
+
+
+def test_a_grammar_that_panics_mid_reply_under_drafting_fails_its_stream_alone(tiny):
+    """The constrained stream's grammar panics while its guesses are checked (before the step's forward): that
+    request gets a 500 naming it; the requests beside it equal their runs alone; /health stays ok."""
+    vocab = tiny[2].config.vocab_size
+    with serving(server(tiny, drafter=RandomDrafter(3, vocab, 5))) as base:
+        alone = [completion(base, seed) for seed in (1, 2)]
+    served = server(tiny, drafter=RandomDrafter(3, vocab, 5), controls=Controls(compile=PanickingGuessChecks(3)))
+    with serving(served) as base:
+        poisoned = {"model": NAME, "prompt": "def fibonacci(n):", "max_tokens": 24, "seed": POISON,
+                    "structured_outputs": {"regex": "[a-z ]{8,40}"}}
+        with ThreadPoolExecutor(3) as pool:
+            bad = pool.submit(raw, base, "POST", "/v1/completions", json.dumps(poisoned).encode())
+            good = [pool.submit(completion, base, seed) for seed in (1, 2)]
+            status, _, body = bad.result()
+            beside = [g.result() for g in good]
+        error = json.loads(body)["error"]
+        assert status == 500 and "checking its drafted tokens: Panic" in error["message"]
+        assert [b["choices"][0]["digests"] for _, b in beside] == [b["choices"][0]["digests"] for _, b in alone]
+        settled(base)
+        assert served.loop.dead is None
 
 
 # -- the forward's faults ------------------------------------------------------------------------------------
@@ -216,6 +277,30 @@ def test_a_loop_thread_that_dies_answers_its_requests_and_stops_the_server(tiny)
         dead_server(served, base, "the engine loop failed")
 
 
+def test_a_loop_thread_ended_by_a_panic_answers_and_stops_the_server(tiny):
+    """A BaseException (a Rust panic) out of a step ends the engine as any fault does: /health 503, requests
+    answered, the server stops."""
+    served = server(tiny)
+
+    def step():
+        raise Panic("a panic put in by the test")
+
+    served.loop.engine.step = step
+    with serving(served) as base:
+        status, body = completion(base, 1)
+        assert status == 500 and "the engine loop failed: Panic" in body["error"]["message"]
+        dead_server(served, base, "the engine loop failed: Panic")
+
+
+def test_health_says_503_when_the_engine_thread_is_gone(tiny):
+    """Whatever ends the engine's thread, /health looks at the thread itself, not only at what it was told."""
+    served = server(tiny)
+    served.loop._loop = lambda: None  # the thread ends at once, telling nobody
+    with serving(served) as base:
+        assert eventually(lambda: not served.loop._thread.is_alive())
+        dead_server(served, base, "the engine thread has ended")
+
+
 def test_a_stuck_step_is_caught_by_the_watchdog(tiny):
     served = server(tiny, served={"stuck_after_s": 0.5})
     engine, release, entered = served.loop.engine, threading.Event(), threading.Event()
@@ -251,8 +336,10 @@ def test_the_control_a_healthy_server_is_not_dead(tiny):
 SERVE_WITH_A_DEAD_ENGINE = """
 import sys
 import tfq.engine
+class Panic(BaseException):
+    pass
 def step(self):
-    raise RuntimeError("an engine fault put in by the test")
+    raise {fault}("an engine fault put in by the test")
 tfq.engine.Engine.step = step
 from tfq.cli import main
 sys.argv = ["tfq", "serve", *sys.argv[1:]]
@@ -260,8 +347,9 @@ main()
 """
 
 
-def test_tfq_serve_exits_non_zero_when_its_engine_dies(tiny_dirs):
-    proc = subprocess.Popen([sys.executable, "-c", SERVE_WITH_A_DEAD_ENGINE, "--model", str(tiny_dirs["qwen2"]),
+@pytest.mark.parametrize("fault", ["RuntimeError", "Panic"])
+def test_tfq_serve_exits_non_zero_when_its_engine_dies(tiny_dirs, fault):
+    proc = subprocess.Popen([sys.executable, "-c", SERVE_WITH_A_DEAD_ENGINE.format(fault=fault), "--model", str(tiny_dirs["qwen2"]),
                              "--plan", TINY_PLAN, "--port", "0", "--quiet", "--name", NAME, "--log-level", "error"],
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
@@ -271,10 +359,10 @@ def test_tfq_serve_exits_non_zero_when_its_engine_dies(tiny_dirs):
             assert line or proc.poll() is None, "the server ended before serving"
         base = "http://" + line.split("http://")[1].split("/v1")[0]
         status, body = completion(base, 1)
-        assert status == 500 and "the engine loop failed: RuntimeError" in body["error"]["message"]
+        assert status == 500 and f"the engine loop failed: {fault}" in body["error"]["message"]
         assert proc.wait(60) == 1
         err = proc.stderr.read()
-        assert "the engine stopped (the engine loop failed: RuntimeError: an engine fault" in err
+        assert f"the engine stopped (the engine loop failed: {fault}: an engine fault" in err
         assert "ERROR tfq.serve.loop: the engine cannot serve" in err  # the log line, at --log-level error
     finally:
         proc.kill()

@@ -115,8 +115,9 @@ def test_penalties_follow_their_definition():
 
 def test_a_matcher_is_a_function_of_the_reply(tiny):
     """A matcher moved to another reply (a stream recomputed, a reply continued elsewhere) begins again from
-    its tokens: its mask equals a fresh matcher's at that reply."""
-    grammars = tiny_engine(tiny).grammars
+    its tokens: its mask equals a fresh matcher's at that reply. With a drafter, a probe of its own checks the
+    guesses; without one there is nothing to check."""
+    grammars = tiny_engine(tiny, drafter=RandomDrafter(3, tiny.config.vocab_size, 1)).grammars
     constraint = Constraint("choice", json.dumps(["alpha", "beta"]))
     tok = tiny.tokenizer
     a, b = tok.encode("alpha"), tok.encode("beta")
@@ -126,7 +127,8 @@ def test_a_matcher_is_a_function_of_the_reply(tiny):
     fresh = grammars.matcher(constraint)
     fresh.at(b[:1])
     assert np.array_equal(moved.allowed(), fresh.allowed())
-    assert moved.valid_prefix(b[1:] + a) == len(b) - 1  # a drafter's guesses: those the grammar takes
+    assert moved.valid_prefix(b[:1], b[1:] + a) == len(b) - 1  # a drafter's guesses: those the grammar takes
+    assert tiny_engine(tiny).grammars.matcher(constraint).valid_prefix(b[:1], b[1:]) == 0
 
 
 def test_bad_constraints_are_one_line_refusals(tiny):

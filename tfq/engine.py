@@ -20,8 +20,8 @@ from typing import Callable, Sequence
 import torch
 
 from tfq.cache import KVCache
-from tfq.errors import TfqError
-from tfq.grammar import Grammars, OwnMask
+from tfq.errors import TfqError, own_fault
+from tfq.grammar import Grammars, Matcher, OwnMask
 from tfq.model.qwen import Qwen
 from tfq.prefix import PrefixCache, root_key
 from tfq.plan.layout import PREFIX_ON_HYBRID, auto_logits_rows, lane_split
@@ -94,11 +94,13 @@ class Controls:
     arithmetic: the attention policy and DeltaNet algorithm a forward's rows run in (tfq/runner.py's policies;
     None: the plan's). page_order_seed: the pool hands out pages in an order shuffled by it (paged rows must not
     care where their pages sit). mask: how a constrained row's grammar mask is made (tfq/grammar.py: OwnMask,
-    or the control SharedMask)."""
+    or the control SharedMask). compile: how a stream's matcher is compiled (tfq/grammar.py: OwnCompile, with
+    its limits, or the control SharedCompile)."""
 
     arithmetic: Policy | None = None
     page_order_seed: int | None = None
     mask: Callable | None = None
+    compile: Callable | None = None
 
 
 class Engine:
@@ -131,8 +133,9 @@ class Engine:
         self.streams: dict[int, Stream] = {}
         self._next_id = 0
         self._grammars: Grammars | None = None  # built on the first constrained request (about a second)
-        self._grammars_once = threading.Lock()  # a server checks a grammar in a request's thread, then the engine
+        self._grammars_once = threading.Lock()  # a server compiles grammars in its request threads
         self.mask = controls.mask or OwnMask()
+        self._compile = controls.compile
         self.proof = None  # tfq.proofs.startup.LayerProof: the model's layer proved row-invariant here
         if not model.backend.interpreted:  # under Triton's interpreter the tests prove the same, faster
             self.proof = prove(model, s.kv_dtype, s.partial, torch.get_num_threads(), self.largest_forward,
@@ -171,8 +174,10 @@ class Engine:
         return cls(loaded.model, settings, loaded.tokenizer, **kw)
 
     # -- one step at a time ---------------------------------------------------------------------------------
-    def add(self, request: Request) -> int:
-        """Queue a request; its id. A prompt that cannot fit the window finishes at once with an error."""
+    def add(self, request: Request, grammar: Matcher | None = None) -> int:
+        """Queue a request; its id. A prompt that cannot fit the window finishes at once with an error.
+        grammar: the stream's matcher, compiled already (a server compiles off the engine's thread); else the
+        request's constraint is compiled here."""
         request.validate()
         request.penalties.validate(request.label or "request", self.model.config.vocab_size)  # bias on real ids
         st = Stream(self._next_id, request, list(request.prompt),
@@ -181,7 +186,7 @@ class Engine:
         self.streams[st.id] = st
         if request.constraint is not None:
             try:
-                st.grammar = self.grammars.matcher(request.constraint)
+                st.grammar = grammar or self.grammars.matcher(request.constraint)
             except TfqError as e:  # refused at once, as a prompt over the window is
                 st.fail(str(e))
                 st.status = Status.FINISHED
@@ -196,7 +201,8 @@ class Engine:
             if self._grammars is None:
                 if self.tokenizer is None:
                     raise TfqError("a constrained reply needs the model's tokenizer; load the model with it")
-                self._grammars = Grammars(self.tokenizer, self.model.config.vocab_size, self.eos_ids)
+                self._grammars = Grammars(self.tokenizer, self.model.config.vocab_size, self.eos_ids,
+                                          probes=self.drafter is not None, compile_=self._compile)
         return self._grammars
 
     def has_work(self) -> bool:
@@ -205,9 +211,10 @@ class Engine:
     def step(self) -> list[Output]:
         """One forward: what every stream that reached the end of its rows drew."""
         start = time.perf_counter()  # the step's time, all of it a token waits on: what the step budget learns
-        guesses = self._grammatical(self.runner.propose(*self.scheduler.guess_budgets(self.drawing_rows - 1)))
+        proposed = self.runner.propose(*self.scheduler.guess_budgets(self.drawing_rows - 1))
+        guesses, failed = self._grammatical(proposed)
         step = self.scheduler.schedule(guesses)
-        outputs = [Output(st.id, -1, "", True) for st in step.failed]
+        outputs = [Output(st.id, -1, "", True) for st in failed + step.failed]
         if step.feeds:
             if self.threads is not None:
                 self.threads.step(self._proved)
@@ -285,10 +292,16 @@ class Engine:
                 if st.finish is not None or j == feed.guesses or st.tokens[-1] != feed.tokens[own + j]:
                     break
             return outputs
-        except Exception as e:
-            log.exception("stream %d failed applying its logits", st.id)
-            st.fail(f"the stream failed while drawing its token: {type(e).__name__}: {e}", fault=True)
+        except BaseException as e:
+            if not own_fault(e):
+                raise
+            self._fail(st, "drawing its token", e)
             return [Output(st.id, -1, "", True)]
+
+    def _fail(self, st: Stream, doing: str, e: BaseException) -> None:
+        """A stream's own work raised (its grammar, penalties, text, stops): it alone fails."""
+        log.error("stream %d failed %s", st.id, doing, exc_info=e)
+        st.fail(f"the stream failed while {doing}: {type(e).__name__}: {e}", fault=True)
 
     def _draw(self, st: Stream, logits: torch.Tensor) -> Output:
         req = st.request
@@ -319,14 +332,24 @@ class Engine:
             logits = torch.where(torch.from_numpy(allowed[:len(logits)]), logits, float("-inf"))
         return logits
 
-    def _grammatical(self, guesses: dict[int, list[int]]) -> dict[int, list[int]]:
-        """A drafter's guesses cut where a stream's grammar would refuse one (it could never be drawn)."""
-        for id_, g in guesses.items():
+    def _grammatical(self, guesses: dict[int, list[int]]) -> tuple[dict[int, list[int]], list[Stream]]:
+        """A drafter's guesses cut where a stream's grammar would refuse one (it could never be drawn); and the
+        streams whose grammar failed on them, finished alone."""
+        failed = []
+        for id_, g in list(guesses.items()):
             st = self.streams[id_]
-            if st.grammar is not None:
-                st.grammar.at(st.reply)
-                guesses[id_] = g[:st.grammar.valid_prefix(g)]
-        return guesses
+            if st.grammar is None:
+                continue
+            try:
+                guesses[id_] = g[:st.grammar.valid_prefix(st.reply, g)]
+            except BaseException as e:
+                if not own_fault(e):
+                    raise
+                del guesses[id_]
+                self._fail(st, "checking its drafted tokens", e)
+                self.scheduler.finish(st)
+                failed.append(st)
+        return guesses, failed
 
     def _score_prompt(self, st: Stream, first: int, rows: torch.Tensor) -> None:
         """Row i (position first + i) scores the prompt token after it; once, even when recomputed."""

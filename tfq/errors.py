@@ -3,3 +3,10 @@
 
 class TfqError(Exception):
     """Bad input or an unusable environment. The CLI prints `tfq: <message>` and exits 2."""
+
+
+def own_fault(e: BaseException) -> bool:
+    """Whether an exception raised by one stream's own work (its grammar, penalties, text) is that stream's
+    alone to fail with: any error, and a Rust library's panic (pyo3's PanicException is a BaseException); not an
+    interrupt or an exit, which stop the process."""
+    return not isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit))

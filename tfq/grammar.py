@@ -15,7 +15,7 @@ import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -80,72 +80,156 @@ def constraint_of(json_schema: dict | bool | None = None, json_object: bool = Fa
     return Constraint("regex", regex) if regex is not None else Constraint("lark", lark)
 
 
+# llguidance's limits on a grammar and on the work of each token, written out (its defaults, documented in
+# docs/serve.md): a grammar past them is refused when it is compiled, a reply past them fails its own stream.
+# A compiled matcher caches the lexer states it builds and counts them against max_lexer_states for its life,
+# and copies of a matcher share that cache; so each stream compiles its own matcher (OwnCompile) and checks a
+# drafter's guesses on a second one of its own: whether a limit is reached is then a function of the stream's
+# own reply, never of the requests before it or beside it.
+LIMITS = (("max_items_in_row", 2000), ("initial_lexer_fuel", 1_000_000), ("step_lexer_fuel", 200_000),
+          ("step_max_items", 50_000), ("max_lexer_states", 250_000), ("max_grammar_size", 500_000))
+
+
+@dataclass(frozen=True)
+class OwnCompile:
+    """How a stream's matcher is made (production): compiled afresh from the grammar's text."""
+
+    limits: tuple[tuple[str, int], ...] = LIMITS
+
+    def __call__(self, llg, text: str):
+        import llguidance
+
+        return llguidance.LLMatcher(llg, text, log_level=0, limits=llguidance.LLParserLimits(**dict(self.limits)))
+
+
+class SharedCompile:
+    """A check's control: one compiled matcher a grammar, each stream handed a copy (what tfq did before). The
+    copies share the lexer's cache of states and its limit, so a stream fails or not by the streams that walked
+    the grammar before it (RED)."""
+
+    def __init__(self, limits: tuple[tuple[str, int], ...] = LIMITS):
+        self.own = OwnCompile(limits)
+        self.kept: dict[str, object] = {}
+
+    def __call__(self, llg, text: str):
+        if text not in self.kept:
+            self.kept[text] = self.own(llg, text)
+        return self.kept[text].deep_copy()
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A constraint llguidance accepted: its grammar text, compiled afresh for every stream that follows it."""
+
+    constraint: Constraint
+    text: str
+
+
 class Grammars:
-    """One model's grammars: llguidance's view of its tokenizer (built once, about a second), and matchers."""
+    """One model's grammars: llguidance's view of its tokenizer (built once, about a second), the grammars it
+    accepted, and each stream's matchers. probes: streams check a drafter's guesses (a matcher more each)."""
 
-    KEPT = 64  # compiled grammars kept (a server's clients send the same schemas again and again)
+    KEPT = 64  # accepted grammars kept (a server's clients send the same schemas again and again)
 
-    def __init__(self, tokenizer, vocab: int, eos_ids: Sequence[int]):
+    def __init__(self, tokenizer, vocab: int, eos_ids: Sequence[int], probes: bool = False,
+                 compile_: Callable | None = None):
         try:
             import llguidance
         except ImportError:
             raise TfqError("structured outputs need llguidance; install it: pip install llguidance") from None
         self.vocab = vocab
+        self.probes = probes
+        self.compile = compile_ or OwnCompile()
         self.llg = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab, eos_token=sorted(eos_ids))
-        self._compiled: OrderedDict[Constraint, object] = OrderedDict()
-        self._lock = threading.Lock()  # a server checks grammars in its request threads, the engine in its own
+        self._accepted: OrderedDict[Constraint, Grammar] = OrderedDict()
+        self._lock = threading.Lock()  # guards the dict only: no compile runs under it
+
+    def check(self, constraint: Constraint) -> Grammar:
+        """The constraint's grammar, once llguidance accepts it; a grammar it refuses raises TfqError with its
+        reason. Accepted grammars are kept, never a matcher: a matcher carries the state of its walk."""
+        with self._lock:
+            kept = self._accepted.get(constraint)
+            if kept is not None:
+                self._accepted.move_to_end(constraint)
+                return kept
+        try:
+            text = constraint.grammar()
+            trial = self.compile(self.llg, text)
+            reason = trial.get_error() if trial.is_error() else None
+        except (ValueError, RuntimeError, TypeError) as e:
+            reason = str(e)
+        if reason is not None:
+            raise TfqError(f"the {constraint.kind.replace('_', ' ')} cannot be used: {_one_line(reason)}")
+        grammar = Grammar(constraint, text)
+        with self._lock:
+            self._accepted[constraint] = grammar
+            while len(self._accepted) > self.KEPT:
+                self._accepted.popitem(last=False)
+        return grammar
 
     def matcher(self, constraint: Constraint) -> "Matcher":
-        """A matcher at the start of a reply; a grammar llguidance refuses raises TfqError with its reason."""
-        import llguidance
+        """A stream's own matcher at the start of its reply (compiled here: a server calls it off the engine's
+        thread)."""
+        grammar = self.check(constraint)
+        probe = _Walk(self.compile(self.llg, grammar.text)) if self.probes else None
+        return Matcher(_Walk(self.compile(self.llg, grammar.text)), self.vocab, probe)
 
-        with self._lock:
-            start = self._compiled.get(constraint)
-            if start is None:
-                try:
-                    start = llguidance.LLMatcher(self.llg, constraint.grammar(), log_level=0)
-                    reason = start.get_error() if start.is_error() else None
-                except (ValueError, RuntimeError, TypeError) as e:
-                    reason = str(e)
-                if reason is not None:
-                    raise TfqError(f"the {constraint.kind.replace('_', ' ')} cannot be used: {_one_line(reason)}")
-                self._compiled[constraint] = start
-                while len(self._compiled) > self.KEPT:
-                    self._compiled.popitem(last=False)
-            self._compiled.move_to_end(constraint)
-            return Matcher(start.deep_copy(), self.vocab)
+
+class _Walk:
+    """A compiled matcher following a reply: it consumes the reply's tokens not yet consumed, and begins again
+    from its own start when the reply is not an extension of what it consumed (a stream recomputed after
+    preemption), so its state is a function of the reply alone."""
+
+    def __init__(self, start):
+        self._start = start  # never consumes: what it begins again from (a copy shares its own cache only)
+        self.m = start.deep_copy()
+        self._taken: list[int] = []
+
+    def at(self, reply: Sequence[int]) -> None:
+        n = len(self._taken)
+        if len(reply) < n or list(reply[:n]) != self._taken:
+            self.m, self._taken, n = self._start.deep_copy(), [], 0
+        for t in reply[n:]:
+            if not self.m.consume_token(int(t)):
+                raise TfqError(f"the reply left its grammar at token {t}: {_one_line(self.m.get_error())}")
+            self._taken.append(int(t))
 
 
 class Matcher:
-    """A grammar's state along one reply."""
+    """A grammar's state along one reply; `probe`, a matcher of its own that checks a drafter's guesses (so
+    guesses the stream never draws build no lexer state in the stream's own matcher)."""
 
-    def __init__(self, matcher, vocab: int):
-        self._start = matcher.deep_copy()  # to begin again from
-        self._m = matcher
-        self._taken: list[int] = []  # the reply tokens it has consumed
+    def __init__(self, walk: _Walk, vocab: int, probe: _Walk | None = None):
+        self._walk = walk
+        self._probe = probe
         self.vocab = vocab
 
     def at(self, reply: Sequence[int]) -> None:
-        """Follow the reply: consume its tokens not yet consumed; begin again if the reply is not an extension
-        of what it consumed (so its state is always a function of the reply alone)."""
-        n = len(self._taken)
-        if len(reply) < n or list(reply[:n]) != self._taken:
-            self._m, self._taken, n = self._start.deep_copy(), [], 0
-        for t in reply[n:]:
-            if not self._m.consume_token(int(t)):
-                raise TfqError(f"the reply left its grammar at token {t}: {_one_line(self._m.get_error())}")
-            self._taken.append(int(t))
+        """Follow the reply (its state is always a function of the reply alone)."""
+        self._walk.at(reply)
 
     def allowed(self) -> np.ndarray:
         """[vocab] bool: the tokens the grammar allows next (an end-of-sequence token only where it may end)."""
-        bits = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8)
-        if self._m.is_error():
-            raise TfqError(f"the grammar failed: {_one_line(self._m.get_error())}")
+        m = self._walk.m
+        bits = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)
+        if m.is_error():
+            raise TfqError(f"the grammar failed: {_one_line(m.get_error())}")
         return np.unpackbits(bits, bitorder="little")[:self.vocab].view(bool)
 
-    def valid_prefix(self, tokens: Sequence[int]) -> int:
-        """How many of `tokens`, after the reply so far, the grammar allows in a row (a drafter's guesses)."""
-        return int(self._m.validate_tokens([int(t) for t in tokens])) if tokens else 0
+    def valid_prefix(self, reply: Sequence[int], tokens: Sequence[int]) -> int:
+        """How many of `tokens`, after `reply`, the grammar allows in a row (a drafter's guesses). 0 without a
+        probe, or once the probe fails (a limit): guesses change no bits, so fewer of them is always exact."""
+        if not tokens or self._probe is None:
+            return 0
+        try:
+            self._probe.at(reply)
+            n = int(self._probe.m.validate_tokens([int(t) for t in tokens]))
+            if self._probe.m.is_error():
+                raise TfqError(self._probe.m.get_error())
+            return n
+        except TfqError:
+            self._probe = None
+            return 0
 
 
 def _one_line(reason: str) -> str:

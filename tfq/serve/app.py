@@ -20,7 +20,8 @@ from starlette.exceptions import HTTPException
 
 from tfq import tools
 from tfq.errors import TfqError
-from tfq.grammar import Constraint
+from tfq.grammar import Constraint, Matcher
+from tfq.serve.compiles import Compiles, Crowded, TooSlow
 from tfq.serve.guard import Guard
 from tfq.serve.intake import (ApiError, Served, chat_prompt, check_model, check_stops, error_body, text_prompts,
                               validation_message)
@@ -37,6 +38,8 @@ DISCONNECT_POLL_S = 0.25
 
 
 def build_app(served: Served) -> FastAPI:
+    compiles = Compiles()
+
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         served.loop.start()
@@ -44,6 +47,7 @@ def build_app(served: Served) -> FastAPI:
             yield
         finally:  # after uvicorn's graceful shutdown: whatever still runs is aborted
             served.loop.stop()
+            compiles.close()
 
     # /openapi.json describes every route and field; the Swagger and ReDoc pages are off, since they load
     # their scripts from the internet
@@ -109,10 +113,10 @@ def build_app(served: Served) -> FastAPI:
         prompts = await asyncio.to_thread(text_prompts, served, body.prompt)
         if body.stream and body.echo and body.logprobs is not None:
             raise ApiError(400, "echo with logprobs is returned whole; set stream to false", "stream")
-        requests = await shaped(served, body, lambda: body.requests(
+        requests, matchers = await shaped(served, compiles, body, lambda: body.requests(
             prompts, served.window, body.max_tokens, body.logprobs, body.logprobs if body.echo else None))
         shape = Shape.new("text", served.model, body.return_token_ids, body.return_digests)
-        ticket = submit(served, requests)
+        ticket = submit(served, requests, matchers)
         owners = [prompts[i // body.n] for i in range(len(requests))]
         if body.stream:
             return sse(served, ticket, text_chunks(served, ticket, shape, owners, body.echo,
@@ -127,10 +131,10 @@ def build_app(served: Served) -> FastAPI:
         check_stops(served, body)
         prompt = await asyncio.to_thread(chat_prompt, served, body)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        requests = await shaped(served, body, lambda: body.requests(
+        requests, matchers = await shaped(served, compiles, body, lambda: body.requests(
             [prompt], served.window, body.reply_tokens, logprobs, constraint=tool_grammar(served, body)))
         shape = Shape.new("chat", served.model, body.return_token_ids, body.return_digests, body.calling)
-        ticket = submit(served, requests)
+        ticket = submit(served, requests, matchers)
         if body.stream:
             return sse(served, ticket, chat_chunks(served, ticket, shape, len(prompt) if body.include_usage else None))
         results = await collect(served, ticket, http)
@@ -149,9 +153,9 @@ def tool_grammar(served: Served, body: ChatBody) -> Constraint | None:
     return tools.constraint(body.tool_dicts, choice, body.parallel_tool_calls, served.tokenizer)
 
 
-async def shaped(served: Served, body, make) -> list[Request]:
-    """The body's engine requests (make()), their logit_bias and grammar checked; the grammar is compiled off the
-    event loop (llguidance bounds the work a grammar may take)."""
+async def shaped(served: Served, compiles: Compiles, body, make) -> tuple[list[Request], list[Matcher] | None]:
+    """The body's engine requests (make()), every setting checked, and their grammar's matchers (one a choice),
+    compiled off the event loop and the engine's thread (tfq/serve/compiles.py)."""
     where = ("response_format" if body.response_format is not None else "tools" if getattr(body, "calling", False)
              else "structured_outputs")
     try:
@@ -162,15 +166,6 @@ async def shaped(served: Served, body, make) -> list[Request]:
         requests[0].penalties.validate("logit_bias", served.vocab)
     except TfqError as e:
         raise ApiError(400, str(e), "logit_bias") from None
-    if requests[0].constraint is not None:
-        try:
-            await asyncio.to_thread(served.loop.engine.grammars.matcher, requests[0].constraint)
-        except TfqError as e:
-            raise ApiError(400, f"{where}: {e}", where) from None
-    return requests
-
-
-def submit(served: Served, requests: list[Request]) -> Ticket:
     try:
         for r in requests:  # the engine's own checks, here rather than in its thread
             r.validate()
@@ -179,8 +174,21 @@ def submit(served: Served, requests: list[Request]) -> Ticket:
     if len(requests) > served.loop.capacity:  # never fits, however long the client waits: not a 429
         raise ApiError(400, f"n: this request asks for {len(requests)} streams (prompts x n), more than this server "
                        f"holds at once ({served.loop.capacity}: lanes and queue); send fewer at a time", "n")
+    constraint = requests[0].constraint
+    if constraint is None:
+        return requests, None
     try:
-        ticket = served.loop.submit(requests)
+        return requests, await compiles.matchers(served.loop.engine.grammars, constraint, len(requests))
+    except (TfqError, TooSlow) as e:
+        raise ApiError(400, f"{where}: {e}", where) from None
+    except Crowded as e:
+        raise ApiError(429, f"the server is busy: {e}; retry after {RETRY_AFTER_S} s", None, "rate_limit_error",
+                       outcome="busy") from None
+
+
+def submit(served: Served, requests: list[Request], matchers: list[Matcher] | None = None) -> Ticket:
+    try:
+        ticket = served.loop.submit(requests, matchers)
     except Busy as e:
         raise ApiError(429, f"the server is busy: {e}; retry after {RETRY_AFTER_S} s", None, "rate_limit_error",
                        outcome="busy") from None

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from tfq.engine import Engine
+from tfq.errors import TfqError
 from tfq.serve.app import Served, build_app
 from tfq.serve.guard import Limits
 from tfq.serve.loop import STUCK_AFTER_S, EngineLoop
@@ -21,6 +22,10 @@ def build_served(plan, layout, loaded, name: str, queue: int = 64, api_key: str 
     loop and metrics, the app's settings. The CLI, `tfq bench serve` and the tests all build it here; engine_kw
     reach Engine.from_plan (a check's controls: controls=tfq.engine.Controls(...))."""
     engine = Engine.from_plan(plan, layout, loaded, **engine_kw)
+    try:
+        engine.grammars  # llguidance's view of the tokenizer (about a second), now rather than in a request
+    except TfqError:
+        pass  # no llguidance: a constrained request is refused with that reason
     metrics = Metrics(engine.settings.lanes, engine.settings.pool_pages)
     return Served(EngineLoop(engine, queue, metrics, stuck_after_s), loaded.tokenizer, name, engine.settings.window,
                   loaded.tokenizer.vocab_size, metrics, api_key, limits, hosts, log_prompts)

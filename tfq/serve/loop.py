@@ -19,6 +19,8 @@ from typing import Callable
 import torch
 
 from tfq.engine import Engine, ForwardFault, Output
+from tfq.errors import TfqError, own_fault
+from tfq.grammar import Matcher
 from tfq.stream import Finish, Request, Result
 from tfq.threads import release_workers
 
@@ -48,6 +50,7 @@ class Ticket:
     requests: list[Request]
     events: asyncio.Queue
     loop: asyncio.AbstractEventLoop
+    matchers: list[Matcher | None] | None = None  # each choice's grammar, compiled off the engine's thread
     ids: list[int] = field(default_factory=list)  # engine stream ids, in choice order (set by the engine thread)
     submitted: float = field(default_factory=time.perf_counter)
     last: dict[int, float] = field(default_factory=dict)  # choice -> when its last token came
@@ -59,6 +62,7 @@ class Ticket:
             pass
 
 
+NO_STREAM = -1  # a choice's id when it could not be added (it was answered with its error at once)
 FORWARD_FAULTS = 3  # forwards failing in a row that mean the engine cannot serve: the server goes down
 STUCK_AFTER_S = 300.0  # one step longer than this: the engine is stuck (a 27B prefill chunk on 2 cores fits)
 
@@ -112,6 +116,7 @@ class EngineLoop:
 
     def health(self) -> tuple[bool, dict]:
         """(serving, what /health says): the engine thread's state, and how long the step now running has run."""
+        self._check_alive()
         step_s = None if self._step_since is None else time.perf_counter() - self._step_since
         state = {"engine": "dead" if self.dead else ("stepping" if step_s is not None else "idle"),
                  "streams": self._in_flight}
@@ -121,10 +126,11 @@ class EngineLoop:
             state["reason"] = self.dead
         return self.dead is None, state
 
-    def submit(self, requests: list[Request]) -> Ticket:
-        """Queue one HTTP request's streams (from the event loop's thread); Busy when the queue is full, Dead
-        when the engine cannot serve."""
-        ticket = Ticket(requests, asyncio.Queue(), asyncio.get_running_loop())
+    def submit(self, requests: list[Request], matchers: list[Matcher | None] | None = None) -> Ticket:
+        """Queue one HTTP request's streams (from the event loop's thread), with their grammars' matchers if
+        any; Busy when the queue is full, Dead when the engine cannot serve."""
+        ticket = Ticket(requests, asyncio.Queue(), asyncio.get_running_loop(), matchers)
+        self._check_alive()
         with self._cond:
             if self.dead:
                 raise Dead(self.dead)
@@ -162,6 +168,12 @@ class EngineLoop:
         if self.on_dead is not None:
             self.on_dead(reason)
 
+    def _check_alive(self) -> None:
+        """An engine thread that ended without saying why (nothing should escape _run, but a health check
+        trusts no thread it has not seen alive) makes the engine dead."""
+        if self._thread.ident is not None and not self._thread.is_alive() and not self._stopping:
+            self.die("the engine thread has ended")
+
     # -- the watchdog ---------------------------------------------------------------------------------------
     def _watch(self) -> None:
         """A step running past stuck_after_s means the engine is stuck: it is declared dead."""
@@ -181,8 +193,8 @@ class EngineLoop:
         torch.set_num_threads(self.threads)  # torch's count is per thread: start this one where the guard proved
         try:
             self._loop()
-        except Exception as e:  # a fault outside any one stream: the engine's state is unknown, so it stops
-            log.exception("the engine loop failed")
+        except BaseException as e:  # a fault outside any one stream (a Rust panic too): the engine's state is
+            log.exception("the engine loop failed")  # unknown, so it stops
             self.die(f"the engine loop failed: {type(e).__name__}: {e}")
             self._give_back()
 
@@ -249,11 +261,26 @@ class EngineLoop:
 
     def _add(self, ticket: Ticket) -> None:
         for choice, request in enumerate(ticket.requests):
-            id_ = self.engine.add(request)
+            try:
+                id_ = self.engine.add(request, ticket.matchers[choice] if ticket.matchers else None)
+            except BaseException as e:  # the request's own fault: it fails alone, before it holds anything
+                if not own_fault(e):
+                    raise
+                self._refuse(ticket, choice, e)
+                continue
             ticket.ids.append(id_)
             self._owner[id_] = (ticket, choice)
             if self.engine.streams[id_].finish is not None:  # refused at once (a prompt over the window)
                 self._finish(id_)
+
+    def _refuse(self, ticket: Ticket, choice: int, e: BaseException) -> None:
+        log.error("a stream could not be added", exc_info=e)
+        ticket.ids.append(NO_STREAM)
+        request = ticket.requests[choice]
+        ticket.post(Done(choice, Result(request.label, [], "", [], Finish.ERROR, error=str(e) if isinstance(e, TfqError)
+                                        else f"the stream could not start: {type(e).__name__}: {e}",
+                                        fault=not isinstance(e, TfqError))))
+        self._one_done(ticket)
 
     def _abort(self, ticket: Ticket) -> None:
         for id_ in ticket.ids:
@@ -277,12 +304,16 @@ class EngineLoop:
     def _finish(self, id_: int) -> None:
         ticket, choice = self._owner.pop(id_)
         result = self.engine.result(id_)
+        self._one_done(ticket)
+        self.engine.forget(id_)  # a long-running server keeps nothing of finished streams
+        ticket.post(Done(choice, result))
+
+    def _one_done(self, ticket: Ticket) -> None:
+        """One of the ticket's choices is answered; once all are, a death has nothing left to answer for it."""
         with self._cond:
             self._in_flight -= 1
             if all(i not in self._owner for i in ticket.ids) and len(ticket.ids) == len(ticket.requests):
                 self._live.pop(id(ticket), None)
-        self.engine.forget(id_)  # a long-running server keeps nothing of finished streams
-        ticket.post(Done(choice, result))
 
     def _observe(self) -> None:
         if self.metrics is None:
