@@ -254,14 +254,15 @@ def test_a_message_is_unpickled_only_under_the_runs_mac(tmp_path):
 
     secret = secrets.token_bytes(32)
     payload = pickle.dumps(("stop", Mkdir(tmp_path / "read")))
-    changed = bytearray(sealed(secret, payload))
+    changed = bytearray(sealed(secret, 1, payload))
     changed[40] ^= 1
-    forged = [sealed(secrets.token_bytes(32), payload), bytes(changed), payload, sealed(secret, payload)[:31]]
+    forged = [sealed(secrets.token_bytes(32), 1, payload), bytes(changed), payload, sealed(secret, 1, payload)[:31],
+              sealed(secret, 2, payload)]  # the last: signed, but as another message's payload
     for data in forged:
         with pytest.raises(TfqError, match="failed its HMAC check") as e:
-            opened(secret, data)
+            opened(secret, 1, data)
         assert "\n" not in str(e.value) and not (tmp_path / "read").exists()
-    assert opened(secret, sealed(secret, payload)) == ("stop", None)  # the control: signed, it is read
+    assert opened(secret, 1, sealed(secret, 1, payload)) == ("stop", None)  # the control: signed, it is read
     assert (tmp_path / "read").is_dir()
 
 
@@ -282,7 +283,11 @@ def test_a_rank_refuses_a_message_not_signed_with_the_runs_secret(signed, tmp_pa
     monkeypatch.setattr(ranks_module, "start_rank", start_rank)
     group, (rank,) = ranks_module.start_group(2, torch.device("cpu"), stderr=subprocess.PIPE)
     key = group.secret if signed else secrets.token_bytes(32)
-    group.broadcast(ranks_module.sealed(key, pickle.dumps(("stop", Mkdir(tmp_path / "read")))))
+    payload = pickle.dumps(("stop", Mkdir(tmp_path / "read")))
+    try:
+        group.broadcast([ranks_module.header(key, 1, len(payload)), ranks_module.sealed(key, 1, payload)])
+    except TfqError:  # the rank refused the header and left before the payload went
+        assert not signed
     assert rank.wait(timeout=120) == (0 if signed else 1)
     err = rank.stderr.read().decode().strip().splitlines()
     assert (tmp_path / "read").is_dir() == signed
@@ -423,3 +428,251 @@ def test_ctrl_c_in_a_forward_lands_after_it_and_the_group_stays_in_step(pair, ti
     assert after[-1] == model.widths["head"] and "Ctrl-C" not in after
     assert _same(_run(model), _run(tiny_models["qwen3"].model))
     assert group.processes[0].poll() is None
+
+
+# -- issue 46, point 5: every message numbered and its length signed, gloo on loopback, a fault on rank 0 tears
+# the group down instead of leaving it out of step
+
+class Wire:
+    """The process group's broadcasts without processes: rank 0's recorded as bytes (`sent`, one entry a
+    broadcast), or a rank's filled from `stream`, whatever a test puts there (`asked`: the bytes each read
+    wanted, so a test sees what a rank allocated)."""
+
+    def __init__(self, stream: bytes | None = None):
+        self.stream = None if stream is None else bytearray(stream)
+        self.sent: list[bytes] = []
+        self.asked: list[int] = []
+
+    def broadcast(self, t: torch.Tensor, root: int):
+        raw = t.view(-1).view(torch.uint8)
+        if self.stream is None:
+            self.sent.append(raw.numpy().tobytes())
+        else:
+            self.asked.append(raw.numel())
+            chunk, self.stream = self.stream[:raw.numel()], self.stream[raw.numel():]
+            assert len(chunk) == raw.numel(), "the rank read past what rank 0 sent"
+            raw.copy_(torch.frombuffer(bytearray(chunk), dtype=torch.uint8))
+        return Wire  # Wire.wait() below: the broadcast is done
+
+    @staticmethod
+    def wait(timeout=None):
+        pass
+
+
+def _wired(secret: bytes, stream: bytes | None = None):
+    """A group's end (rank 0's sending, or a rank's reading `stream`) whose broadcasts go over a Wire."""
+    from tfq.parallel.ranks import Group, listening_store
+
+    group = Group(0, 1, listening_store(1), torch.device("cpu"), secret)
+    group.pg = Wire(stream)
+    return group
+
+
+def _frames(group, message) -> bytes:
+    """The bytes rank 0's `group` puts on the wire to send `message`."""
+    group.pg.sent.clear()
+    group.send(message)
+    return b"".join(group.pg.sent)
+
+
+@pytest.mark.parametrize("order", ["replayed", "reordered"])
+def test_a_replayed_or_reordered_message_is_refused_unread(order, tmp_path):
+    """Rank 0's messages, each signed: a rank takes them once and in the order sent. A message replayed after
+    it was read, or one taken before the message sent ahead of it, is refused in one line and never unpickled
+    (no folder); the control, the messages in order, is read."""
+    secret = secrets.token_bytes(32)
+    rank0 = _wired(secret)
+    first, second = (_frames(rank0, ("stop", Mkdir(tmp_path / name))) for name in ("first", "second"))
+    stream = first + second + first if order == "replayed" else second + first
+    rank = _wired(secret, stream)
+    if order == "replayed":
+        assert rank.receive() == rank.receive() == ("stop", None)  # the control: in order, both are read
+        os.rmdir(tmp_path / "first")
+        os.rmdir(tmp_path / "second")
+    with pytest.raises(TfqError, match=r"replayed or out of order") as e:
+        rank.receive()
+    assert "\n" not in str(e.value) and not list(tmp_path.iterdir())
+
+
+class Recorder:
+    """Rank 0's process group, every broadcast kept (a copy) before it goes out: what a listener on the wire
+    could replay."""
+
+    def __init__(self, pg):
+        self.pg, self.sent = pg, []
+
+    def broadcast(self, t: torch.Tensor, root: int):
+        self.sent.append(t.clone())
+        return self.pg.broadcast(t, root)
+
+    def __getattr__(self, name):
+        return getattr(self.pg, name)
+
+
+def test_a_real_rank_refuses_a_replayed_message(tmp_path):
+    """A real rank reads a signed message (a load it cannot do, so it answers rank 0 with its reason); the same
+    bytes broadcast again are refused in one line and the rank exits 1, instead of obeying it a second time
+    (a replayed forward would write stale keys and values)."""
+    from tfq.parallel.ranks import ModelSpec, start_group
+
+    group, (rank,) = start_group(2, torch.device("cpu"), stderr=subprocess.PIPE)
+    try:
+        group.pg = Recorder(group.pg)
+        group.send(("load", ModelSpec(str(tmp_path / "no-model"), "cpu", "auto")))
+        assert group.agree("")[1].startswith("rank 1")  # read and obeyed once: it could not load, and said so
+        recorded, group.pg = group.pg.sent, group.pg.pg
+        for t in recorded:
+            try:
+                group.pg.broadcast(t, 0).wait()
+            except RuntimeError:  # the rank refused the first part and left
+                break
+        assert rank.wait(timeout=60) == 1
+        err = rank.stderr.read().decode().strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("tfq rank 1: ") and "replayed or out of order" in err[0], err
+    finally:
+        rank.kill()
+
+
+def test_a_forged_or_oversized_length_is_refused_before_anything_is_allocated():
+    """A message's length is read only once its MAC is checked: 2^40 bytes announced under a forged MAC, or
+    under the run's own secret but over the bound, is refused in one line and the rank never asks for more
+    than the fixed-size header (a rank that allocated first would take a terabyte)."""
+    import struct
+
+    secret = secrets.token_bytes(32)
+    forged = _wired(secret, struct.pack("<qq", 2 ** 40, 1) + secrets.token_bytes(32))
+    with pytest.raises(TfqError, match="failed its HMAC check") as e:
+        forged.receive()
+    assert "\n" not in str(e.value) and forged.pg.asked == [48]
+
+    from tfq.parallel.ranks import MAX_MESSAGE, header
+
+    big = _wired(secret, header(secret, 1, MAX_MESSAGE + 1))
+    with pytest.raises(TfqError, match=f"{MAX_MESSAGE + 1} bytes") as e:
+        big.receive()
+    assert "\n" not in str(e.value) and big.pg.asked == [48]
+    rank0 = _wired(secret)  # the control: rank 0's own message, of any length up to the bound, is read
+    assert _wired(secret, _frames(rank0, ("load", "x" * 100_000))).receive() == ("load", "x" * 100_000)
+
+
+def _listening() -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket this process listens on (IPv4), from /proc."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = set()
+    for line in Path("/proc/self/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+            address, port = fields[1].split(":")
+            found.add((socket.inet_ntoa(bytes.fromhex(address)[::-1]), int(port, 16)))
+    return found
+
+
+def _an_interface() -> tuple[str, str] | None:
+    """A network interface of this machine other than loopback, and its IPv4 address (None: none has one)."""
+    import fcntl
+    import struct
+
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:
+                continue
+        address = socket.inet_ntoa(packed[20:24])
+        if not address.startswith("127."):
+            return name, address
+    return None
+
+
+def _group_listens(secret: bytes) -> set[tuple[str, int]]:
+    from tfq.parallel.ranks import Group, listening_store
+
+    before = _listening()
+    group = Group(0, 1, listening_store(1), torch.device("cpu"), secret)
+    opened = _listening() - before
+    del group
+    return opened
+
+
+@pytest.mark.skipif(not Path("/proc/self/net/tcp").exists(), reason="reads the listening sockets from /proc")
+def test_gloo_listens_on_loopback_unless_tfq_is_told_an_interface(monkeypatch):
+    """Every rank runs on this machine, so gloo's connections stay on 127.0.0.1: not where the hostname
+    resolves, nor on an interface GLOO_SOCKET_IFNAME names for other jobs. TFQ_TP_INTERFACE names another (the
+    control: the group then listens there); one that does not exist is one line."""
+    monkeypatch.delenv("TFQ_TP_INTERFACE", raising=False)
+    other = _an_interface()
+    if other is not None:
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", other[0])
+    opened = _group_listens(secrets.token_bytes(32))
+    assert opened and {address for address, _ in opened} == {"127.0.0.1"}, opened
+    if other is not None:
+        monkeypatch.setenv("TFQ_TP_INTERFACE", other[0])
+        assert other[1] in {address for address, _ in _group_listens(secrets.token_bytes(32))}
+    monkeypatch.setenv("TFQ_TP_INTERFACE", "no-such-if0")
+    with pytest.raises(TfqError, match="TFQ_TP_INTERFACE=no-such-if0") as e:
+        _group_listens(secrets.token_bytes(32))
+    assert "\n" not in str(e.value)
+
+
+def _within(seconds: float, run):
+    """run()'s result or the exception it raised, or the test fails when it has not ended in `seconds` (a
+    forward waiting on a collective for ever)."""
+    done: list = []
+
+    def target():
+        try:
+            done.append(run())
+        except BaseException as e:  # noqa: BLE001 - handed to the test to look at
+            done.append(e)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        pytest.fail(f"still running after {seconds:g} s: the group was left out of step and the forward hangs")
+    return done[0]
+
+
+def test_a_fault_on_rank_0_between_collectives_tears_the_group_down(tiny_dirs, tiny_models, monkeypatch):
+    """Rank 0 raises between two of a forward's gathers, the other rank already waiting in the next: the fault
+    reaches the caller, the ranks are stopped, and the next forward on that group is refused in one line at
+    once (never a wait on a gather rank 0 left). Loading the model again builds a new group, whose forwards
+    give one process's bits."""
+    import tfq.parallel.ranks as ranks_module
+
+    key = (2, "cpu")
+    monkeypatch.delitem(ranks_module._RANKS, key, raising=False)  # a group of this test's own
+    folder = str(tiny_dirs["qwen3"])
+    model = load_model(folder, progress=False, tp=2).model
+    group = ranks_module._RANKS[key]
+    try:
+        real, calls = model.group.gather, []
+
+        def gather(t: torch.Tensor, widths: list[int]) -> torch.Tensor:
+            calls.append(widths)
+            if len(calls) == 3:
+                raise RuntimeError("a fault on rank 0 between two gathers")
+            return real(t, widths)
+
+        monkeypatch.setattr(model.group, "gather", gather)
+        with pytest.raises(RuntimeError, match="between two gathers"):
+            _run(model)
+        monkeypatch.setattr(model.group, "gather", real)
+        after = _within(30, lambda: _run(model))
+        assert isinstance(after, TfqError) and "torn down" in str(after) and "\n" not in str(after), after
+        assert all(p.poll() is not None for p in group.processes)  # no rank left waiting in a gather
+        again = load_model(folder, progress=False, tp=2).model
+        assert again.group is not model.group
+        assert _same(_run(again), _run(tiny_models["qwen3"].model))
+    finally:
+        for p in group.processes:  # a forward left hanging (without the fix) ends when its peers do
+            p.kill()
+        if key in ranks_module._RANKS:
+            ranks_module._RANKS[key].stop()

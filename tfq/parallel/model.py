@@ -10,7 +10,9 @@ ranks' partial sums (an all-reduce), as Megatron-style tensor parallelism does.
 
 On rank 0 a forward first sends its inputs to the other ranks (tfq/parallel/ranks.py), which run the same
 forward on their shards; the engine above never knows the model is split. Ctrl-C waits for the end of the
-forward (sigint_deferred): its collectives are issued one by one from here, and the other ranks are in them.
+forward (sigint_deferred): its collectives are issued one by one from here, and the other ranks are in them. Any
+other fault on rank 0 inside it tears the group down (Group.in_step): the fault reaches the engine, and every
+later forward on this model is refused in one line, where it would otherwise wait on a gather for ever.
 """
 from __future__ import annotations
 
@@ -80,16 +82,20 @@ class ShardedQwen(Qwen):
         return False  # the gathers sit inside the layer
 
     def roll_back(self, cache, slot: int, rows: int) -> None:
-        with sigint_deferred():
+        with self._in_step():
             if self.shard.rank == 0:
                 self.group.send(("roll_back", self.what, self._serial(cache), (slot, rows)))
             super().roll_back(cache, slot, rows)
 
     def copy_state(self, cache, source: int, target: int) -> None:
-        with sigint_deferred():
+        with self._in_step():
             if self.shard.rank == 0:
                 self.group.send(("copy_state", self.what, self._serial(cache), (source, target)))
             super().copy_state(cache, source, target)
+
+    def _in_step(self):
+        """Rank 0: Ctrl-C held and a fault tearing the group down (the other ranks run these from a message)."""
+        return self.group.in_step() if self.shard.rank == 0 else sigint_deferred()
 
     def _serial(self, cache) -> int:
         """The number the other ranks know rank 0's `cache` by (given on first use; dropped when it is)."""
@@ -102,7 +108,7 @@ class ShardedQwen(Qwen):
     def forward(self, ids, positions, cache, cache_rows, batch, logit_rows, segments=None):
         if self.local or self.shard.rank != 0:
             return super().forward(ids, positions, cache, cache_rows, batch, logit_rows, segments)
-        with sigint_deferred():  # the other ranks run this forward's collectives with rank 0 to the end
+        with self.group.in_step():  # the other ranks run this forward's collectives with rank 0 to the end
             serial = self._serial(cache)
             dropped = list(self.dropped)
             self.dropped.clear()

@@ -27,7 +27,10 @@ def rank_main(rank: int, world: int, port: int, device: str) -> None:
     torch.set_num_threads(int(fixed) if fixed.isdigit() else max(1, (os.cpu_count() or 1) // world))
     store = torch.distributed.TCPStore("127.0.0.1", port, world, False, timeout=TIMEOUT)
     store.set(joined_key(rank), proof(secret, rank))
-    group = Group(rank, world, store, rank_device(torch.device(device), rank), secret)
+    try:
+        group = Group(rank, world, store, rank_device(torch.device(device), rank), secret)
+    except TfqError as e:  # a TFQ_TP_INTERFACE gloo cannot use (rank 0 says so too)
+        _refuse(f"tfq rank {rank}: {e}")
     models: dict[ModelSpec, object] = {}
     caches: dict[int, object] = {}
     while True:

@@ -4,10 +4,14 @@ every model rank 0 loads with `tp: N`, and running every forward rank 0 runs, on
 inputs.
 
 Rank 0 sends each rank what to do as one message a time (pickled, broadcast): load a model's shard, run a
-forward of a given cache, stop. Each message carries its HMAC under a secret made for the run and handed to each
-rank through its stdin; a rank checks it before unpickling, so nothing else that reaches the group's sockets can
-make a rank run code. The store is bound (on 127.0.0.1 only) before its port is handed out, and a rank proves it
-knows the secret before rank 0 takes it in the group.
+forward of a given cache, stop. Each message is numbered and signed (HMAC) under a secret made for the run and
+handed to each rank through its stdin: first a fixed-size header (its length and number, signed), then the
+payload (signed with its number). A rank checks the header before it allocates anything from the length, takes
+each number once and in order (a replayed forward would write stale keys and values), and checks the payload
+before unpickling it, so nothing else that reaches the group's sockets can make a rank run code or allocate.
+The store is bound (on 127.0.0.1 only) before its port is handed out, gloo's connections stay on 127.0.0.1 (all
+ranks run on this machine; TFQ_TP_INTERFACE names another interface), and a rank proves it knows the secret
+before rank 0 takes it in the group.
 
 A forward's inputs are the step's tensors (tfq/batch.py); the page pool and the scheduler live on rank 0 only,
 so a rank's cache is only its key/value heads, with the same rows as rank 0's (made on the first forward that
@@ -15,7 +19,10 @@ uses it, and dropped when rank 0's is). The model's gathers and the head's logit
 ranks, in the model's own order (tfq/parallel/model.py).
 
 Ranks 1 .. run in sessions of their own and ignore SIGINT: Ctrl-C reaches rank 0 alone, which decides when they
-stop, and holds it while a forward's collectives are under way (sigint_deferred) so the group stays in step.
+stop, and holds it while a forward's collectives are under way (sigint_deferred) so the group stays in step. Any
+other fault on rank 0 inside a forward leaves the ranks in a collective rank 0 abandoned: the group is torn down
+(Group.in_step), and everything it is asked after that is refused in one line; loading the model again starts a
+new group.
 
 Collectives run on the process group's own objects (not torch.distributed's global default group), so one
 process may hold groups of several sizes (the tests run world sizes 1, 2 and 3 in one session): gloo on the
@@ -32,6 +39,7 @@ import pickle
 import secrets
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -46,6 +54,10 @@ TIMEOUT = datetime.timedelta(minutes=30)  # a collective waits this long for a p
 SECRET_BYTES = 32
 MAC_BYTES = 32  # HMAC-SHA256
 STOP_WAIT = datetime.timedelta(seconds=10)  # a rank that does not take the stop in this long is killed
+FIELDS = struct.Struct("<qq")  # a message's header: its payload's length, then its number (1, 2, ...)
+HEAD_BYTES = FIELDS.size + MAC_BYTES  # the fields and their MAC: what a rank reads before it trusts a length
+MAX_MESSAGE = 1 << 30  # the most a rank allocates for one message (a step's inputs: kilobytes to megabytes)
+INTERFACE = "TFQ_TP_INTERFACE"  # names the network interface gloo uses instead of 127.0.0.1
 
 
 @dataclass(frozen=True)
@@ -64,11 +76,16 @@ class Group:
 
     def __init__(self, rank: int, world: int, store, device: torch.device, secret: bytes):
         self.rank, self.world, self.device, self.store, self.secret = rank, world, device, store, secret
+        self.sent = self.heard = 0  # the number of the last message rank 0 sent, and of the last this rank took
+        self.broken = ""  # why the group was torn down ("" while it is in step)
+        self.on_torn_down = lambda: None  # rank 0's Ranks stops the processes
         if device.type == "cuda":
             torch.cuda.set_device(device)  # NCCL's communicator binds to the current device
             self.pg = torch.distributed.ProcessGroupNCCL(store, rank, world)
         else:
-            self.pg = torch.distributed.ProcessGroupGloo(store, rank, world, TIMEOUT)
+            options = torch.distributed.ProcessGroupGloo._Options()
+            options._devices, options._timeout, options._threads = [gloo_device()], TIMEOUT, 2
+            self.pg = torch.distributed.ProcessGroupGloo(store, rank, world, options)
 
     def gather(self, t: torch.Tensor, widths: list[int]) -> torch.Tensor:
         """[rows, widths[rank]] from every rank -> [rows, sum(widths)], the ranks' columns in rank order (a
@@ -87,27 +104,55 @@ class Group:
         return t
 
     def send(self, message, timeout: datetime.timedelta | None = None) -> None:
-        """Rank 0: one message to every other rank, signed (timeout: the longest each of its collectives waits;
-        None: TIMEOUT)."""
-        self.broadcast(sealed(self.secret, pickle.dumps(message)), timeout)
+        """Rank 0: one message to every other rank, numbered and signed (timeout: the longest each of its
+        collectives waits; None: TIMEOUT). Refused in one line once the group is torn down."""
+        if self.broken:
+            raise TfqError(f"the tensor-parallel group was torn down after a fault on rank 0 left its ranks out of "
+                           f"step ({self.broken}); load the model again, or restart tfq")
+        payload = pickle.dumps(message)
+        if len(payload) > MAX_MESSAGE:
+            raise TfqError(f"a message to the tensor-parallel ranks of {len(payload)} bytes is over the "
+                           f"{MAX_MESSAGE} a rank takes; lower prefill_chunk or step_tokens")
+        self.sent += 1
+        self.broadcast([header(self.secret, self.sent, len(payload)), sealed(self.secret, self.sent, payload)],
+                       timeout)
 
     def receive(self):
-        """Ranks 1 ..: the next message rank 0 sends (TfqError, unread, when its MAC is wrong)."""
-        return opened(self.secret, self.received())
+        """Ranks 1 ..: the next message rank 0 sends (TfqError, unread, when its MAC or number is wrong)."""
+        length = read_header(self.secret, self.heard + 1, self.received(HEAD_BYTES))
+        message = opened(self.secret, self.heard + 1, self.received(MAC_BYTES + length))
+        self.heard += 1
+        return message
 
-    def broadcast(self, data: bytes, timeout: datetime.timedelta | None = None) -> None:
-        """Rank 0: bytes to every other rank (its length, then the bytes), Ctrl-C held until both are sent."""
-        tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+    def broadcast(self, parts: list[bytes], timeout: datetime.timedelta | None = None) -> None:
+        """Rank 0: byte strings to every other rank, one broadcast each, Ctrl-C held until all are sent."""
         with sigint_deferred():
-            _wait(self.pg.broadcast(torch.tensor([tensor.numel()], device=self.device), 0), timeout)
-            _wait(self.pg.broadcast(tensor, 0), timeout)
+            for data in parts:
+                _wait(self.pg.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device), 0),
+                      timeout)
 
-    def received(self) -> bytes:
-        size = torch.zeros(1, dtype=torch.int64, device=self.device)
-        _wait(self.pg.broadcast(size, 0))
-        data = torch.empty(int(size), dtype=torch.uint8, device=self.device)
+    def received(self, size: int) -> bytes:
+        """Ranks 1 ..: the next `size` bytes rank 0 broadcasts (size: fixed, or read from a checked header)."""
+        data = torch.empty(size, dtype=torch.uint8, device=self.device)
         _wait(self.pg.broadcast(data, 0))
         return data.cpu().numpy().tobytes()
+
+    @contextlib.contextmanager
+    def in_step(self):
+        """Rank 0: a message and the collectives that follow it (a forward), with Ctrl-C held to the end. Any
+        fault inside leaves the other ranks waiting in a collective rank 0 will not join, and the next message
+        would meet them there (a hang, or bytes read as the wrong thing): so the group is torn down first."""
+        with sigint_deferred():
+            try:
+                yield
+            except BaseException as e:
+                self.tear_down(f"{type(e).__name__}: {_first_line(e)}")
+                raise
+
+    def tear_down(self, why: str) -> None:
+        if not self.broken:
+            self.broken = why
+            self.on_torn_down()
 
     def agree(self, problem: str) -> list[str]:
         """Every rank's problem ("" for none), after a step that can fail on one rank (loading its shard)."""
@@ -124,6 +169,7 @@ class Ranks:
 
     def __init__(self, world: int, device: torch.device):
         self.group, self.processes = start_group(world, device)
+        self.group.on_torn_down = self.kill
         self.loaded: dict[ModelSpec, object] = {}
         self.stopped = False
         atexit.register(self.stop)
@@ -143,6 +189,13 @@ class Ranks:
                 raise TfqError(problems[0])
             self.loaded[what] = loaded
         return self.loaded[what]
+
+    def kill(self) -> None:
+        """The ranks stopped at once: they wait in a collective rank 0 left, and can take no message."""
+        self.stopped = True  # ranks() starts a new group for the next load
+        for p in self.processes:
+            p.kill()
+            p.wait()
 
     def stop(self) -> None:
         if not self.stopped:
@@ -173,8 +226,26 @@ def _wait(work, timeout: datetime.timedelta | None = None) -> None:
     try:
         work.wait() if timeout is None else work.wait(timeout)
     except RuntimeError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise TfqError(f"a tensor-parallel rank stopped ({first}); its own error, if any, is printed above") from None
+        raise TfqError(f"a tensor-parallel rank stopped ({_first_line(e)}); its own error, if any, is printed "
+                       "above") from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def gloo_device():
+    """gloo's end on 127.0.0.1, or on the interface TFQ_TP_INTERFACE names: not where the hostname resolves
+    (gloo's default), nor where GLOO_SOCKET_IFNAME points for other jobs; every rank runs on this machine."""
+    interface = os.environ.get(INTERFACE, "").strip()
+    if not interface:
+        return torch.distributed.ProcessGroupGloo.create_device(hostname="127.0.0.1")
+    try:
+        return torch.distributed.ProcessGroupGloo.create_device(interface=interface)
+    except RuntimeError as e:
+        raise TfqError(f"{INTERFACE}={interface}: gloo cannot use it ({_first_line(e)}); name an interface with an "
+                       "address (ip addr lists them), or unset it to keep the ranks on 127.0.0.1") from None
 
 
 def exit_with_parent(parent: int) -> None:
@@ -190,6 +261,8 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 
 def start_group(world: int, device: torch.device, **popen) -> tuple[Group, list[subprocess.Popen]]:
     """Rank 0's end of a new group, and the processes of ranks 1 .. world-1 (popen: more Popen arguments)."""
+    if device.type != "cuda":
+        gloo_device()  # a bad TFQ_TP_INTERFACE is one line here, before any rank starts
     store = listening_store(world)
     secret = secrets.token_bytes(SECRET_BYTES)
     processes: list[subprocess.Popen] = []
@@ -255,16 +328,48 @@ def admit(store, secret: bytes, processes: list[subprocess.Popen]) -> None:
                            f"(store port {store.port}): refused; is another program using this port? try again")
 
 
-def sealed(secret: bytes, payload: bytes) -> bytes:
-    return hmac.new(secret, payload, "sha256").digest() + payload
+def _mac(secret: bytes, kind: bytes, data: bytes) -> bytes:
+    """kind (b"head" or b"body") keeps a header's MAC from passing for a payload's, or the reverse."""
+    return hmac.new(secret, kind + data, "sha256").digest()
 
 
-def opened(secret: bytes, data: bytes):
-    """The message in `data`, unpickled only once its MAC proves rank 0 of this run sent it."""
+def _forged() -> TfqError:
+    return TfqError("a message failed its HMAC check (not sent by this run's rank 0): refused unread; this rank "
+                    "stops, start the run again")
+
+
+def header(secret: bytes, number: int, length: int) -> bytes:
+    """What comes before message `number`: its payload's length and its number, then their MAC."""
+    fields = FIELDS.pack(length, number)
+    return fields + _mac(secret, b"head", fields)
+
+
+def read_header(secret: bytes, number: int, data: bytes) -> int:
+    """The length of message `number`'s payload, from its header: trusted (and allocated) only once the MAC
+    proves rank 0 of this run wrote it, the number is the one due and the length within MAX_MESSAGE."""
+    fields, mac = data[:FIELDS.size], data[FIELDS.size:]
+    if len(data) != HEAD_BYTES or not hmac.compare_digest(mac, _mac(secret, b"head", fields)):
+        raise _forged()
+    length, got = FIELDS.unpack(fields)
+    if got != number:
+        raise TfqError(f"message {got} of this run arrived when message {number} was due (replayed or out of "
+                       "order): refused unread; this rank stops, start the run again")
+    if not 0 <= length <= MAX_MESSAGE:
+        raise TfqError(f"message {got} announced {length} bytes, not within the 0 to {MAX_MESSAGE} a rank takes: "
+                       "refused unread; this rank stops, start the run again")
+    return length
+
+
+def sealed(secret: bytes, number: int, payload: bytes) -> bytes:
+    """Message `number`'s payload after its MAC (over the number too: no other message's payload passes)."""
+    return _mac(secret, b"body", FIELDS.pack(len(payload), number) + payload) + payload
+
+
+def opened(secret: bytes, number: int, data: bytes):
+    """Message `number`, unpickled only once its MAC proves rank 0 of this run sent it as that number."""
     mac, payload = data[:MAC_BYTES], data[MAC_BYTES:]
-    if not hmac.compare_digest(mac, hmac.new(secret, payload, "sha256").digest()):
-        raise TfqError("a message failed its HMAC check (not sent by this run's rank 0): refused unread; "
-                       "this rank stops, start the run again")
+    if not hmac.compare_digest(mac, _mac(secret, b"body", FIELDS.pack(len(payload), number) + payload)):
+        raise _forged()
     return pickle.loads(payload)
 
 
