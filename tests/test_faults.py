@@ -323,6 +323,32 @@ def test_a_stuck_step_is_caught_by_the_watchdog(tiny):
         release.set()
 
 
+def test_a_step_slow_by_its_learned_cost_is_not_stuck(tiny, monkeypatch):
+    """A step past --stuck-after whose rows should take that long by the cost of steps learned here (a long prefill
+    of a large model on a few cores) is slow, not stuck: the watchdog gives it 10 times what it should take."""
+    served = server(tiny, served={"stuck_after_s": 0.3})
+    engine, release = served.loop.engine, threading.Event()
+    monkeypatch.setattr(engine.scheduler, "expected_seconds", lambda step: 30.0)  # as if learned on a slow machine
+    real = engine.runner.run
+
+    def run(feeds):
+        release.wait(120)  # the first forward runs until the test lets go
+        return real(feeds)
+
+    monkeypatch.setattr(engine.runner, "run", run)
+    try:
+        with serving(served) as base:
+            with ThreadPoolExecutor(1) as pool:
+                answer = pool.submit(completion, base, 1)
+                assert eventually(lambda: health(base)[1].get("step_s", 0) > 1.0)  # over three times --stuck-after
+                assert health(base)[0] == 200 and served.loop.dead is None
+                release.set()
+                assert answer.result()[0] == 200
+            settled(base)
+    finally:
+        release.set()
+
+
 def test_the_control_a_healthy_server_is_not_dead(tiny):
     """The health check's control: the same requests on a server without a fault leave it healthy and serving."""
     served = server(tiny, served={"stuck_after_s": 0.5})

@@ -62,16 +62,20 @@ def test_without_a_budget_a_prompt_goes_in_whole_chunks_beside_decodes():
 
 
 def test_a_budget_cuts_prompt_chunks_while_a_stream_decodes():
-    """Decodes first, whole; prompt chunks, oldest first, share what the budget leaves."""
+    """Decodes first, whole; prompt chunks, oldest first, share what the budget leaves. With nothing decoding,
+    the budget holds too until the cost of steps is learned (the watchdog's bound follows that cost: a first step
+    of a large model cannot run long unbounded); once learned, whole chunks."""
     s = scheduler(lanes=4, prefill_chunk=64, step_tokens=20)
     a, b = add(s, 10, 0), add(s, 5, 1)
-    assert advance(s, s.schedule()) == {0: 10, 1: 5}  # nobody decodes yet: whole chunks
+    assert advance(s, s.schedule()) == {0: 10, 1: 5}  # nobody decodes yet: within the budget
     add(s, 300, 2), add(s, 300, 3)
     assert advance(s, s.schedule()) == {0: 1, 1: 1, 2: 18}  # 2 decodes, then 18 rows to the oldest prompt (3 waits)
     assert advance(s, s.schedule()) == {0: 1, 1: 1, 2: 18}
     a.finish = b.finish = "length"
     s.finish(a), s.finish(b)
-    assert advance(s, s.schedule()) == {2: 64, 3: 64}  # no decodes: whole chunks again
+    assert advance(s, s.schedule()) == {2: 20}  # no decodes, the cost not learned: the budget still
+    teach(s.cost)
+    assert advance(s, s.schedule()) == {2: 64, 3: 64}  # no decodes, the cost learned: whole chunks
 
 
 def test_a_budget_never_cuts_a_decode_and_every_prompt_finishes():
@@ -289,6 +293,7 @@ def test_a_dry_pool_preempts_a_newer_stream_the_budget_left_out_of_the_step():
     stream is the newest holder and is preempted; the decoding stream runs on (it was once failed instead, as
     if nobody else held a page)."""
     s = scheduler(lanes=2, window=64, page_rows=4, pool_pages=6, prefill_chunk=12, step_tokens=1)
+    teach(s.cost)  # learned: a step without decodes takes whole chunks
     a, b = add(s, 10, 0), add(s, 20, 1)
     assert advance(s, s.schedule()) == {0: 10, 1: 12}  # 3 pages each: the pool is full
     for _ in range(2):

@@ -136,6 +136,7 @@ class Engine:
         self._grammars_once = threading.Lock()  # a server compiles grammars in its request threads
         self.mask = controls.mask or OwnMask()
         self._compile = controls.compile
+        self.expected_s: float | None = None  # what the step running now should take, by the learned cost
         self.proof = None  # tfq.proofs.startup.LayerProof: the model's layer proved row-invariant here
         if not model.backend.interpreted:  # under Triton's interpreter the tests prove the same, faster
             self.proof = prove(model, s.kv_dtype, s.partial, torch.get_num_threads(), self.largest_forward,
@@ -214,6 +215,7 @@ class Engine:
         proposed = self.runner.propose(*self.scheduler.guess_budgets(self.drawing_rows - 1))
         guesses, failed = self._grammatical(proposed)
         step = self.scheduler.schedule(guesses)
+        self.expected_s = self.scheduler.expected_seconds(step)
         outputs = [Output(st.id, -1, "", True) for st in failed + step.failed]
         if step.feeds:
             if self.threads is not None:

@@ -38,6 +38,11 @@ class Step:
     feeds: list[Feed] = field(default_factory=list)
     failed: list[Stream] = field(default_factory=list)  # streams that cannot fit at all, finished with an error
 
+    @property
+    def work(self) -> Work:
+        """What its forward computes, in the terms of the cost of steps."""
+        return Work.total(chunk_work(f.start, len(f.tokens)) for f in self.feeds)
+
 
 @dataclass(frozen=True)
 class Stats:
@@ -181,8 +186,10 @@ class Scheduler:
         Chunking changes no bits (the rule)."""
         decoding = [st for st in running if st.pending == 1]
         timed = bool(self.step_steps and decoding and self.cost.ready)
+        # until the cost is learned, every forward holds at most step_tokens rows, decoding or not: the first
+        # steps teach the cost, and none of them can run long on a machine whose speed is not known yet
         rows_left = self.step_tokens - sum(1 + len(st.guesses) for st in decoding) \
-            if self.step_tokens and decoding and not timed else None
+            if self.step_tokens and (decoding or not self.cost.ready) and not timed else None
         if timed:  # the bound: step_steps decode steps of the running streams (a prompt's: one row where it is)
             work = Work.total(chunk_work(st.cached, 1 + len(st.guesses)) for st in decoding)
             prompts = Work.total(chunk_work(st.cached, 1) for st in running if st.pending > 1)
@@ -207,6 +214,10 @@ class Scheduler:
                 logits_left -= n
             chunks[st.id] = n
         return chunks
+
+    def expected_seconds(self, step: Step) -> float | None:
+        """What the step should take by the cost learned so far (None until it is learned)."""
+        return self.cost.seconds(step.work) if self.cost.ready else None
 
     def _rows_in_time(self, st: Stream, most: int, work: Work, seconds: float) -> int:
         """The most prompt rows of `st` (at most `most`) that a step already holding `work` takes within
@@ -264,7 +275,7 @@ class Scheduler:
         every full page is published for later streams. seconds: the step's time, which the cost of steps learns
         from. Returns the verifies a hybrid rolls back."""
         if seconds is not None:
-            self.cost.observe(Work.total(chunk_work(f.start, len(f.tokens)) for f in step.feeds), seconds)
+            self.cost.observe(step.work, seconds)
         verified = []
         for st, feed, n in zip(step.streams, step.feeds, drawn):
             if st.finish is Finish.ERROR:

@@ -43,9 +43,10 @@ def serve(
                                        "many characters (400)."),
     extra_hosts: List[str] = typer.Option([], "--allowed-host", help="A Host name to answer besides the defaults "
                                             "(a loopback --host answers only localhost, 127.0.0.1 and ::1)."),
-    stuck_after: Optional[float] = typer.Option(None, "--stuck-after", help="Seconds one engine step may run before "
-                                                "the server calls the engine stuck: /health says 503 and the server "
-                                                "exits 1 (default 300)."),
+    stuck_after: Optional[float] = typer.Option(None, "--stuck-after", help="Seconds one engine step may always run "
+                                                "(default 300), or 10 times what its rows should take by the cost of "
+                                                "steps learned here if longer, before the server calls the engine "
+                                                "stuck: /health says 503 and the server exits 1."),
     log_level: str = typer.Option("warning", "--log-level", help="debug (every admission), info (finishes, "
                                   "preemptions, aborts, refusals), warning (failed streams), error (faults)."),
     log_prompts: bool = typer.Option(False, "--log-prompts", help="Log each request's prompt text (at info)."),

@@ -64,7 +64,14 @@ class Ticket:
 
 NO_STREAM = -1  # a choice's id when it could not be added (it was answered with its error at once)
 FORWARD_FAULTS = 3  # forwards failing in a row that mean the engine cannot serve: the server goes down
-STUCK_AFTER_S = 300.0  # one step longer than this: the engine is stuck (a 27B prefill chunk on 2 cores fits)
+STUCK_AFTER_S = 300.0  # a step may always run this long (a step of a 27B model's first rows on 2 cores fits)
+STUCK_TIMES = 10  # and this many times what its rows should take by the cost of steps learned here
+
+
+def stuck_bound(stuck_after_s: float, expected_s: float | None) -> float:
+    """How long a step may run before the engine is called stuck: the floor, or STUCK_TIMES what the step
+    should take (a long prefill of a large model on few cores is slow, not stuck)."""
+    return stuck_after_s if expected_s is None else max(stuck_after_s, STUCK_TIMES * expected_s)
 
 
 class Dead(Exception):
@@ -176,17 +183,17 @@ class EngineLoop:
 
     # -- the watchdog ---------------------------------------------------------------------------------------
     def _watch(self) -> None:
-        """A step running past stuck_after_s means the engine is stuck: it is declared dead."""
+        """A step running past its bound (stuck_bound) means the engine is stuck: it is declared dead."""
         with self._cond:
             while not (self._stopping or self.dead):
-                since = self._step_since
-                if since is not None and time.perf_counter() - since > self.stuck_after_s:
+                since, bound = self._step_since, stuck_bound(self.stuck_after_s, self.engine.expected_s)
+                if since is not None and time.perf_counter() - since > bound:
                     break
-                wait = self.stuck_after_s if since is None else since + self.stuck_after_s - time.perf_counter()
-                self._cond.wait(max(wait, 0.0) + 0.01)
+                wait = bound if since is None else since + bound - time.perf_counter()
+                self._cond.wait(max(wait, 0.0) + 0.01)  # woken at each step's start too: it looks again then
             else:
                 return
-        self.die(f"one step has run for over {self.stuck_after_s:g} s")
+        self.die(f"one step has run for over {bound:g} s")
 
     # -- the engine thread --------------------------------------------------------------------------------
     def _run(self) -> None:
