@@ -87,12 +87,15 @@ class LLM:
         self.engine = Engine.from_plan(self.plan, self.layout, self.loaded)
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
-                 params: SamplingParams | None = None) -> list[RequestOutput]:
-        """Raw prompts (text, or token ids), run together; outputs in the prompts' order."""
+                 params: SamplingParams | None = None, parse_special_tokens: bool = False) -> list[RequestOutput]:
+        """Raw prompts (text, or token ids), run together; outputs in the prompts' order. parse_special_tokens:
+        a special token written in a text prompt (`<|im_end|>`) is that token; otherwise its characters are text
+        (as the server's /v1/completions)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         texts = [p if isinstance(p, str) else None for p in prompts]
-        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        ids = [self.tokenizer.encode(p, special=parse_special_tokens) if isinstance(p, str) else list(p)
+               for p in prompts]
         return self._run(texts, ids, params or SamplingParams())
 
     def chat(self, conversations: Sequence[dict] | Sequence[Sequence[dict]],
@@ -103,10 +106,10 @@ class LLM:
         "required" or {"function": {"name": N}} holds the reply to calls (a grammar, as the server's)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        texts = [self.tokenizer.render_chat(list(c), tools=tools) for c in conversations]
+        chats = [self.tokenizer.chat(list(c), tools=tools) for c in conversations]  # messages' text is text
         params = params or SamplingParams()
         grammar = calls.constraint(tools, tool_choice, True, self.tokenizer) if tools else None
-        return self._run(texts, [self.tokenizer.encode(t) for t in texts], params, grammar,
+        return self._run([c.text for c in chats], [self.tokenizer.ids(c) for c in chats], params, grammar,
                          bool(tools) and tool_choice != "none")
 
     def _run(self, texts: list[str | None], ids: list[list[int]], params: SamplingParams, grammar=None,

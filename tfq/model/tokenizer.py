@@ -1,9 +1,19 @@
-"""Text to ids and back, from a checkpoint folder's tokenizer.json and its chat template."""
+"""Text to ids and back, from a checkpoint folder's tokenizer.json and its chat template.
+
+Special tokens (`<|im_start|>`, `<|im_end|>`: those tokenizer.json marks special) come only from the chat
+template: written in a message, or in a document quoted in one, their characters are text like any other, so a
+user's text cannot close its turn and open a system one. A raw prompt takes them only when asked
+(`encode(text, special=True)`). Added tokens not marked special (Qwen's `<tool_call>`, `<think>`) are read as
+HF reads them: Qwen's templates look for them in a message's content.
+"""
 from __future__ import annotations
 
 import json
+import re
+import threading
 from dataclasses import dataclass, field
 from datetime import datetime
+from itertools import islice
 from pathlib import Path
 from typing import Iterable
 
@@ -11,6 +21,7 @@ from tfq.errors import TfqError
 
 # Tokens that end a reply in Qwen models, besides the configured eos.
 _STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
+_PLANE_15 = re.compile("[\U000F0000-\U000FFFFD]")  # private use: where the stand-ins of special tokens come from
 
 
 def _read_json(path: Path, required: bool) -> dict:
@@ -49,6 +60,13 @@ class Tokenizer:
         self._byte_of: dict[str, int] | None = None  # GPT-2's byte alphabet, reversed (token_bytes)
         self._added: set[int] = set()
         self._longest: int | None = None
+        added = backend.get_added_tokens_decoder()
+        # the special tokens' texts, longest first (a regex then matches as tokenizers does: leftmost-longest)
+        self._specials = {t.content: i for i, t in sorted(added.items(), key=lambda a: -len(a[1].content))
+                          if t.special}
+        self._special_re = re.compile("|".join(map(re.escape, self._specials))) if self._specials else None
+        self._plain = None  # a second backend that reads special tokens' characters as text (built on first need)
+        self._plain_once = threading.Lock()
 
     @classmethod
     def from_folder(cls, folder: Path) -> "Tokenizer":
@@ -81,10 +99,31 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        """Ids of `text`, special tokens written in it recognized, none added. Through encode_batch, which lets go
-        of the GIL while it works (encode holds it: a megabyte of text stalled every other thread for a second)."""
-        return self.backend.encode_batch([text], add_special_tokens=False)[0].ids
+    def encode(self, text: str, special: bool = False) -> list[int]:
+        """Ids of `text`, none added. special: a special token written in it is that token, as HF's encode reads
+        it; otherwise (the default) its characters are text like any other."""
+        return self._encode([text], special)[0]
+
+    def _encode(self, texts: list[str], special: bool) -> list[list[int]]:
+        """Through encode_batch, which lets go of the GIL while it works (encode holds it: a megabyte of text
+        stalled every other thread for a second). A text without a special token's characters reads the same
+        either way: the backend that would match them is needed only when some are there."""
+        backend = self.backend if special or not any(map(self._holds_special, texts)) else self._plain_backend()
+        return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
+
+    def _holds_special(self, text: str) -> bool:
+        return any(s in text for s in self._specials)
+
+    def _plain_backend(self):
+        """The backend with tokenizers' encode_special_tokens set: special tokens' characters are text to it."""
+        with self._plain_once:
+            if self._plain is None:
+                from tokenizers import Tokenizer as Backend
+
+                plain = Backend.from_str(self.backend.to_str())
+                plain.encode_special_tokens = True
+                self._plain = plain
+        return self._plain
 
     @property
     def longest_token(self) -> int:
@@ -113,6 +152,53 @@ class Tokenizer:
                     ) -> str:
         """The chat template rendered the way HF transformers' apply_chat_template renders it (tools: OpenAI's
         list of {"type": "function", "function": {...}}, for a template that lists them)."""
+        return self.chat(messages, add_generation_prompt, tools).text
+
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+                 ) -> list[int]:
+        """A chat's prompt ids: every path that tokenizes a chat (server, CLI, LLM) comes through chat() and
+        ids()."""
+        return self.ids(self.chat(messages, add_generation_prompt, tools))
+
+    def chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+             ) -> ChatText:
+        """The chat rendered, and where its template placed special tokens. A special token's text written in
+        the messages or tools is hidden from the template (a stand-in character found nowhere in them takes its
+        place), so each special token in the rendered text is the template's own; the characters come back, as
+        text, after rendering. A chat without them renders as before, byte for byte."""
+        strings = _strings([messages, tools])
+        stand_ins = self._stand_ins(strings) if any(map(self._holds_special, strings)) else {}
+        if stand_ins:
+            messages, tools = _replaced(messages, stand_ins), _replaced(tools, stand_ins)
+        rendered = self._render(messages, add_generation_prompt, tools)
+        pieces: list[str | int] = []
+        at = 0
+        for m in self._special_re.finditer(rendered) if self._special_re else ():
+            pieces += [_restored(rendered[at:m.start()], stand_ins), self._specials[m.group()]]
+            at = m.end()
+        pieces.append(_restored(rendered[at:], stand_ins))
+        return ChatText(_restored(rendered, stand_ins), tuple(p for p in pieces if p != ""))
+
+    def ids(self, chat: ChatText) -> list[int]:
+        """A rendered chat's ids: the template's special tokens, and between them text read as text (HF splits
+        its text at special tokens the same way, so an ordinary chat's ids are HF's)."""
+        texts = [p for p in chat.pieces if isinstance(p, str)]
+        encoded = iter(self._encode(texts, special=False) if texts else [])
+        return [i for p in chat.pieces for i in ((p,) if isinstance(p, int) else next(encoded))]
+
+    def _stand_ins(self, strings: list[str]) -> dict[str, str]:
+        """A private-use character for each special token written in `strings`, found nowhere in them, in the
+        template or in the template's own variables."""
+        found = [s for s in self._specials if any(s in x for x in strings)]
+        theirs = [*strings, *self._specials, self.chat_template or "", *(v or "" for v in self.special.values())]
+        used = {c for x in theirs for c in _PLANE_15.findall(x)}
+        free = list(islice((chr(c) for c in range(0xF0000, 0xFFFFE) if chr(c) not in used), len(found)))
+        if len(free) < len(found):
+            raise TfqError("the messages use every private-use character of plane 15; tfq cannot tell their special "
+                           "tokens' text from the template's")
+        return dict(zip(found, free))
+
+    def _render(self, messages, add_generation_prompt: bool, tools) -> str:
         if not self.chat_template:
             raise TfqError("this model's tokenizer_config.json has no chat_template; tfq cannot format a chat for it")
         import jinja2
@@ -126,12 +212,51 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             raise TfqError(f"the chat template refused these messages: {e}") from None
 
-    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
-                 ) -> list[int]:
-        return self.encode(self.render_chat(messages, add_generation_prompt, tools))
-
     def stream(self, skip_special: bool = False) -> "StreamDecoder":
         return StreamDecoder(self, skip_special)
+
+
+@dataclass(frozen=True)
+class ChatText:
+    """A chat as its template rendered it: the text (HF's apply_chat_template's), and the same as pieces: text,
+    or the id of a special token the template placed."""
+
+    text: str
+    pieces: tuple[str | int, ...]
+
+
+def _strings(value) -> list[str]:
+    """Every string in messages or tools (keys too: a schema's property names reach the template's tojson), in
+    no particular order; a loop, not recursion, however deep a schema nests."""
+    found, todo = [], [value]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, str):
+            found.append(v)
+        elif isinstance(v, dict):
+            todo += [*v.keys(), *v.values()]
+        elif isinstance(v, (list, tuple)):
+            todo += v
+    return found
+
+
+def _restored(text: str, stand_ins: dict[str, str]) -> str:
+    for special, stand_in in stand_ins.items():
+        text = text.replace(stand_in, special)
+    return text
+
+
+def _replaced(value, stand_ins: dict[str, str]):
+    """`value` with every special token's text in its strings replaced by its stand-in (longest first)."""
+    if isinstance(value, str):
+        for text, stand_in in stand_ins.items():
+            value = value.replace(text, stand_in)
+        return value
+    if isinstance(value, dict):
+        return {_replaced(k, stand_ins): _replaced(v, stand_ins) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_replaced(v, stand_ins) for v in value]
+    return value
 
 
 def _compile(source: str):

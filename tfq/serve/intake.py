@@ -75,12 +75,13 @@ def check_stops(served: Served, body: Sampling) -> None:
                            f"shorten it (the operator sets --max-stop-chars)", "stop")
 
 
-def text_prompts(served: Served, prompt) -> list[list[int]]:
-    """Completions' prompt forms: a string, strings, token ids, or lists of token ids."""
+def text_prompts(served: Served, prompt, special: bool = False) -> list[list[int]]:
+    """Completions' prompt forms: a string, strings, token ids, or lists of token ids. special: a special token
+    written in a string prompt is that token (the body's parse_special_tokens); otherwise its characters are text."""
     if isinstance(prompt, str):
-        prompts = [encode(served, prompt, "prompt")]
+        prompts = [encode(served, prompt, "prompt", special)]
     elif all(isinstance(p, str) for p in prompt):
-        prompts = [encode(served, p, "prompt") for p in prompt]
+        prompts = [encode(served, p, "prompt", special) for p in prompt]
     elif all(isinstance(p, int) for p in prompt):
         prompts = [list(prompt)]
     else:
@@ -95,23 +96,31 @@ def text_prompts(served: Served, prompt) -> list[list[int]]:
 
 
 def chat_prompt(served: Served, body: ChatBody) -> list[int]:
+    """The chat's ids as the template places its special tokens; the messages' own text is text (tfq.model.tokenizer:
+    a message cannot write a special token)."""
     try:
-        text = served.tokenizer.render_chat(body.chat(), tools=body.tool_dicts)
+        chat = served.tokenizer.chat(body.chat(), tools=body.tool_dicts)
     except TfqError as e:
         raise ApiError(400, f"messages: {e}", "messages") from None
-    prompt = encode(served, text, "messages")
+    short_enough(served, chat.text, "messages")
+    prompt = served.tokenizer.ids(chat)
     fits(served, len(prompt), "messages")
     return prompt
 
 
-def encode(served: Served, text: str, param: str) -> list[int]:
-    """A prompt's ids; a text too long for the limit by its length alone is refused before tokenizing."""
+def encode(served: Served, text: str, param: str, special: bool = False) -> list[int]:
+    """A prompt's ids (special: see text_prompts)."""
+    short_enough(served, text, param)
+    return served.tokenizer.encode(text, special=True) if special else served.tokenizer.encode(text)
+
+
+def short_enough(served: Served, text: str, param: str) -> None:
+    """A text too long for the limit by its length alone is refused before tokenizing."""
     longest = served.tokenizer.longest_token
     if len(text) > served.prompt_tokens * longest:
         raise ApiError(400, f"{param}: {len(text)} characters are more than this server's limit of "
                        f"{served.prompt_tokens} prompt tokens can hold (a token here is at most {longest} "
                        f"characters); shorten it", param)
-    return served.tokenizer.encode(text)
 
 
 def fits(served: Served, tokens: int, param: str) -> None:

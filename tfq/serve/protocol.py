@@ -194,6 +194,9 @@ class CompletionBody(Sampling):
     logprobs: Optional[int] = Field(None, ge=0, le=MOST_TOP_LOGPROBS)
     suffix: Optional[str] = None
     best_of: Optional[int] = None
+    # tfq's own: a special token written in a string prompt (`<|im_end|>`) is that token, as llama.cpp's
+    # parse_special; off, its characters are text like any other (a chat's messages always are)
+    parse_special_tokens: bool = False
 
     @field_validator("prompt")
     @classmethod
