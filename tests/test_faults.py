@@ -22,6 +22,7 @@ import tfq.stream
 from served import NAME, POOL, TINY_PLAN, eventually, idle, raw, server, tiny_served
 from test_draft import RandomDrafter
 from tfq.engine import Controls
+from tfq.errors import Unservable
 from tfq.grammar import OwnCompile
 from tfq.serve.background import serving
 
@@ -255,6 +256,24 @@ def test_forwards_failing_in_a_row_stop_the_server(tiny):
         m = idle(base)
         assert m["tfq_pages_free"] == POOL and m["tfq_lanes_busy"] == 0
         dead_server(served, base, "3 forwards failed in a row")
+
+
+def test_a_forward_that_leaves_the_engine_unservable_stops_the_server_at_once(tiny):
+    """A fault after which no forward can run (a tensor-parallel group torn down: tfq/parallel/ranks.py raises
+    Unservable) ends the engine at its first forward, not the third."""
+    served = server(tiny)
+    real = served.loop.engine.runner.run
+
+    def run(feeds):
+        raise Unservable("a group torn down, put in by the test")
+
+    served.loop.engine.runner.run = run
+    with serving(served) as base:
+        status, body = completion(base, 1)
+        assert status == 500 and "a group torn down" in body["error"]["message"]
+        assert eventually(lambda: served.loop.dead)
+        dead_server(served, base, "a group torn down")
+    served.loop.engine.runner.run = real
 
 
 def test_a_loop_thread_that_dies_answers_its_requests_and_stops_the_server(tiny):

@@ -38,8 +38,6 @@ def test_a_chat_message_is_text_and_a_completion_prompt_too_unless_asked(tiny):
     assert status == 400 and "parse_special_tokens" in json.loads(refused)["error"]["message"]  # chats: never
 
 
-@pytest.mark.xfail(strict=True, reason="tfq/serve/app.py does not yet hand body.parse_special_tokens to "
-                   "text_prompts (asked of its owner); remove this mark when it does")
 def test_a_completion_reads_special_tokens_when_asked(tiny):
     tok = tiny[2].tokenizer
     with serving(server(tiny)) as base:

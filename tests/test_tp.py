@@ -25,7 +25,7 @@ import yaml
 
 from cli import tfq
 from test_together import check_for, random_suite
-from tfq.errors import TfqError
+from tfq.errors import TfqError, Unservable
 from tfq.model.load import load_model
 from tfq.parallel.shard import Shard, part, sizes
 from tfq.plan import load_plan
@@ -662,11 +662,12 @@ def test_a_fault_on_rank_0_between_collectives_tears_the_group_down(tiny_dirs, t
             return real(t, widths)
 
         monkeypatch.setattr(model.group, "gather", gather)
-        with pytest.raises(RuntimeError, match="between two gathers"):
+        with pytest.raises(Unservable, match="tore the tensor-parallel group down .RuntimeError: a fault on rank 0 "
+                                             "between two gathers"):
             _run(model)
         monkeypatch.setattr(model.group, "gather", real)
         after = _within(30, lambda: _run(model))
-        assert isinstance(after, TfqError) and "torn down" in str(after) and "\n" not in str(after), after
+        assert isinstance(after, Unservable) and "torn down" in str(after) and "\n" not in str(after), after
         assert all(p.poll() is not None for p in group.processes)  # no rank left waiting in a gather
         again = load_model(folder, progress=False, tp=2).model
         assert again.group is not model.group

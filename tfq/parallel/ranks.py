@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tfq.errors import TfqError
+from tfq.errors import TfqError, Unservable
 
 TIMEOUT = datetime.timedelta(minutes=30)  # a collective waits this long for a peer (a rank 0 that stopped)
 SECRET_BYTES = 32
@@ -107,7 +107,7 @@ class Group:
         """Rank 0: one message to every other rank, numbered and signed (timeout: the longest each of its
         collectives waits; None: TIMEOUT). Refused in one line once the group is torn down."""
         if self.broken:
-            raise TfqError(f"the tensor-parallel group was torn down after a fault on rank 0 left its ranks out of "
+            raise Unservable(f"the tensor-parallel group was torn down after a fault on rank 0 left its ranks out of "
                            f"step ({self.broken}); load the model again, or restart tfq")
         payload = pickle.dumps(message)
         if len(payload) > MAX_MESSAGE:
@@ -145,8 +145,13 @@ class Group:
         with sigint_deferred():
             try:
                 yield
+            except Unservable:  # torn down already
+                raise
             except BaseException as e:
                 self.tear_down(f"{type(e).__name__}: {_first_line(e)}")
+                if isinstance(e, Exception):  # an interrupt stays one
+                    raise Unservable(f"a fault on rank 0 tore the tensor-parallel group down ({self.broken}); load "
+                                     f"the model again, or restart tfq") from e
                 raise
 
     def tear_down(self, why: str) -> None:

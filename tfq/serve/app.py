@@ -110,7 +110,7 @@ def build_app(served: Served) -> FastAPI:
     async def completions(body: CompletionBody, http: HttpRequest):
         check_model(served, body)
         check_stops(served, body)
-        prompts = await asyncio.to_thread(text_prompts, served, body.prompt)
+        prompts = await asyncio.to_thread(text_prompts, served, body.prompt, body.parse_special_tokens)
         if body.stream and body.echo and body.logprobs is not None:
             raise ApiError(400, "echo with logprobs is returned whole; set stream to false", "stream")
         requests, matchers = await shaped(served, compiles, body, lambda: body.requests(

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from tfq.engine import Engine, ForwardFault, Output
-from tfq.errors import TfqError, own_fault
+from tfq.errors import TfqError, Unservable, own_fault
 from tfq.grammar import Matcher
 from tfq.stream import Finish, Request, Result
 from tfq.threads import release_workers
@@ -259,6 +259,8 @@ class EngineLoop:
             for id_ in e.ids:
                 if id_ in self._owner:
                     self._finish(id_)
+            if isinstance(e.__cause__, Unservable):
+                raise RuntimeError(str(e.__cause__)) from e
             if self._faults >= FORWARD_FAULTS:
                 raise RuntimeError(f"{self._faults} forwards failed in a row, the last: {e}") from e
             return []
