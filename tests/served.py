@@ -20,16 +20,16 @@ def tiny_served(tiny_dirs, tiny_models, sets=()):
     return plan, layout, tiny_models["qwen2"]
 
 
-def server(tiny, queue: int = 64, api_key: str | None = None, served: dict | None = None, **engine_kw):
+def server(tiny, queue: int = 64, api_keys: tuple[str, ...] = (), served: dict | None = None, **engine_kw):
     """A fresh engine behind a fresh app, built as `tfq serve` builds it (the weights are shared; nothing else
     is); `served`: build_served's keywords (limits, hosts, stuck_after_s)."""
     plan, layout, loaded = tiny
-    return build_served(plan, layout, loaded, NAME, queue, api_key, **(served or {}), **engine_kw)
+    return build_served(plan, layout, loaded, NAME, queue, api_keys, **(served or {}), **engine_kw)
 
 
-def metrics(base: str) -> dict[str, float]:
+def metrics(base: str, key: str | None = None) -> dict[str, float]:
     conn = http.client.HTTPConnection(base.removeprefix("http://"))
-    conn.request("GET", "/metrics")
+    conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {key}"} if key else {})
     text = conn.getresponse().read().decode()
     return {m[0]: float(m[1]) for m in re.findall(r"^(tfq_[a-z_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", text, re.M)}
 
@@ -45,21 +45,22 @@ def eventually(check, timeout_s: float = 60):
         time.sleep(0.02)  # between looks at the state, not instead of one
 
 
-def until(base: str, state, timeout_s: float = 60) -> dict[str, float]:
-    """Metrics once `state(metrics)` holds (or the time is up: the caller's asserts then say what is wrong)."""
+def until(base: str, state, timeout_s: float = 60, key: str | None = None) -> dict[str, float]:
+    """Metrics once `state(metrics)` holds (or the time is up: the caller's asserts then say what is wrong); key:
+    the server's API key, if it has one."""
     last: dict[str, float] = {}
 
     def look():
-        last.update(metrics(base))
+        last.update(metrics(base, key))
         return state(last)
 
     eventually(look, timeout_s)
     return last
 
 
-def idle(base: str, timeout_s: float = 20) -> dict[str, float]:
+def idle(base: str, timeout_s: float = 20, key: str | None = None) -> dict[str, float]:
     """Metrics once no stream is left (aborts land at the engine's next step)."""
-    return until(base, lambda m: m["tfq_streams"] == 0, timeout_s)
+    return until(base, lambda m: m["tfq_streams"] == 0, timeout_s, key)
 
 
 def raw(base: str, method: str, path: str, body: bytes | None, headers: dict | None = None):

@@ -272,7 +272,7 @@ def tiny(tiny_dirs, tiny_models):
 
 @pytest.fixture(scope="module")
 def running(tiny):
-    served = server(tiny, api_key=KEY, served={"limits": LIMITS, "hosts": allowed_hosts("127.0.0.1")})
+    served = server(tiny, api_keys=(KEY,), served={"limits": LIMITS, "hosts": allowed_hosts("127.0.0.1")})
     with serving(served) as base, Beside(base) as beside:
         beside.wait_tokens(60)
         now = time.perf_counter()
@@ -311,7 +311,7 @@ def test_after_the_cases_every_page_is_back_and_the_server_is_healthy(running):
     assert status == 200 and json.loads(body)["status"] == "ok"
     beside.stop.set()
     beside.thread.join(120)
-    m = idle(base)
+    m = idle(base, key=KEY)
     assert m["tfq_pages_free"] == POOL and m["tfq_lanes_busy"] == 0 and m["tfq_streams"] == 0
 
 
@@ -320,7 +320,7 @@ def test_the_gap_bound_catches_a_stall(tiny):
     shows in the reply beside it as a gap past the bound."""
     import tfq.stream as stream
 
-    served = server(tiny, api_key=KEY, served={"limits": LIMITS})
+    served = server(tiny, api_keys=(KEY,), served={"limits": LIMITS})
     real = stream.held_back
 
     def slow(text: str, stops: tuple[str, ...]) -> int:

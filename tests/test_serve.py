@@ -84,6 +84,37 @@ def test_under_load_with_the_prefix_cache(tiny):
     assert echoed and all(len(ch["logprobs"]) > len(ch["ids"]) for r in echoed for ch in r)  # prompts' scores too
 
 
+def test_tenants_share_no_prefix_cache_pages_and_metrics_need_a_key(tiny):
+    """With several API keys each key is a tenant: a prompt another key sent is not found in the prefix cache (its
+    reused rows stay 0), one the same key sent is, and the reply is the same bits either way. /metrics, which counts
+    those rows, needs a key. The control: two clients of one key share pages (the rows move)."""
+    plan, layout, loaded = tiny
+    on = plan.set("kv.prefix_cache", "on", "test").set("kv.paged", "all", "test")  # every lane publishes its pages
+    prompt = "def fibonacci(n):\n" * 40  # several full pages
+
+    def ask(base: str, key: str) -> tuple[list, float]:
+        status, _, body = raw(base, "POST", "/v1/completions", json.dumps(
+            {"model": NAME, "prompt": prompt, "max_tokens": 4, "return_digests": True}).encode(),
+            {"Authorization": f"Bearer {key}"})
+        assert status == 200, body
+        reused = idle(base, key=key)["tfq_prefix_cache_reused_rows_total"]
+        return json.loads(body)["choices"][0]["digests"], reused
+
+    with serving(build_served(on, layout, loaded, NAME, api_keys=("alpha", "beta"))) as base:
+        assert raw(base, "GET", "/metrics", None)[0] == 401
+        assert raw(base, "GET", "/health", None)[0] == 200  # a probe needs no key
+        first, _ = ask(base, "alpha")
+        other, after_other = ask(base, "beta")
+        own, after_own = ask(base, "alpha")
+    assert first == other == own
+    assert after_other == 0 < after_own
+    with serving(build_served(on, layout, loaded, NAME, api_keys=("alpha",))) as base:  # the control
+        ask(base, "alpha")
+        assert ask(base, "alpha")[1] > 0
+    with serving(build_served(on, layout, loaded, NAME)) as base:  # no key: metrics open, as before
+        assert raw(base, "GET", "/metrics", None)[0] == 200
+
+
 def test_control_paged_partial_under_load_comes_out_red(tiny, load, alone):
     """The field report's split: forwards holding a paged stream run `partial`. The two long prompts start
     together, so one of them runs on pages, past one 256-key split: its logits change."""
@@ -178,7 +209,7 @@ def hostile_requests() -> list[tuple[str, bytes, dict, int]]:
 
 def test_hostile_requests_get_their_status_and_the_server_keeps_serving(tiny):
     cases = hostile_requests()
-    with serving(server(tiny, api_key="sesame")) as base:
+    with serving(server(tiny, api_keys=("sesame",))) as base:
         for path, body, headers, want in cases:
             status, _, reply = raw(base, "POST", path, body, headers)
             assert status == want, (path, body[:80], reply[:200])
@@ -191,7 +222,7 @@ def test_hostile_requests_get_their_status_and_the_server_keeps_serving(tiny):
                                json.dumps({"model": NAME, "prompt": "hi", "max_tokens": 3}).encode(),
                                {"Authorization": "Bearer sesame"})
         assert status == 200 and json.loads(reply)["usage"]["completion_tokens"] == 3
-        m = idle(base)
+        m = idle(base, key="sesame")
     assert m["tfq_pages_free"] == POOL and m["tfq_streams"] == 0
     assert m['tfq_requests_total{outcome="invalid"}'] + m['tfq_requests_total{outcome="unauthorized"}'] >= 190
 

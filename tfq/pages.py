@@ -30,6 +30,7 @@ class Placement:
     paged: bool = False
     pages: list[int] = field(default_factory=list)  # page ids (paged only)
     keys: list[bytes] = field(default_factory=list)  # with a prefix cache: the keys of its first full pages
+    root: bytes = b""  # with a prefix cache: the root its keys chain from (its stream's cache salt's)
     slot: int = 0  # the lane it belongs to: where a hybrid keeps the stream's recurrent state
 
     @property
@@ -66,8 +67,10 @@ class PagePool:
     def lane(self, i: int) -> Placement:
         return Placement(self.window, [i * self.window], slot=i)
 
-    def paged(self, slot: int = 0) -> Placement:
-        return Placement(self.page_rows, paged=True, slot=slot)
+    def paged(self, slot: int = 0, salt: str = "") -> Placement:
+        """A paged placement; with a prefix cache, its pages chain from the root of the stream's cache salt."""
+        return Placement(self.page_rows, paged=True, slot=slot,
+                         root=self.prefix.root_of(salt) if self.prefix is not None else b"")
 
     def grow(self, p: Placement, rows: int) -> bool:
         """Make room for positions [0, rows). False (taking nothing more) when the pool is dry."""
@@ -98,11 +101,12 @@ class PagePool:
 
     # -- the prefix cache ---------------------------------------------------------------------------------
     def adopt(self, p: Placement, tokens: list[int]) -> int:
-        """Map the cached full pages that start `tokens` into an empty placement; the rows they hold. The last
-        token is never taken: a stream draws from its own last row, so it computes at least that one."""
+        """Map the cached full pages that start `tokens` (under the placement's root) into an empty placement;
+        the rows they hold. The last token is never taken: a stream draws from its own last row, so it computes
+        at least that one."""
         if self.prefix is None or not p.paged or p.pages:
             return 0
-        parent = self.prefix.root
+        parent = p.root
         for i in range((len(tokens) - 1) // self.page_rows):
             key = page_key(parent, tokens[i * self.page_rows:(i + 1) * self.page_rows])
             page = self.prefix.find(key)
@@ -121,7 +125,7 @@ class PagePool:
         if self.prefix is None or not p.paged:
             return
         for i in range(len(p.keys), cached // self.page_rows):
-            key = page_key(p.keys[-1] if p.keys else self.prefix.root,
+            key = page_key(p.keys[-1] if p.keys else p.root,
                            tokens[i * self.page_rows:(i + 1) * self.page_rows])
             p.keys.append(key)
             self.prefix.name(p.pages[i], key)

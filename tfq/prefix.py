@@ -37,6 +37,11 @@ class PrefixCache:
         self.idle: OrderedDict[int, None] = OrderedDict()  # named pages no stream holds, least recently used first
         self.reused_rows = 0  # prompt tokens streams took from the cache instead of computing, in all
 
+    def root_of(self, salt: str) -> bytes:
+        """The root of the chains a salt's streams find and name: tenants with other salts never share a page
+        (their rows would be the same bits; whether another tenant has sent a prompt is not theirs to learn)."""
+        return self.root if not salt else page_key(self.root + salt.encode(), [])
+
     def find(self, key: bytes) -> int | None:
         return self.page_of.get(key)
 

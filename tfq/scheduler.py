@@ -145,7 +145,8 @@ class Scheduler:
                 if st.order is None:
                     st.order = self.admitted
                     self.admitted += 1
-                st.placement = self.pages.lane(i) if i < self.contiguous_lanes else self.pages.paged(i)
+                st.placement = self.pages.lane(i) if i < self.contiguous_lanes \
+                    else self.pages.paged(i, st.request.cache_salt)
                 if not st.wants_prompt_scores:  # cached pages of its prefix, if any
                     st.cached = self.pages.adopt(st.placement, st.tokens)
                 st.reused += st.cached

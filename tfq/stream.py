@@ -47,6 +47,7 @@ class Request:
     # every prompt row then: evaluation's log-likelihood)
     penalties: Penalties = Penalties()  # on the row before the draw (tfq/penalties.py)
     constraint: Constraint | None = None  # a grammar the reply follows (tfq/grammar.py)
+    cache_salt: str = ""  # streams share prefix-cache pages only with streams of the same salt (a server's tenant)
 
     def validate(self) -> None:
         """Bad settings are refused before anything runs."""

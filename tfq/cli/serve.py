@@ -26,8 +26,10 @@ def serve(
     model: Optional[str] = typer.Option(None, "--model", help="default, an HF folder or a .gguf file."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; 0.0.0.0 serves other machines too."),
     port: int = typer.Option(8000, "--port", help="TCP port (0: any free one)."),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="TFQ_API_KEY",
-                                          help="Refuse /v1/ requests without 'Authorization: Bearer KEY'."),
+    api_keys: List[str] = typer.Option([], "--api-key", envvar="TFQ_API_KEY",
+                                       help="Refuse /v1/ and /metrics requests without 'Authorization: Bearer KEY'. "
+                                       "Give it again for more keys: each key is then a tenant whose prompts "
+                                       "share prefix-cache pages with no other key's."),
     queue: int = typer.Option(64, "--queue", help="Streams that may wait for a lane; beyond it requests get 429."),
     name: Optional[str] = typer.Option(None, "--name", help="The model's name in the API (default: 'default' or "
                                        "the checkpoint's name)."),
@@ -74,11 +76,12 @@ def serve(
     with err.status("loading the model"):
         loaded = load_model(the_plan.model, device=layout.device, weights=the_plan.weights, tp=the_plan.tp)
     limits = Limits(max_body_bytes, max_prompt_tokens, max_stop_chars)
-    served = build_served(the_plan, layout, loaded, name or served_name(the_plan.model), queue, api_key or None,
+    served = build_served(the_plan, layout, loaded, name or served_name(the_plan.model), queue,
+                          tuple(k for k in api_keys if k),
                           limits, allowed_hosts(host, tuple(extra_hosts)), log_prompts, stuck_after or STUCK_AFTER_S)
     bound = sock.getsockname()[1]
     err.print(f"serving {served.model!r} at http://{host}:{bound}/v1 (OpenAI's API; /openapi.json, /health, /metrics)"
-              + ("; API key required" if served.api_key else ""))
+              + ("; API key required" if served.api_keys else ""))
     # SIGTERM or Ctrl-C: uvicorn stops taking requests and lets those in flight finish (30 s at most);
     # the engine loop then aborts what is left, and the command exits 0
     server = uvicorn_server(served, graceful_s=30)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from dataclasses import replace
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
@@ -54,7 +55,7 @@ def build_app(served: Served) -> FastAPI:
     app = FastAPI(title="tfq", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Exact inference, OpenAI-compatible: a reply does not depend on what else is in flight.")
     metrics = served.metrics
-    app.add_middleware(Guard, limits=served.limits, api_key=served.api_key, hosts=served.hosts,
+    app.add_middleware(Guard, limits=served.limits, api_keys=served.api_keys, hosts=served.hosts,
                        outcome=metrics.outcome)
 
     # -- errors ------------------------------------------------------------------------------------------
@@ -113,7 +114,7 @@ def build_app(served: Served) -> FastAPI:
         prompts = await asyncio.to_thread(text_prompts, served, body.prompt, body.parse_special_tokens)
         if body.stream and body.echo and body.logprobs is not None:
             raise ApiError(400, "echo with logprobs is returned whole; set stream to false", "stream")
-        requests, matchers = await shaped(served, compiles, body, lambda: body.requests(
+        requests, matchers = await shaped(served, compiles, body, salt(http), lambda: body.requests(
             prompts, served.window, body.max_tokens, body.logprobs, body.logprobs if body.echo else None))
         shape = Shape.new("text", served.model, body.return_token_ids, body.return_digests)
         ticket = submit(served, requests, matchers)
@@ -131,7 +132,7 @@ def build_app(served: Served) -> FastAPI:
         check_stops(served, body)
         prompt = await asyncio.to_thread(chat_prompt, served, body)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        requests, matchers = await shaped(served, compiles, body, lambda: body.requests(
+        requests, matchers = await shaped(served, compiles, body, salt(http), lambda: body.requests(
             [prompt], served.window, body.reply_tokens, logprobs, constraint=tool_grammar(served, body)))
         shape = Shape.new("chat", served.model, body.return_token_ids, body.return_digests, body.calling)
         ticket = submit(served, requests, matchers)
@@ -153,15 +154,23 @@ def tool_grammar(served: Served, body: ChatBody) -> Constraint | None:
     return tools.constraint(body.tool_dicts, choice, body.parallel_tool_calls, served.tokenizer)
 
 
-async def shaped(served: Served, compiles: Compiles, body, make) -> tuple[list[Request], list[Matcher] | None]:
-    """The body's engine requests (make()), every setting checked, and their grammar's matchers (one a choice),
-    compiled off the event loop and the engine's thread (tfq/serve/compiles.py)."""
+def salt(http: HttpRequest) -> str:
+    """The cache salt of the request's key (tfq/serve/guard.py): its tenant's prefix-cache pages."""
+    return getattr(http.state, "cache_salt", "")
+
+
+async def shaped(served: Served, compiles: Compiles, body, cache_salt: str, make
+                 ) -> tuple[list[Request], list[Matcher] | None]:
+    """The body's engine requests (make()) with the tenant's cache salt, every setting checked, and their
+    grammar's matchers (one a choice), compiled off the event loop and the engine's thread
+    (tfq/serve/compiles.py)."""
     where = ("response_format" if body.response_format is not None else "tools" if getattr(body, "calling", False)
              else "structured_outputs")
     try:
         requests = make()
     except TfqError as e:  # a constraint malformed as data (two kinds, an empty choice)
         raise ApiError(400, f"{where}: {e}", where) from None
+    requests = [replace(r, cache_salt=cache_salt) for r in requests] if cache_salt else requests
     try:
         requests[0].penalties.validate("logit_bias", served.vocab)
     except TfqError as e:

@@ -15,7 +15,7 @@ from tfq.serve.loop import STUCK_AFTER_S, EngineLoop
 from tfq.serve.metrics import Metrics
 
 
-def build_served(plan, layout, loaded, name: str, queue: int = 64, api_key: str | None = None,
+def build_served(plan, layout, loaded, name: str, queue: int = 64, api_keys: tuple[str, ...] = (),
                  limits: Limits = Limits(), hosts: frozenset[str] | None = None, log_prompts: bool = False,
                  stuck_after_s: float = STUCK_AFTER_S, **engine_kw) -> Served:
     """What `tfq serve` serves, from its plan (tfq.plan.Plan and its Layout) and loaded model: the engine, its
@@ -28,7 +28,7 @@ def build_served(plan, layout, loaded, name: str, queue: int = 64, api_key: str 
         pass  # no llguidance: a constrained request is refused with that reason
     metrics = Metrics(engine.settings.lanes, engine.settings.pool_pages)
     return Served(EngineLoop(engine, queue, metrics, stuck_after_s), loaded.tokenizer, name, engine.settings.window,
-                  loaded.tokenizer.vocab_size, metrics, api_key, limits, hosts, log_prompts)
+                  loaded.tokenizer.vocab_size, metrics, tuple(api_keys), limits, hosts, log_prompts)
 
 
 def uvicorn_server(served: Served, graceful_s: float):

@@ -1,12 +1,17 @@
 """What a request must pass before any of it is parsed: the Host it names, its key, its Content-Type and its
 body's size. An ASGI layer under FastAPI, so a refusal costs neither the body's bytes nor a JSON parse.
 
+With keys set, /v1/ and /metrics need one (the metrics count prefix-cache hits, which would tell whether someone
+sent a prompt). Each key is a tenant when there are several: the key's cache salt goes to the routes in the
+scope's state, and its streams share prefix-cache pages only with its own (one key: every stream shares).
+
 It is a plain ASGI wrapper, not Starlette's BaseHTTPMiddleware, which would hide a client's disconnect from the
 routes. The body is read here (at most `Limits.body_bytes`) and handed on whole; after it, `receive` is the
 client's own, so the routes still see a disconnect.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import secrets
@@ -60,10 +65,19 @@ def host_name(header: str) -> str:
     return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
 
 
+def cache_salts(keys: tuple[str, ...]) -> dict[str, str]:
+    """Each key's prefix-cache salt: none for a single key (its streams are every stream), else one a key (a
+    hash: the key itself is never kept in a cache's names)."""
+    if len(keys) < 2:
+        return {k: "" for k in keys}
+    return {k: hashlib.sha256(k.encode()).hexdigest()[:32] for k in keys}
+
+
 class Guard:
-    def __init__(self, app, limits: Limits, api_key: str | None, hosts: frozenset[str] | None,
+    def __init__(self, app, limits: Limits, api_keys: tuple[str, ...], hosts: frozenset[str] | None,
                  outcome: Callable[[str], None]):
-        self.app, self.limits, self.api_key, self.hosts, self.outcome = app, limits, api_key, hosts, outcome
+        self.app, self.limits, self.hosts, self.outcome = app, limits, hosts, outcome
+        self.salts = cache_salts(api_keys)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -86,18 +100,28 @@ class Guard:
         if self.hosts is not None and host not in self.hosts:
             return Refusal(421, f"Host {host!r} is not a name this server answers to ({', '.join(sorted(self.hosts))}); "
                            f"start it with --allowed-host {host or 'NAME'} to serve that name")
-        if not scope["path"].startswith("/v1/"):
+        api = scope["path"].startswith("/v1/")
+        if not (api or scope["path"] == "/metrics"):
             return None
-        if self.api_key is not None:
-            given = headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-                return Refusal(401, "missing or wrong API key: send 'Authorization: Bearer KEY' with the server's "
-                               "--api-key", kind="authentication_error", outcome="unauthorized")
-        if scope["method"] == "POST":
+        if self.salts:
+            key = self.key_of(headers.get("authorization", ""))
+            if key is None:
+                return Refusal(401, "missing or wrong API key: send 'Authorization: Bearer KEY' with one of the "
+                               "server's --api-key", kind="authentication_error", outcome="unauthorized")
+            scope.setdefault("state", {})["cache_salt"] = self.salts[key]
+        if api and scope["method"] == "POST":
             kind = headers.get("content-type", "").split(";")[0].strip().lower()
             if kind != "application/json":
                 return Refusal(415, f"Content-Type {kind or 'missing'}: send the body as application/json")
         return None
+
+    def key_of(self, authorization: str) -> str | None:
+        """The server's key the header carries (every key compared in constant time), or None."""
+        found = None
+        for key in self.salts:
+            if secrets.compare_digest(authorization.encode(), f"Bearer {key}".encode()):
+                found = key
+        return found
 
     async def read_body(self, receive: Receive, headers: dict[str, str]) -> tuple[bytes, Refusal | None]:
         """The whole body, or a refusal as soon as it is known to be over the limit (unread past it)."""

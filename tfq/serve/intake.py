@@ -33,7 +33,7 @@ class Served:
     window: int
     vocab: int
     metrics: Metrics
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # any of them opens /v1/ and /metrics; each a tenant when several
     limits: Limits = Limits()
     hosts: frozenset[str] | None = None  # Host names answered (tfq.serve.guard.allowed_hosts); None: any
     log_prompts: bool = False  # log each request's prompt text (off: logs never hold what users wrote)
