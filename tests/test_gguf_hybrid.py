@@ -11,7 +11,7 @@ import pytest
 from tfq.kernels import cpu_build
 from tfq.model import gguf_tensors
 from tfq.model.gguf_header import read_header
-from tfq.model.gguf_tensors import kept_summary
+from tfq.model.gguf_kept import kept_summary
 from tfq.model.load import load_model
 from engines import bits
 from test_hybrid import requests, run, shipped_hybrid_suite

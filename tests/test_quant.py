@@ -17,7 +17,7 @@ from tfq.kernels.quant import FORMATS, KEPT, QuantLinear, format_bytes, Stacked,
 from tfq.kernels.rowwise import FixedOrderLinear
 from tfq.proofs.kernel_check_rowwise import dequantized, linear_bound
 from tfq.proofs.kernel_check_rowwise import random_blocks as check_blocks
-from tfq.model.gguf_tensors import BlockRows
+from tfq.model.gguf_kept import BlockRows
 from tiny import held_bytes, write_tiny_gguf
 
 pytestmark = pytest.mark.skipif(not cpu_build.load()[0], reason="tfq's CPU kernels do not build here")
@@ -178,7 +178,7 @@ def test_the_plan_counts_the_bytes_the_model_keeps(loaded, tiny_file):
     layer's blob, the fp32 norms and biases, the embedding's blocks on the file. The control: the fp32 model
     holds other bytes."""
     from tfq.model.gguf_header import read_header
-    from tfq.model.gguf_tensors import kept_summary
+    from tfq.model.gguf_kept import kept_summary
 
     assert held_bytes(loaded["gguf"].model) == kept_summary(read_header(tiny_file)).resident
     assert held_bytes(loaded["fp32"].model) != kept_summary(read_header(tiny_file)).resident

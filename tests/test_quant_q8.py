@@ -109,7 +109,7 @@ def loaded(tiny_file):  # noqa: F811
 def test_the_model_keeps_q8_layers_and_the_plan_counts_them(loaded, tiny_file):  # noqa: F811
     from tfq.kernels.layer import fusable
     from tfq.model.gguf_header import read_header
-    from tfq.model.gguf_tensors import kept_summary
+    from tfq.model.gguf_kept import kept_summary
 
     model = loaded["gguf-q8"].model
     layer = model.layers[0]

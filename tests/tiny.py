@@ -544,7 +544,7 @@ def llama_converted(root: Path, hf_folder: Path, out: Path, outtype: str) -> Pat
 def held_bytes(model) -> int:
     """The bytes a loaded model holds in its weights: every linear layer's panels or blob, norms, biases, a
     DeltaNet layer's own tensors, and the embedding (a table left in its file's blocks: those bytes)."""
-    from tfq.model.gguf_tensors import BlockRows
+    from tfq.model.gguf_kept import BlockRows
     from tfq.model.layers import linears
 
     size = lambda t: 0 if t is None else t.numel() * t.element_size()  # noqa: E731

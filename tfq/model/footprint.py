@@ -40,7 +40,7 @@ def gguf_kept(spec: str, activations: str = "fp32"):
     """kept_summary of the model's GGUF header (the default model's parts are joined first), or None for a
     folder."""
     from tfq.model.gguf_header import read_header
-    from tfq.model.gguf_tensors import kept_summary
+    from tfq.model.gguf_kept import kept_summary
     from tfq.model.source import gguf_path
 
     path = gguf_path(spec, progress=False)

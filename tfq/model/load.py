@@ -108,7 +108,8 @@ def weights_kind(choice: str, spec: str, device: str | torch.device = "cpu") -> 
 def model_weights(spec: str, folder: Path, weights: str, backend: Backend, progress: bool = True) -> dict:
     """The model's tensors by HF name, as `weights` says they are kept."""
     from tfq.model.gguf_file import read_header
-    from tfq.model.gguf_tensors import fp32_tensors, kept_tensors
+    from tfq.model.gguf_kept import kept_tensors
+    from tfq.model.gguf_tensors import fp32_tensors
     from tfq.model.source import gguf_path
     from tfq.model.weights import lazy_state_dict
 

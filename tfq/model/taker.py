@@ -27,7 +27,7 @@ class Taker:
         if keep is None:
             return t
         rows, cols = keep
-        if hasattr(t, "quantized"):  # a table left in its file's blocks (tfq.model.gguf_tensors.BlockRows)
+        if hasattr(t, "quantized"):  # a table left in its file's blocks (tfq.model.gguf_kept.BlockRows)
             t = t.quantized()
         if isinstance(t, Quantized):
             if cols is None:
