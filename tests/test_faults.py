@@ -114,6 +114,15 @@ def logits_row(monkeypatch, engine):
     return "FloatingPointError: the logits row at position"
 
 
+def poisoned_beside(base: str, poisoned: dict) -> tuple[int, dict, list]:
+    """The poisoned completion sent with seeds 1 and 2 beside it: its status and error, and their answers."""
+    with ThreadPoolExecutor(3) as pool:
+        bad = pool.submit(raw, base, "POST", "/v1/completions", json.dumps(poisoned).encode())
+        good = [pool.submit(completion, base, seed) for seed in (1, 2)]
+        status, _, body = bad.result()
+        return status, json.loads(body)["error"], [g.result() for g in good]
+
+
 @pytest.mark.parametrize("fault", [sampler, stops, decoder, logits_row])
 def test_a_requests_own_fault_fails_it_alone(tiny, monkeypatch, fault):
     """The poisoned request gets a 500 naming its fault; the ones beside it equal their runs alone."""
@@ -125,12 +134,7 @@ def test_a_requests_own_fault_fails_it_alone(tiny, monkeypatch, fault):
         poisoned = {"model": NAME, "prompt": "def fibonacci(n):", "max_tokens": 24, "seed": POISON}
         if fault is stops:
             poisoned["stop"] = ["never"]
-        with ThreadPoolExecutor(3) as pool:
-            bad = pool.submit(raw, base, "POST", "/v1/completions", json.dumps(poisoned).encode())
-            good = [pool.submit(completion, base, seed) for seed in (1, 2)]
-            status, _, body = bad.result()
-            beside = [g.result() for g in good]
-        error = json.loads(body)["error"]
+        status, error, beside = poisoned_beside(base, poisoned)
         assert status == 500 and words in error["message"] and error["type"] == "server_error"
         assert "\n" not in error["message"]
         assert [(s, b["choices"][0]["digests"]) for s, b in beside] == [(s, b["choices"][0]["digests"])
@@ -185,12 +189,7 @@ def test_a_grammar_that_panics_mid_reply_under_drafting_fails_its_stream_alone(t
     with serving(served) as base:
         poisoned = {"model": NAME, "prompt": "def fibonacci(n):", "max_tokens": 24, "seed": POISON,
                     "structured_outputs": {"regex": "[a-z ]{8,40}"}}
-        with ThreadPoolExecutor(3) as pool:
-            bad = pool.submit(raw, base, "POST", "/v1/completions", json.dumps(poisoned).encode())
-            good = [pool.submit(completion, base, seed) for seed in (1, 2)]
-            status, _, body = bad.result()
-            beside = [g.result() for g in good]
-        error = json.loads(body)["error"]
+        status, error, beside = poisoned_beside(base, poisoned)
         assert status == 500 and "checking its drafted tokens: Panic" in error["message"]
         assert [b["choices"][0]["digests"] for _, b in beside] == [b["choices"][0]["digests"] for _, b in alone]
         settled(base)
