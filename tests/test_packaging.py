@@ -2,6 +2,7 @@
 `tfq together` and `tfq verify`."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -20,6 +21,13 @@ def test_every_package_is_listed():
     found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "tfq").rglob("__init__.py")}
     found |= {"tfq.kernels", "tfq.examples"}  # kernels/ and examples/, installed inside tfq
     assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages in pyproject.toml"
+
+
+def test_torch_is_pinned_to_the_version_the_recorded_bits_came_from():
+    """`tfq verify`'s reference names the torch it was recorded with; the package asks for that one."""
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    recorded = json.loads((ROOT / "tfq" / "reference" / "default.json").read_text())["recorded_on"]["torch"]
+    assert f"torch=={recorded.split('+')[0]}" in deps
 
 
 def test_a_wheel_install_finds_the_suite(tmp_path):
