@@ -36,7 +36,7 @@ class KVView(Protocol):
 
 class PlanView(Sourced, Protocol):
     """What the layout reads of a plan (tfq.plan.schema.Plan). A protocol, not an import: Plan.layout()
-    calls this module, and the package has no import circle (tests/test_layout.py)."""
+    calls this module, and the package has no import circle (tests/unit/test_layout.py)."""
 
     @property
     def window(self) -> int: ...
