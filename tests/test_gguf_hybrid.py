@@ -9,7 +9,7 @@ import json
 import pytest
 
 from tfq.kernels import cpu_build
-from tfq.model import gguf_tensors
+from tfq.model import gguf_kept, gguf_tensors
 from tfq.model.gguf_header import read_header
 from tfq.model.gguf_kept import kept_summary
 from tfq.model.load import load_model
@@ -52,7 +52,7 @@ def test_the_converters_f32_file_computes_as_its_hf_folder(files, hf_folder, mon
     assert bits(run(load_model(str(files["f32"]), progress=False).model, reqs, lanes=4)) == want
 
     real = gguf_tensors.hf_layouts
-    monkeypatch.setattr(gguf_tensors, "hf_layouts", lambda h: {
+    monkeypatch.setattr(gguf_kept, "hf_layouts", lambda h: {  # where the file's kept weights take their layouts
         name: dataclasses.replace(layout, rows=None, cols=None) for name, layout in real(h).items()})
     assert bits(run(load_model(str(files["f32"]), progress=False).model, reqs, lanes=4)) != want
 
