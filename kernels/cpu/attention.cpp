@@ -35,6 +35,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "checks.h"
 #include "lanes.h"
 
 namespace {
@@ -304,15 +305,38 @@ void attend_all(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
   });
 }
 
+// What the kernel reads keys through, checked once a call: every entry of the key table a cache row (whole, so a
+// page-accounting bug anywhere in it is an error), and each row's span of it, table[offsets[n] : offsets[n] +
+// lengths[n]], inside the table. The rows of a block share their offset, so the block reads inside it too. A row
+// attends to one key at least, its own (a block of rows with none divided by zero splits).
+void check_keys(int64_t N, int64_t cache_rows, const at::Tensor& table, const at::Tensor& offsets,
+                const at::Tensor& lengths) {
+  const int64_t T = table.numel();
+  tfq::checks::indices("tfq attend", "table", table, T, cache_rows, "cache rows");
+  const int64_t* op = tfq::checks::int64s("tfq attend", "offsets", offsets, N);
+  const int64_t* lp = tfq::checks::int64s("tfq attend", "lengths", lengths, N);
+  for (int64_t n = 0; n < N; n++) {
+    TORCH_CHECK(lp[n] >= 1, "tfq attend: row ", n, " attends to ", lp[n], " keys, not one at least");
+    TORCH_CHECK(op[n] >= 0 && op[n] <= T - lp[n], "tfq attend: row ", n, "'s keys table[", op[n], " : ", op[n], " + ",
+                lp[n], "] are outside its table of ", T);
+  }
+}
+
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& table, const at::Tensor& offsets, const at::Tensor& lengths, double scale,
                   int64_t tile, int64_t split) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "tfq attend: q [N, H, D] fp32");
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
               k_cache.scalar_type() == v_cache.scalar_type(), "tfq attend: caches [R, Hkv, D], one dtype");
-  TORCH_CHECK(q.size(2) % 16 == 0 && tile % 16 == 0, "tfq attend: D and the tile must be multiples of 16");
-  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "tfq attend: query heads must be a multiple of KV heads");
+  TORCH_CHECK(q.size(2) % 16 == 0 && tile > 0 && tile % 16 == 0, "tfq attend: D and the tile must be multiples of 16");
+  TORCH_CHECK(k_cache.size(1) > 0 && q.size(1) % k_cache.size(1) == 0,
+              "tfq attend: query heads must be a multiple of KV heads");
   TORCH_CHECK(split == 0 || split % tile == 0, "tfq attend: a split must be whole tiles");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "tfq attend: v_cache ", v_cache.sizes(), " is not shaped as k_cache ",
+              k_cache.sizes());
+  TORCH_CHECK(q.size(2) == k_cache.size(2), "tfq attend: queries' head_dim ", q.size(2), ", the cache's ",
+              k_cache.size(2));
+  check_keys(q.size(0), k_cache.size(0), table, offsets, lengths);
   auto out = at::empty_like(q);
   if (q.size(0) == 0) return out;
   switch (k_cache.scalar_type()) {

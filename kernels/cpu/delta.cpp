@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "checks.h"
 #include "lanes.h"
 
 namespace {
@@ -79,8 +80,7 @@ struct Dims {
 void convolve(const float* x, const float* w, float* window, float* save, float* out, int64_t row0, int64_t count,
               bool fresh, int64_t c0, const Dims& d) {
   const int64_t C = d.channels, K = d.kernel, cnt = std::min<int64_t>(16, C - c0);
-  alignas(64) float hist[16][16] = {};  // the window: rows t-K+1 .. t-1, 16 channels each
-  TORCH_CHECK(K <= 16, "tfq deltanet: a convolution of more than 16 taps");
+  alignas(64) float hist[16][16] = {};  // the window: rows t-K+1 .. t-1, 16 channels each (1 <= K <= 16: deltanet)
   if (!fresh)
     for (int64_t j = 0; j < K - 1; j++) std::memcpy(hist[j], window + j * C + c0, cnt * sizeof(float));
   if (save != nullptr)
@@ -133,8 +133,7 @@ void recur(const float* conv, const float* q, const float* k, const float* beta,
   const int64_t hk = h / (d.value_heads / d.key_heads);  // each key head serves consecutive value heads
   if (fresh) std::memset(S, 0, kd * vd * sizeof(float));
   if (save != nullptr) std::memcpy(save, S, kd * vd * sizeof(float));
-  float kv[1024], delta[1024];
-  TORCH_CHECK(vd <= 1024, "tfq deltanet: value heads wider than 1024");
+  float kv[1024], delta[1024];  // vd <= 1024: checked by deltanet
   for (int64_t r = 0; r < count; r++) {
     const int64_t t = row0 + r, e = t * d.value_heads + h;
     const float* qt = q + t * qk + hk * kd;
@@ -167,14 +166,35 @@ at::Tensor deltanet(const at::Tensor& x, const at::Tensor& a, const at::Tensor& 
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "tfq deltanet: fp32, contiguous tensors");
   TORCH_CHECK(segments.scalar_type() == at::kLong && segments.is_contiguous() && segments.dim() == 2 &&
               segments.size(1) == 5, "tfq deltanet: segments [S, 5] int64");
-  TORCH_CHECK(value_heads % key_heads == 0, "tfq deltanet: value heads a multiple of key heads");
+  TORCH_CHECK(key_heads > 0 && key_dim > 0 && value_heads > 0 && value_dim > 0 && value_heads % key_heads == 0,
+              "tfq deltanet: value heads a multiple of key heads");
+  TORCH_CHECK(value_dim <= 1024, "tfq deltanet: value heads wider than 1024");
+  TORCH_CHECK(x.dim() == 2 && conv_w.dim() == 2, "tfq deltanet: x [N, C], conv_w [K, C]");
   const Dims d{x.size(0), x.size(1), conv_w.size(0), key_heads, key_dim, value_heads, value_dim,
                save_rec.numel() > 0};
   TORCH_CHECK(d.channels == 2 * key_heads * key_dim + value_heads * value_dim, "tfq deltanet: channels");
+  TORCH_CHECK(d.kernel >= 1 && d.kernel <= 16 && conv_w.size(1) == d.channels, "tfq deltanet: conv_w ", conv_w.sizes(),
+              ", not [K, ", d.channels, "] with 1 to 16 taps");
+  TORCH_CHECK(a.dim() == 2 && a.size(0) == d.rows && a.size(1) == value_heads && b.sizes() == a.sizes(),
+              "tfq deltanet: a ", a.sizes(), " and b ", b.sizes(), ", not [", d.rows, ", ", value_heads, "]");
+  tfq::checks::vector_of("tfq deltanet", "A", A, value_heads, "value heads");
+  tfq::checks::vector_of("tfq deltanet", "dt_bias", dt_bias, value_heads, "value heads");
+  // the states: a slot each, the window of K - 1 rows of the channels, and Hv states [dk][dv]
+  const int64_t slots = conv_state.dim() == 3 ? conv_state.size(0) : -1;
+  TORCH_CHECK(slots >= 0 && conv_state.size(1) == d.kernel - 1 && conv_state.size(2) == d.channels &&
+              rec_state.sizes() == at::IntArrayRef({slots, value_heads, key_dim, value_dim}),
+              "tfq deltanet: conv_state ", conv_state.sizes(), " and rec_state ", rec_state.sizes(), ", not [slots, ",
+              d.kernel - 1, ", ", d.channels, "] and [slots, ", value_heads, ", ", key_dim, ", ", value_dim, "]");
   const int64_t S = segments.size(0), blocks = (d.channels + 15) / 16, qk = key_heads * key_dim;
   const int64_t* seg = segments.data_ptr<int64_t>();
-  for (int64_t s = 0; s < S; s++)
+  for (int64_t s = 0; s < S; s++) {  // a segment's rows of x, and the slot whose state it reads and writes
+    const int64_t first = seg[s * 5], count = seg[s * 5 + 1], slot = seg[s * 5 + 2];
+    TORCH_CHECK(first >= 0 && count >= 0 && first <= d.rows - count, "tfq deltanet: segment ", s, "'s rows ", first,
+                " .. ", first + count, " are outside the ", d.rows, " rows");
+    TORCH_CHECK(slot >= 0 && slot < slots, "tfq deltanet: segment ", s, "'s slot ", slot, " is outside the ", slots,
+                " slots");
     TORCH_CHECK(!seg[s * 5 + 4] || d.saves, "tfq deltanet: a segment to save, and nowhere to save it");
+  }
   TORCH_CHECK(!d.saves || (save_conv.sizes() == conv_state.sizes() && save_rec.sizes() == rec_state.sizes()),
               "tfq deltanet: save_conv and save_rec shaped as the states");
   auto conv = at::empty_like(x);

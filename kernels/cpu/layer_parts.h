@@ -11,6 +11,7 @@
 #include <chrono>
 #include <tuple>
 
+#include "checks.h"
 #include "lanes.h"
 
 namespace tfq::layer {
@@ -45,7 +46,8 @@ inline at::Tensor attend(const at::Tensor& q, const at::Tensor& kc, const at::Te
 // rotary), x_i * cos_i + x_{(i + R/2) mod R} * sin_i (two products and a sum, each rounded once: torch's x * cos +
 // x.roll(R / 2) * sin, sin's first half negated by the caller), the other dimensions as they are; queries into
 // q [N, H, D], keys and values straight into an fp32 cache at `rows`. qk [N, H + Hkv, D] and v [N, Hkv, D] are
-// views of the qkv output (rows apart by their own stride); cos and sin [N, R].
+// views of the qkv output (rows apart by their own stride); cos and sin [N, 1, R]. The caller has checked rows, the
+// caches' shape and cos's rows (layer.cpp: check_attention).
 inline at::Tensor rotary_store(const at::Tensor& qk, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
                                at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& rows, int64_t H,
                                int64_t Hkv, int64_t D) {
@@ -86,9 +88,11 @@ inline at::Tensor rotary_store(const at::Tensor& qk, const at::Tensor& v, const 
 // of tfq's rms_norm (lanes.h). x, d contiguous [N, n].
 inline std::tuple<at::Tensor, at::Tensor> add_norm(const at::Tensor& x, const at::Tensor& d, const at::Tensor& w,
                                             double eps) {
-  TORCH_CHECK(x.is_contiguous() && d.is_contiguous() && x.sizes() == d.sizes(), "tfq layer: add_norm layouts");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && d.is_contiguous() && x.sizes() == d.sizes(),
+              "tfq layer: add_norm layouts");
+  tfq::checks::vector_of("tfq layer", "add_norm's norm", w, x.size(1), "inputs");  // the row width is x's
   auto sum = at::empty_like(x), y = at::empty_like(x);
-  const int64_t n = w.size(0), rows = x.size(0);
+  const int64_t n = x.size(1), rows = x.size(0);
   const float* xp = x.data_ptr<float>();
   const float* dp = d.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
@@ -139,6 +143,8 @@ struct Clock {
   std::chrono::steady_clock::time_point t0;
   Clock(const c10::optional<at::Tensor>& clock, int s)
       : out(clock.has_value() ? clock->data_ptr<double>() : nullptr), slot(s) {
+    TORCH_CHECK(!out || (clock->is_contiguous() && clock->numel() > slot), "tfq clock: a clock of ",
+                clock->numel(), " seconds has no slot ", slot);
     if (out) t0 = std::chrono::steady_clock::now();
   }
   ~Clock() {

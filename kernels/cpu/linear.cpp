@@ -24,6 +24,7 @@
 #include <sys/mman.h>
 #endif
 
+#include "checks.h"
 #include "lanes.h"
 #include "panel.h"
 
@@ -209,6 +210,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& panels, const c10::opti
   TORCH_CHECK(x.is_contiguous() && panels.is_contiguous(), "tfq linear: contiguous operands only");
   const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
   TORCH_CHECK(N <= P * PANEL && N > (P - 1) * PANEL, "tfq linear: N does not match the panels");
+  if (b.has_value()) tfq::checks::vector_of("tfq linear", "the bias", *b, N, "outputs");
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const float* xp = x.data_ptr<float>();

@@ -19,6 +19,7 @@
 #include <numeric>
 #include <vector>
 
+#include "checks.h"
 #include "layer_parts.h"
 #include "quant_blob.h"
 
@@ -124,9 +125,9 @@ at::Tensor moe_mixture(const at::Tensor& h, const at::Tensor& ids, const at::Ten
   const at::Tensor x = h.contiguous(), id = ids.contiguous(), w = weights.contiguous();
   const int64_t rows = x.size(0), hidden = x.size(1), chosen = id.size(1), pairs = rows * chosen;
   const int64_t* ip = id.data_ptr<int64_t>();
-  const int64_t E = static_cast<int64_t>(gate_ups.size());
-  for (int64_t i = 0; i < pairs; i++)
-    TORCH_CHECK(ip[i] >= 0 && ip[i] < E, "tfq moe_mixture: an expert id past the list");
+  tfq::checks::within("tfq moe_mixture", "ids", ip, pairs, static_cast<int64_t>(gate_ups.size()), "experts");
+  // a row's output starts from its first route's
+  TORCH_CHECK(chosen > 0 || rows == 0, "tfq moe_mixture: each row needs at least one expert, not ids ", id.sizes());
   std::vector<int64_t> order(pairs);  // the pairs grouped by expert, in (row, rank) order within a group
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ip[a] < ip[b]; });

@@ -69,6 +69,35 @@ inline Scales checked_scales(const char* op, int64_t N, int64_t groups, const at
 
 inline int64_t segment_bytes(const Header& h) { return HEADER + h.panels * h.panel_bytes; }
 
+// A segment's header is what the kernels index its panels, groups and rows by: checked against the layout its
+// pack writes (qpack: panels of 64 outputs; qpack_q8: of 16, in the groups its kernel takes) and against the
+// `room` left in the blob, by divisions (a product of crafted sizes could overflow into a small number).
+inline void check_header(const Header& h, int64_t index, int64_t room) {
+  const bool q8 = h.magic == MAGIC_Q8, two = h.scale_mode == SCALES_TWO_LEVEL;
+  const int64_t out = q8 ? 16 : 64, off = h.has_offset;
+  const bool bits = h.bits == 4 || h.bits == 5 || h.bits == 6 || h.bits == 8;
+  const bool group = q8 ? h.group == (h.bits == 6 ? 16 : 32)
+                        : h.group == 16 || h.group == 32 || h.group == 64 || h.group == 128;
+  bool ok = bits && group && (off == 0 || off == 1) && (two || h.scale_mode == SCALES_FP32) && h.n >= 0 &&
+            h.k >= 0 && h.k % h.group == 0 && h.rounding >= 0 && h.rounding <= (q8 || two ? 0 : 2) &&
+            (q8 || h.row_bytes == out * h.bits / 8);
+  if (ok) {  // bits and group known: a group's and a super block's bytes are small numbers
+    const int64_t groups = h.k / h.group, per_group = (two ? 1 : 4) * out * (1 + off) + out * h.group * h.bits / 8;
+    const int64_t per_super = 4 * out * (1 + off);
+    ok = h.group_bytes == per_group && h.panels == h.n / out + (h.n % out != 0) && h.super_bytes >= 0 &&
+         (two ? h.super_groups > 0 && groups % h.super_groups == 0 && h.super_bytes % per_super == 0 &&
+                    h.super_bytes / per_super == groups / h.super_groups
+              : h.super_bytes == 0) &&
+         h.panel_bytes >= h.super_bytes && (h.panel_bytes - h.super_bytes) % per_group == 0 &&
+         (h.panel_bytes - h.super_bytes) / per_group == groups;
+  }
+  TORCH_CHECK(ok, "tfq qlinear: the blob's segment ", index, " does not match its panels (", h.bits, " bits, groups of ",
+              h.group, ", ", h.n, " x ", h.k, ", ", h.panels, " panels of ", h.panel_bytes, " bytes)");
+  TORCH_CHECK(h.panels == 0 || h.panel_bytes == 0 || h.panels <= room / h.panel_bytes, "tfq qlinear: the blob's segment ",
+              index, " holds ", h.panels, " panels of ", h.panel_bytes, " bytes, past the ", room,
+              " bytes left in the blob");
+}
+
 struct Segment {
   Header h;
   const uint8_t* panels;
@@ -85,8 +114,8 @@ inline std::vector<Segment> segments_of(const at::Tensor& blob) {
     TORCH_CHECK(blob.numel() - at >= HEADER, "tfq qlinear: a blob from qpack");
     Segment seg;
     std::memcpy(&seg.h, base + at, sizeof seg.h);
-    TORCH_CHECK((seg.h.magic == MAGIC || seg.h.magic == MAGIC_Q8) && at + segment_bytes(seg.h) <= blob.numel(),
-                "tfq qlinear: a blob from qpack");
+    TORCH_CHECK(seg.h.magic == MAGIC || seg.h.magic == MAGIC_Q8, "tfq qlinear: a blob from qpack");
+    check_header(seg.h, static_cast<int64_t>(out.size()), blob.numel() - at - HEADER);
     TORCH_CHECK(out.empty() || (seg.h.k == out[0].h.k && seg.h.magic == out[0].h.magic),
                 "tfq qlinear: a blob's segments share their inputs and their layout");
     seg.panels = base + at + HEADER;

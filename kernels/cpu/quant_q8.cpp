@@ -427,9 +427,10 @@ at::Tensor qpack_q8(const at::Tensor& q, const at::Tensor& s, const c10::optiona
                     int64_t group, int64_t zero, const c10::optional<at::Tensor>& sd,
                     const c10::optional<at::Tensor>& sq, const c10::optional<at::Tensor>& od,
                     const c10::optional<at::Tensor>& oq) {
-  TORCH_CHECK(bits == 4 || (bits == 5 && group == 32) || (bits == 6 && group == 16) || bits == 8,
-              "tfq qpack_q8: 4 or 8 bits, 5 bits in groups of 32, 6 bits in groups of 16");
-  TORCH_CHECK(group == 16 || group == 32, "tfq qpack_q8: groups of 16 or 32 inputs");
+  // the groups `tile` takes (16 for 6 bits, else 32): a blob of 4 or 8 bits in groups of 16 was packed, then summed
+  // as groups of 32
+  TORCH_CHECK(((bits == 4 || bits == 5 || bits == 8) && group == 32) || (bits == 6 && group == 16),
+              "tfq qpack_q8: 4, 5 or 8 bits in groups of 32, 6 bits in groups of 16");
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && q.is_contiguous() && q.size(1) % BLOCK == 0,
               "tfq qpack_q8: q [N, K] uint8 with K a multiple of 32");
   const int64_t N = q.size(0), K = q.size(1), groups = K / group;
