@@ -256,14 +256,14 @@ def test_interrupted_conversion_leaves_nothing(tmp_path_factory, cache, monkeypa
 
 
 WRITER = """
-import sys, time
+import sys
 from pathlib import Path
 from tfq.model import source
 
 def produce(out):
-    (out / "model.safetensors").write_bytes(b"half")  # half written, then a long wait
+    (out / "model.safetensors").write_bytes(b"half")  # half written, then held until the test kills it
     print("writing", flush=True)
-    time.sleep(600)
+    sys.stdin.readline()
 
 source._convert_once(Path(sys.argv[1]), produce)
 """
@@ -277,8 +277,8 @@ def test_the_clean_up_leaves_a_live_writers_entry_and_removes_a_dead_ones(cache)
 
     folder = cache / "converted"
     folder.mkdir(parents=True)
-    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(folder / "abc-v1")], stdout=subprocess.PIPE,
-                              text=True, env={**os.environ, "TFQ_CACHE": str(cache)})
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(folder / "abc-v1")], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "TFQ_CACHE": str(cache)})
     try:
         assert writer.stdout.readline() == "writing\n"
         entries = [p for p in folder.glob(".*") if p.is_dir()]
