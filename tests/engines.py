@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from tfq.batch import Feed, forward
-from tfq.cache import KVCache
-from tfq.engine import Engine, EngineSettings
+from tfq.engine.batch import Feed, forward
+from tfq.engine.cache import KVCache
+from tfq.engine.core import Engine, EngineSettings
 from tfq.proofs.case import same_bits
-from tfq.stream import Request, Result
+from tfq.engine.stream import Request, Result
 
 WINDOW = 512
 

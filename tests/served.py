@@ -6,7 +6,7 @@ import re
 import time
 from pathlib import Path
 
-from tfq.cli.plan import resolve_plan
+from tfq.plan.resolve import resolve_plan
 from tfq.serve.background import build_served
 
 TINY_PLAN = str(Path(__file__).parent.parent / "plans" / "tiny.yaml")

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from tfq.kernels.backend import torch_backend
 from tfq.kernels.rowwise import FixedOrderLinear, OneDnnLinear
-from tfq.proofs.startup_kernels import check_linear, check_rows
+from tfq.model.kernel_guard import check_linear, check_rows
 from tfq.errors import TfqError
 
 
@@ -142,7 +142,7 @@ def test_guard_refuses_a_subtly_wrong_path():
 
 def test_attention_guard_passes_and_catches_a_shape_dependent_kernel():
     from tfq.kernels.attention import attend
-    from tfq.proofs.startup_kernels import attention_differs, check_attention
+    from tfq.model.kernel_guard import attention_differs, check_attention
 
     assert attention_differs() is None
     check_attention()

@@ -13,8 +13,9 @@ import sys
 
 import pytest
 
-from tfq.bench import child_peer, peering, weights_read_bytes
-from tfq.bench.peering import peer_order
+from tfq.bench import weights_read_bytes
+from tfq.bench.peers import choice, parent_end
+from tfq.bench.peers.choice import peer_order
 from tfq.model.config import ModelConfig
 import torch
 from safetensors.torch import load_file
@@ -34,7 +35,7 @@ def keep_threads():
 def test_the_f32_file_holds_the_weights_tfq_computes_with(tmp_path_factory, tmp_path):
     import gguf
 
-    from tfq.bench.llama_peer import write_f32_gguf
+    from tfq.bench.peers.llama import write_f32_gguf
     from tfq.model import gguf_file
 
     source = tiny_gguf(tmp_path_factory)
@@ -65,8 +66,8 @@ def test_the_f32_file_holds_the_weights_tfq_computes_with(tmp_path_factory, tmp_
 def test_a_missing_peer_package_names_the_install_command(tiny_dirs, monkeypatch, capsys, module, peer, says):
     # the real child, where importing the peer's package raises ImportError
     blocked = (f"import runpy, sys; sys.modules['{module}'] = None; "
-               "runpy.run_module('tfq.bench.peer_child', run_name='__main__')")
-    monkeypatch.setattr(child_peer, "CHILD", [sys.executable, "-c", blocked])
+               "runpy.run_module('tfq.bench.peers.child_end', run_name='__main__')")
+    monkeypatch.setattr(parent_end, "CHILD", [sys.executable, "-c", blocked])
     code, out, err = tfq(["bench", "--model", str(tiny_dirs["qwen2"]), "--plan", TINY_PLAN, "--quiet", "--lanes", "1",
                           "--peer", peer], monkeypatch, capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
@@ -110,14 +111,14 @@ def test_a_file_llama_cpp_cannot_load_is_one_line(tmp_path_factory, tmp_path, mo
 def test_a_peer_that_dies_leaves_tfqs_rows(tmp_path_factory, tmp_path, monkeypatch, capsys, mode, says):
     fake_child(tmp_path, monkeypatch, mode)
     if mode == "mute":  # it never answers its load: the timeout, shortened, ends the wait
-        monkeypatch.setattr(child_peer, "LOAD_TIMEOUT_S", 0.25)
+        monkeypatch.setattr(parent_end, "LOAD_TIMEOUT_S", 0.25)
     path = tmp_path / "bench.json"
     code, out, err = tfq(["bench", "--model", str(tiny_gguf(tmp_path_factory)), *SMALL, "--lanes", "1,2", "--arms",
                           "whole", "--peer", "llama.cpp-gguf", "--quiet", "--json", str(path)], monkeypatch, capsys)
     assert code == 0, err
     line = f"the peer (llama.cpp-gguf) {says}: tfq's rows stand without it"
     if "SIGILL" in mode:  # the line says how to mend it
-        line += f"; {child_peer.REBUILD}"
+        line += f"; {parent_end.REBUILD}"
     assert err.strip().splitlines() == [line]
     report = json.loads(path.read_text())
     assert report["peer"]["failure"] == line and f"peer: {line}" in " ".join(out.split())
@@ -144,7 +145,7 @@ def test_a_bench_forced_apart_runs_the_peer_first_then_tfq(tmp_path_factory, tmp
     from tfq.model import load
 
     log = fake_child(tmp_path, monkeypatch, "ok")
-    monkeypatch.setattr(peering, "available_memory", lambda: 1)  # nothing fits beside tfq
+    monkeypatch.setattr(choice, "available_memory", lambda: 1)  # nothing fits beside tfq
     load_model = load.load_model
 
     def logged_load(*args, **kwargs):
@@ -171,7 +172,7 @@ def test_a_bench_forced_apart_runs_the_peer_first_then_tfq(tmp_path_factory, tmp
 
 def test_the_child_does_not_import_torch():
     """The peer's memory column is llama.cpp's process: torch's hundreds of MiB are not in it."""
-    subprocess.run([sys.executable, "-c", "import sys, tfq.bench.peer_child; assert 'torch' not in sys.modules"],
+    subprocess.run([sys.executable, "-c", "import sys, tfq.bench.peers.child_end; assert 'torch' not in sys.modules"],
                    check=True)
 
 
@@ -185,7 +186,7 @@ def test_bench_beside_llama_cpp(tmp_path_factory, tmp_path, monkeypatch, capsys,
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is an optional extra (peer-llama)")
     monkeypatch.setenv("TFQ_CACHE", str(tmp_path / "cache"))
     if order == "apart":
-        monkeypatch.setattr(peering, "available_memory", lambda: 1)
+        monkeypatch.setattr(choice, "available_memory", lambda: 1)
     model = tiny_gguf(tmp_path_factory)
     path = tmp_path / "bench.json"
     code, out, err = tfq(["bench", "--model", str(model), *SMALL, "--lanes", "1,2", "--arms", "whole", "--peer", peer,
@@ -266,5 +267,5 @@ def fake_child(tmp_path, monkeypatch, mode: str):
     script, log = tmp_path / "fake_child.py", tmp_path / "fake_child.log"
     script.write_text(FAKE_CHILD)
     log.write_text("")
-    monkeypatch.setattr(child_peer, "CHILD", [sys.executable, str(script), mode, str(log)])
+    monkeypatch.setattr(parent_end, "CHILD", [sys.executable, str(script), mode, str(log)])
     return log

@@ -76,7 +76,7 @@ def fake_server(tmp_path: Path, body: str) -> str:
 ])
 def test_a_peer_that_crashes_or_hangs_costs_one_line_and_tfqs_rows_stay(body, words, tmp_path, tmp_path_factory,
                                                                         monkeypatch, capsys):
-    from tfq.bench import llama_server
+    from tfq.bench.peers import llama_server
     from tiny import tiny_gguf
 
     monkeypatch.setenv("TFQ_LLAMA_SERVER", fake_server(tmp_path, body))
@@ -102,7 +102,7 @@ def test_llama_server_beside_tfq_on_the_same_gguf(tmp_path, tmp_path_factory, mo
     """Where llama-server is built (benchmarks/build_llama_server.sh), both engines' rows: figures present,
     and whether llama.cpp's replies under load equal its own alone is reported (not asserted: it is the
     peer's property, measured)."""
-    from tfq.bench.llama_server import binary
+    from tfq.bench.peers.llama_server import binary
     from tfq.errors import TfqError
     from tiny import tiny_gguf
 

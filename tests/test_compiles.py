@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from served import NAME, eventually, raw, server, tiny_served
-from tfq.grammar import Constraint, Grammars
+from tfq.decode.grammar import Constraint, Grammars
 from tfq.serve.background import serving
 from tfq.serve.compiles import Compiles, Crowded, TooSlow
 

@@ -8,9 +8,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tfq.draft import ModelDrafter, NgramDrafter, lookup
-from tfq.engine import EngineSettings
-from tfq.stream import Request
+from tfq.engine.draft import ModelDrafter, NgramDrafter, lookup
+from tfq.engine.core import EngineSettings
+from tfq.engine.stream import Request
 from tfq.kernels.contract import KEY_TILE
 from engines import engine
 

@@ -7,10 +7,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tfq.engine import Controls, Engine, EngineSettings
-from tfq.runner import paged_partial
+from tfq.engine.core import Controls, Engine, EngineSettings
+from tfq.engine.runner import paged_partial
 from tfq.errors import TfqError
-from tfq.stream import Request
+from tfq.engine.stream import Request
 from tfq.kernels.contract import KEY_TILE
 import engines
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from tfq.engine import Controls, Engine, EngineSettings
-from tfq.stream import Request, Status
+from tfq.engine.core import Controls, Engine, EngineSettings
+from tfq.engine.stream import Request, Status
 from tfq.kernels.contract import KEY_TILE
 from engines import run, same
 

@@ -17,13 +17,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-import tfq.engine
-import tfq.stream
+import tfq.engine.core
+import tfq.engine.stream
 from served import NAME, POOL, TINY_PLAN, eventually, idle, raw, server, tiny_served
 from test_draft import RandomDrafter
-from tfq.engine import Controls
+from tfq.engine.core import Controls
 from tfq.errors import Unservable
-from tfq.grammar import OwnCompile
+from tfq.decode.grammar import OwnCompile
 from tfq.serve.background import serving
 
 POISON = 666  # the seed of the request a fault is put in
@@ -66,26 +66,26 @@ class Exploding:
 
 
 def sampler(monkeypatch, engine):
-    real = tfq.engine.sample
+    real = tfq.engine.core.sample
 
     def sample(logits, temperature, top_p, seed, position):
         if seed == POISON:
             raise RuntimeError("a sampler fault put in by the test")
         return real(logits, temperature, top_p, seed, position)
 
-    monkeypatch.setattr(tfq.engine, "sample", sample)
+    monkeypatch.setattr(tfq.engine.core, "sample", sample)
     return "RuntimeError: a sampler fault"
 
 
 def stops(monkeypatch, engine):
-    real = tfq.stream.first_stop
+    real = tfq.engine.stream.first_stop
 
     def first_stop(text, stops, start=0):
         if "never" in stops:
             raise IndexError("a stop-search fault put in by the test")
         return real(text, stops, start)
 
-    monkeypatch.setattr(tfq.stream, "first_stop", first_stop)
+    monkeypatch.setattr(tfq.engine.stream, "first_stop", first_stop)
     return "IndexError: a stop-search fault"
 
 
@@ -379,12 +379,12 @@ def test_the_control_a_healthy_server_is_not_dead(tiny):
 
 SERVE_WITH_A_DEAD_ENGINE = """
 import sys
-import tfq.engine
+import tfq.engine.core
 class Panic(BaseException):
     pass
 def step(self):
     raise {fault}("an engine fault put in by the test")
-tfq.engine.Engine.step = step
+tfq.engine.core.Engine.step = step
 from tfq.cli import main
 sys.argv = ["tfq", "serve", *sys.argv[1:]]
 main()

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tfq.engine import Engine, EngineSettings
-from tfq.stream import Request
+from tfq.engine.core import Engine, EngineSettings
+from tfq.engine.stream import Request
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -61,7 +61,7 @@ def test_transformers_runs_beside_tfqs_kernels_package(tiny_dirs):
     import sys
 
     code = (
-        "import tfq.kernels.attention, tfq.engine\n"
+        "import tfq.kernels.attention, tfq.engine.core\n"
         "import kernels\n"
         "from transformers.utils import import_utils\n"
         "assert not import_utils.is_kernels_available() or hasattr(kernels, 'CUDAProperties'), kernels.__file__\n"

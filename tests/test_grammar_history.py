@@ -1,7 +1,7 @@
 """A constrained reply is a function of its own request, whatever the server compiled before it.
 
 llguidance's compiled matcher caches the lexer states it builds, counted against `max_lexer_states`, and copies of
-a matcher share that cache. tfq compiles a matcher for every stream (tfq/grammar.py: OwnCompile), so the same
+a matcher share that cache. tfq compiles a matcher for every stream (tfq/decode/grammar.py: OwnCompile), so the same
 request gets the same reply on a fresh server and after 200 other constrained requests walked the same grammars.
 The limit is lowered here so a few hundred walks would reach it; the control hands every stream a copy of one
 compile (SharedCompile, what tfq did before) and its replies change with what came before (RED).
@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from served import NAME, idle, raw, server, tiny_served
-from tfq.engine import Controls
-from tfq.grammar import LIMITS, OwnCompile, SharedCompile
+from tfq.engine.core import Controls
+from tfq.decode.grammar import LIMITS, OwnCompile, SharedCompile
 from tfq.serve.background import serving
 
 # every walk through this regex builds lexer states of its own (the last 17 letters' a's): hundreds of walks of a

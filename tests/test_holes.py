@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cli import tfq
-from tfq.cli.chat import requests_for
+from tfq.suite import requests_for
 from tfq.errors import TfqError
 from tfq.model import gguf_file
 from tfq.model.config import ModelConfig, RopeScaling

@@ -318,7 +318,7 @@ def test_after_the_cases_every_page_is_back_and_the_server_is_healthy(running):
 def test_the_gap_bound_catches_a_stall(tiny):
     """The control: a request that stalls the engine thread for 3 s (its stop handling made slow on purpose)
     shows in the reply beside it as a gap past the bound."""
-    import tfq.stream as stream
+    import tfq.engine.stream as stream
 
     served = server(tiny, api_keys=(KEY,), served={"limits": LIMITS})
     real = stream.held_back

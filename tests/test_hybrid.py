@@ -12,16 +12,16 @@ import json
 import pytest
 import torch
 
-from tfq.batch import Arithmetic, Feed, forward
-from tfq.cache import KVCache
-from tfq.draft import ModelDrafter, NgramDrafter
-from tfq.engine import Controls, Engine, EngineSettings
+from tfq.engine.batch import Arithmetic, Feed, forward
+from tfq.engine.cache import KVCache
+from tfq.engine.draft import ModelDrafter, NgramDrafter
+from tfq.engine.core import Controls, Engine, EngineSettings
 from tfq.errors import TfqError
-from tfq.runner import chunked_deltanet
+from tfq.engine.runner import chunked_deltanet
 from tfq.kernels.contract import KEY_TILE
 from tfq.model.config import ModelConfig
 from tfq.model.load import load_model
-from tfq.stream import Request
+from tfq.engine.stream import Request
 import engines
 from engines import one_forward
 from tiny import tiny_model_dir, write_tiny_checkpoint
@@ -275,7 +275,7 @@ def test_bad_input_on_the_cli_exits_2_with_one_line(hybrid_dir, tmp_path, monkey
 def drafter_guesses_after_a_rejection(model, restore: bool = True) -> tuple[tuple, tuple]:
     """(guesses and state of a hybrid drafter after the target kept only its first guess, the same of a fresh
     drafter over the same tokens)."""
-    from tfq.stream import Stream
+    from tfq.engine.stream import Stream
 
     ids = prompt(90, salt=5)
     drafter = ModelDrafter(model, 1, WINDOW)

@@ -1,4 +1,4 @@
-"""tfq's logs: a logger per layer (tfq.scheduler, tfq.engine, tfq.serve.*), one line per event (admit, preempt,
+"""tfq's logs: a logger per layer (tfq.engine.scheduler, tfq.engine.core, tfq.serve.*), one line per event (admit, preempt,
 finish, abort, refusal, fault), quiet unless asked, and never a prompt's text unless the operator asks."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import logging
 import pytest
 
 from served import NAME, raw, server, tiny_served
-from tfq.engine import Engine, EngineSettings
+from tfq.engine.core import Engine, EngineSettings
 from tfq.serve.background import serving
-from tfq.stream import Request
+from tfq.engine.stream import Request
 
 CANARY = "zebra canary 41"
 
@@ -29,7 +29,7 @@ def test_the_engine_logs_admissions_preemptions_finishes_and_aborts(tiny_models,
     engine.abort(ids[2])
     while engine.has_work():
         engine.step()
-    lines = [r.getMessage() for r in caplog.records if r.name in ("tfq.scheduler", "tfq.engine")]
+    lines = [r.getMessage() for r in caplog.records if r.name in ("tfq.engine.scheduler", "tfq.engine.core")]
     assert any(" admitted to lane " in ln for ln in lines)
     assert any("preempted for lack of pages" in ln for ln in lines)
     assert sum("finished (length)" in ln for ln in lines) == 2 and sum("finished (abort)" in ln for ln in lines) == 1

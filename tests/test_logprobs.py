@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tfq.engine import Controls, Engine, EngineSettings
-from tfq.stream import Request
+from tfq.engine.core import Controls, Engine, EngineSettings
+from tfq.engine.stream import Request
 
 TINY_PLAN = str(Path(__file__).parent.parent / "plans" / "tiny.yaml")
 

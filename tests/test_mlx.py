@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from tfq.engine import Engine, EngineSettings
+from tfq.engine.core import Engine, EngineSettings
 from tfq.errors import TfqError
 from tfq.model.config import ModelConfig
 from tfq.model.load import load_model
 from tfq.model.mlx import dequantize, folder_quantization, load_mlx_state
-from tfq.stream import Request
+from tfq.engine.stream import Request
 from engines import one_forward
 from tiny import tiny_model_dir, write_mlx_checkpoint
 

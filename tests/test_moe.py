@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from tfq.engine import Engine, EngineSettings
+from tfq.engine.core import Engine, EngineSettings
 from tfq.errors import TfqError
 from tfq.model import moe
 from tfq.model.config import ModelConfig
 from tfq.model.moe import Routes, combine, combine_by_load, filled_routes, route
-from tfq.stream import Request
+from tfq.engine.stream import Request
 
 from cli import tfq
 from test_forward import hf_model

@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 import torch
 
-from tfq.engine import Engine, EngineSettings
+from tfq.engine.core import Engine, EngineSettings
 from tfq.kernels.contract import KEY_TILE
-from tfq.proofs.startup import ONE_CALL, ONE_CALL_STORE, LayerProof
-from tfq.stream import Request
+from tfq.engine.layer_guard import ONE_CALL, ONE_CALL_STORE, LayerProof
+from tfq.engine.stream import Request
 from test_hybrid import Oracle, hybrid, hybrid_dir  # noqa: F401 (fixtures)
 from test_hybrid import requests as hybrid_requests, run as hybrid_run
 

@@ -9,10 +9,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tfq.engine import Controls, Engine, EngineSettings
+from tfq.engine.core import Controls, Engine, EngineSettings
 from tfq.kernels.contract import KEY_TILE
-from tfq.runner import ColdPartial
-from tfq.stream import Request
+from tfq.engine.runner import ColdPartial
+from tfq.engine.stream import Request
 
 WINDOW = 512
 
@@ -123,7 +123,7 @@ def test_a_preempted_stream_finds_its_own_pages(model):
 
 
 def test_drafted_streams_share_only_verified_rows(model):
-    from tfq.draft import NgramDrafter
+    from tfq.engine.draft import NgramDrafter
 
     vocab = model.config.vocab_size
     loop = tokens(40, 5, vocab) * 4  # repeats: the n-gram drafter guesses, some guesses are rejected
@@ -156,7 +156,7 @@ def test_control_pages_computed_under_partial_reused_by_rows_streams_come_out_re
 
 def test_the_n_choices_of_one_request_share_their_prompt(model):
     """Choices added together: the others wait one chunk for the first to name the prompt's pages, then map them."""
-    from tfq.stream import choices
+    from tfq.engine.stream import choices
 
     vocab = model.config.vocab_size
     requests = choices([tokens(200, 12, vocab)], 3, seed=4, max_tokens=6, temperature=0.9)

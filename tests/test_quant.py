@@ -186,7 +186,7 @@ def test_the_plan_counts_the_bytes_the_model_keeps(loaded, tiny_file):
 
 def mixed_requests(vocab: int, seed: int) -> list:
     """Greedy and sampled requests of several lengths, one longer than a 64-row chunk and the 6-page pool."""
-    from tfq.stream import Request
+    from tfq.engine.stream import Request
 
     g = torch.Generator().manual_seed(seed)
     return [Request(prompt=tuple(torch.randint(0, vocab, (n,), generator=g).tolist()), max_tokens=t,
@@ -226,7 +226,7 @@ def test_the_one_call_layer_runs_quantized_layers(loaded):
 
 
 def test_weights_auto_is_gguf_for_a_gguf_file_and_fp32_for_a_folder(tiny_file, tiny_dirs):
-    from tfq.model.load import weights_kind
+    from tfq.model.footprint import weights_kind
 
     assert weights_kind("auto", str(tiny_file))[0] == "gguf"
     assert weights_kind("auto", str(tiny_dirs["qwen2"]))[0] == "fp32"
@@ -252,9 +252,9 @@ def test_cli_bad_weights_value_exits_2(tiny_file):
 def test_default_model_gguf_equals_fp32(default_model):
     """The default model on its own blocks (the shared fixture, weights: auto) against the same file dequantized
     to fp32: every prompt row's logits equal, bit for bit, for three chats prefilled together."""
-    from tfq.engine import Engine, EngineSettings
+    from tfq.engine.core import Engine, EngineSettings
     from tfq.model.load import load_model
-    from tfq.stream import Request
+    from tfq.engine.stream import Request
 
     assert default_model.weights == "gguf"
     fp32 = load_model("default", progress=False, weights="fp32")

@@ -16,8 +16,8 @@ import threading
 import pytest
 
 from serve_load import calls, differences, fire
-from tfq.engine import Controls, Engine
-from tfq.runner import paged_partial
+from tfq.engine.core import Controls, Engine
+from tfq.engine.runner import paged_partial
 from served import NAME, POOL, TINY_PLAN, idle, raw, server, tiny_served, until
 from tfq.serve.background import build_served, serving
 
@@ -152,7 +152,7 @@ def test_echo_returns_the_prompts_log_probabilities(tiny):
     assert lp["token_logprobs"][0] is None and all(v < 0 for v in lp["token_logprobs"][1:])
     assert r["choices"][0]["text"].startswith(prompt)
     plan, layout, loaded = tiny
-    from tfq.stream import Request
+    from tfq.engine.stream import Request
 
     whole = Engine.from_plan(plan.set("prefill_chunk", 512, "test"), layout, loaded)
     ids = loaded.tokenizer.encode(prompt)

@@ -11,9 +11,9 @@ from rich.console import Console
 from rich.table import Table
 
 from serve_load import calls, differences, fire, tally
-from tfq.cli.plan import resolve_plan
-from tfq.engine import Controls
-from tfq.runner import paged_partial
+from tfq.plan.resolve import resolve_plan
+from tfq.engine.core import Controls
+from tfq.engine.runner import paged_partial
 from tfq.serve.background import build_served, serving
 
 PAGED_PLAN = str(Path(__file__).parent.parent / "plans" / "paged.yaml")

@@ -12,12 +12,12 @@ import torch
 
 from engines import engine, same
 from test_draft import RandomDrafter
-from tfq.engine import Controls
+from tfq.engine.core import Controls
 from tfq.errors import TfqError
-from tfq.grammar import Constraint, SharedMask, constraint_of
-from tfq.penalties import Penalties
-from tfq.sampling import log_softmax, logprob
-from tfq.stream import Finish, Request
+from tfq.decode.grammar import Constraint, SharedMask, constraint_of
+from tfq.decode.penalties import Penalties
+from tfq.decode.sampling import log_softmax, logprob
+from tfq.engine.stream import Finish, Request
 from unit.test_structured import PENALIZED
 
 SCHEMAS = json.loads((Path(__file__).parent.parent / "examples" / "schemas.json").read_text())["schemas"]

@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tfq.draft import NgramDrafter
-from tfq.engine import Controls, Engine, EngineSettings
+from tfq.engine.draft import NgramDrafter
+from tfq.engine.core import Controls, Engine, EngineSettings
 from tfq.errors import TfqError
-from tfq.proofs.startup import LayerProof
-from tfq.stream import Request
+from tfq.engine.layer_guard import LayerProof
+from tfq.engine.stream import Request
 from tfq.kernels.contract import KEY_TILE
 
 import engines
@@ -178,10 +178,10 @@ def test_the_guard_proves_each_count_once_and_names_no_op_when_it_holds(wide, th
 
 
 def test_the_guard_refuses_a_penalty_that_follows_the_thread_count(wide, threads, monkeypatch):
-    """The guard's draws include a penalized row and a masked one (tfq/proofs/startup.py); a penalty whose
+    """The guard's draws include a penalized row and a masked one (tfq/engine/layer_guard.py); a penalty whose
     arithmetic follows the thread count (the control: the count picks which token it lifts) is refused at the
     second count, naming the sampler."""
-    from tfq.penalties import Penalties
+    from tfq.decode.penalties import Penalties
     from tfq.proofs import startup
 
     class Drifting(Penalties):

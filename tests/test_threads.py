@@ -9,10 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from tfq.engine import Engine, EngineSettings
+from tfq.engine.core import Engine, EngineSettings
 from tfq.errors import TfqError
-from tfq.stream import Request
-from tfq.threads import CpuSample, Threads, fix_threads, ladder, read_sample, release_workers
+from tfq.engine.stream import Request
+from tfq.engine.threads import CpuSample, Threads, fix_threads, ladder, read_sample, release_workers
 
 from served import eventually, server, tiny_served
 
@@ -34,7 +34,7 @@ class FakeCpu:
 
 def test_threads_follow_the_free_cores_down_and_back_up(monkeypatch):
     cpu = FakeCpu()
-    monkeypatch.setattr("tfq.threads.time.monotonic", lambda: cpu.t)
+    monkeypatch.setattr("tfq.engine.threads.time.monotonic", lambda: cpu.t)
     before = torch.get_num_threads()
     asked: list[int] = []
 
@@ -135,7 +135,7 @@ def _linear():
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads this process's threads in /proc (Linux)")
 def test_a_thread_gives_its_openmp_workers_back_and_gets_them_again(restored_threads):
-    """A thread gives back its OpenMP workers (tfq/threads.py: release_workers, what a served engine's builder
+    """A thread gives back its OpenMP workers (tfq/engine/threads.py: release_workers, what a served engine's builder
     does), and computing again brings workers back, with the same bits. Control: a thread that only computes
     keeps its workers (libgomp keeps them for the thread's whole life)."""
 

@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tfq.cli.chat import requests_for
+from tfq.suite import requests_for
 from tfq.cli.together import DEFAULT_TOKENS, default_suite
 from tfq.errors import TfqError
 from tfq.plan import ENV_FLAGS, ENV_VALUES, Plan, load_plan
 from tfq.suite import load_suite, parse_suite
 from tfq.proofs.together import ARMS, EXACT, FAIL, RED, Check, arm_names, select_arms
 from tfq.proofs.together_arms import compare, judge
-from tfq.sampling import TokenLogprob
-from tfq.stream import Result
+from tfq.decode.sampling import TokenLogprob
+from tfq.engine.stream import Result
 from tiny import CORPUS
 
 WORDS = CORPUS.split()
@@ -252,7 +252,7 @@ def test_prompt_scores_are_compared_bit_for_bit():
 def test_the_prefix_arm_catches_a_warm_stream_without_its_prompt_scores(tiny_models, monkeypatch):
     """Before the scheduler's fix a stream scoring its prompt mapped cached pages, and their rows had no score:
     with that back, the prefix arm is FAIL where the scores part, and every other check still holds."""
-    from tfq.stream import Stream
+    from tfq.engine.stream import Stream
 
     monkeypatch.setattr(Stream, "wants_prompt_scores", property(lambda self: False))
     loaded = tiny_models["qwen2"]
@@ -362,7 +362,7 @@ def test_command_passes_and_writes_json(tiny_dirs, suite_file, tmp_path, monkeyp
 
 
 def test_ctrl_c_leaves_evidence_marked_incomplete(tiny_dirs, suite_file, tmp_path, monkeypatch, capsys):
-    from tfq.engine import Engine
+    from tfq.engine.core import Engine
 
     chats = len(load_suite(suite_file))
     real, calls = Engine.generate, []

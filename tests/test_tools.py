@@ -11,7 +11,7 @@ import pytest
 
 from served import NAME, server, tiny_served
 from tfq.serve.background import build_served, serving
-from tfq.tools import CLOSE, OPEN, CallStream, parse
+from tfq.decode.tools import CLOSE, OPEN, CallStream, parse
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city today.",
@@ -124,7 +124,7 @@ def test_a_two_turn_conversation_with_a_tool_on_the_default_model(default_model)
     three other conversations at once."""
     from openai import OpenAI
 
-    from tfq.cli.plan import resolve_plan
+    from tfq.plan.resolve import resolve_plan
 
     plan, _, layout = resolve_plan(None, None, [], True, None)
     weather = {"type": "function", "function": {**WEATHER["function"], "parameters": {

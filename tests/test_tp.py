@@ -29,7 +29,7 @@ from tfq.errors import TfqError, Unservable
 from tfq.model.load import load_model
 from tfq.parallel.shard import Shard, part, sizes
 from tfq.plan import load_plan
-from tfq.proofs.startup_kernels import check_columns
+from tfq.model.kernel_guard import check_columns
 from tfq.proofs.together import EXACT, RED
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,8 +85,8 @@ def test_every_arm_equals_one_process_alone_and_all_reduce_is_red(family, world,
 def test_ranks_run_the_same_forward_as_one_process(tiny_models):
     """Below the check: one forward's logits at 3 ranks equal one process's bit for bit, and the all-reduce
     split's differ (the control fails by construction: a sum cut in two and added)."""
-    from tfq.engine import Engine, EngineSettings
-    from tfq.stream import Request
+    from tfq.engine.core import Engine, EngineSettings
+    from tfq.engine.stream import Request
 
     folder = str(tiny_models["qwen3"].folder)
     settings = EngineSettings(window=256, lanes=3)
@@ -188,7 +188,7 @@ def test_serve_at_tp_2_under_load_equals_one_process(tiny_dirs, tiny_models):
     import asyncio
 
     from serve_load import calls, differences, fire
-    from tfq.cli.plan import resolve_plan
+    from tfq.plan.resolve import resolve_plan
     from tfq.serve.background import build_served, serving
 
     plan, _, layout = resolve_plan(str(ROOT / "plans" / "tiny.yaml"), str(tiny_dirs["qwen2"]), ["kv.pool=8"], True,
@@ -220,9 +220,9 @@ def test_every_rank_proves_its_own_shard(tiny_dirs):
 def test_a_rank_that_dies_is_one_line_not_a_hang(tiny_dirs):
     """A rank killed mid-run: rank 0's next forward says so in one line (a TfqError), instead of waiting on a
     collective for ever or printing a traceback."""
-    from tfq.engine import Engine, EngineSettings
+    from tfq.engine.core import Engine, EngineSettings
     from tfq.parallel.ranks import ranks
-    from tfq.stream import Request
+    from tfq.engine.stream import Request
 
     loaded = load_model(str(tiny_dirs["qwen2"]), progress=False, tp=4)  # a group of its own: no other test's
     engine = Engine(loaded.model, EngineSettings(window=128, lanes=2))
@@ -376,8 +376,8 @@ def pair(tiny_dirs):
 
 
 def _run(model):
-    from tfq.engine import Engine, EngineSettings
-    from tfq.stream import Request
+    from tfq.engine.core import Engine, EngineSettings
+    from tfq.engine.stream import Request
 
     requests = [Request(prompt=tuple(range(7, 30)), max_tokens=4), Request(prompt=(5, 3, 9), max_tokens=4)]
     return Engine(model, EngineSettings(window=128, lanes=2), keep_logits=True).generate(requests)

@@ -15,14 +15,14 @@ if not torch.cuda.is_available():
 from tfq.kernels.backend import torch_backend, triton_backend  # noqa: E402
 from tfq.proofs.case import same_bits  # noqa: E402
 from tfq.kernels.rowwise import rms_norm as torch_rms_norm  # noqa: E402
-from tfq.proofs.startup_kernels import check_rows  # noqa: E402
-from tfq.engine import Controls  # noqa: E402
-from tfq.runner import paged_partial  # noqa: E402
+from tfq.model.kernel_guard import check_rows  # noqa: E402
+from tfq.engine.core import Controls  # noqa: E402
+from tfq.engine.runner import paged_partial  # noqa: E402
 from tfq.errors import TfqError  # noqa: E402
 from tfq.model.config import ModelConfig  # noqa: E402
 from tfq.model.qwen import Qwen  # noqa: E402
 from tfq.model.weights import load_state_dict  # noqa: E402
-from tfq.stream import Request  # noqa: E402
+from tfq.engine.stream import Request  # noqa: E402
 from engines import run, same  # noqa: E402
 from tiny import write_tiny_checkpoint  # noqa: E402
 
@@ -107,7 +107,7 @@ def _run(model, requests, drafter=None, seed=None, arithmetic=None, **settings):
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_a_stream_is_the_same_alone_together_paged_chunked_and_drafted(models, family):
-    from tfq.draft import NgramDrafter
+    from tfq.engine.draft import NgramDrafter
 
     triton_model, torch_model = models[family]
     requests = _requests((5, 70, 20), seed=len(family))

@@ -264,7 +264,7 @@ def test_the_triton_backend_serves_the_cache_and_attention(store):
     """The one interface: a cache built with the Triton backend stores through the Triton kernel, and the
     backend's attend is the Triton one (bits equal to calling it directly)."""
     from tfq.kernels.backend import triton_backend
-    from tfq.cache import KVCache
+    from tfq.engine.cache import KVCache
     from tfq.model.config import ModelConfig
 
     backend, why = triton_backend()

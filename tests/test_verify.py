@@ -24,8 +24,8 @@ RUN = r"""
 import sys
 if sys.argv[1] == "control":
     import torch
-    import tfq.sampling
-    tfq.sampling.log_softmax = lambda logits: torch.log_softmax(logits, -1).double().numpy()
+    import tfq.decode.sampling
+    tfq.decode.sampling.log_softmax = lambda logits: torch.log_softmax(logits, -1).double().numpy()
 sys.argv = ["tfq", *sys.argv[2:]]
 from tfq.cli import main
 main()

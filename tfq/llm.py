@@ -8,13 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
-from tfq import tools as calls
+from tfq.decode import tools as calls
 from tfq.errors import TfqError
-from tfq.grammar import constraint_of
-from tfq.penalties import Penalties
-from tfq.sampling import TokenLogprob
-from tfq.stream import Request, choices
-from tfq.tools import ToolCall
+from tfq.decode.grammar import constraint_of
+from tfq.decode.penalties import Penalties
+from tfq.decode.sampling import TokenLogprob
+from tfq.engine.stream import Request, choices
+from tfq.decode.tools import ToolCall
 
 
 @dataclass(frozen=True)
@@ -22,17 +22,17 @@ class SamplingParams:
     max_tokens: int = 256
     temperature: float = 0.0  # 0 is greedy
     top_p: float = 1.0
-    seed: int = 0  # choice j of n draws with tfq.sampling.choice_seed(seed, j): choice 0 with `seed` itself
+    seed: int = 0  # choice j of n draws with tfq.decode.sampling.choice_seed(seed, j): choice 0 with `seed` itself
     n: int = 1
     stop: Sequence[str] = ()
     logprobs: int | None = None  # each reply token's log-probability and the top k (None: none)
     prompt_logprobs: int | None = None  # the same for each prompt token after the first
-    # on the row before each draw (tfq/penalties.py), as OpenAI's and vLLM's fields of the same names
+    # on the row before each draw (tfq/decode/penalties.py), as OpenAI's and vLLM's fields of the same names
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
-    # a grammar the reply follows (tfq/grammar.py): one of these at most
+    # a grammar the reply follows (tfq/decode/grammar.py): one of these at most
     json_schema: dict | None = None
     json_object: bool = False
     regex: str | None = None
@@ -76,8 +76,8 @@ class LLM:
 
     def __init__(self, model: str | None = None, plan: str | None = None, sets: Sequence[str] = (),
                  quiet: bool = True):
-        from tfq.cli.plan import resolve_plan
-        from tfq.engine import Engine
+        from tfq.plan.resolve import resolve_plan
+        from tfq.engine.core import Engine
         from tfq.model.load import load_model
 
         self.plan, self.config, self.layout = resolve_plan(plan, model, sets, quiet, None)
@@ -102,7 +102,7 @@ class LLM:
              params: SamplingParams | None = None, tools: list[dict] | None = None,
              tool_choice: str | dict = "auto") -> list[RequestOutput]:
         """Conversations ([{"role": ..., "content": ...}, ...]) through the model's chat template. tools: OpenAI's
-        list the template shows the model; each reply's calls are parsed (tfq/tools.py), and tool_choice
+        list the template shows the model; each reply's calls are parsed (tfq/decode/tools.py), and tool_choice
         "required" or {"function": {"name": N}} holds the reply to calls (a grammar, as the server's)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import yaml
 
+from tfq.decode.grammar import Constraint, constraint_of
+from tfq.decode.penalties import Penalties
+from tfq.engine.stream import Request
 from tfq.errors import TfqError
-from tfq.grammar import Constraint, constraint_of
-from tfq.penalties import Penalties
 
 ROLES = ("system", "user", "assistant")
 SHAPING = ("json_schema", "presence_penalty", "frequency_penalty", "repetition_penalty")  # a chat's own
@@ -121,3 +122,23 @@ def load_prompts(path: str | Path) -> list[Chat]:
     if not lines:
         raise TfqError(f"{path}: no prompts in it (one prompt per line)")
     return [chat_from_prompt(ln, f"p{i + 1}") for i, ln in enumerate(lines)]
+
+
+def requests_for(chats: list[Chat], tokenizer, max_tokens: int, temperature: float, top_p: float,
+                 seed: int, tools: list[dict] | None = None, **shaping) -> list[Request]:
+    """Chats -> engine requests; a chat's own settings win over the command line's whenever it sets them
+    (temperature 0 or seed 0 included): only None takes the command line's."""
+    def own(value, default):
+        return value if value is not None else default
+
+    return [Request(prompt=tuple(tokenizer.chat_ids(list(c.messages), tools=tools)),
+                    max_tokens=own(c.max_tokens, max_tokens),
+                    temperature=own(c.temperature, temperature),
+                    top_p=own(c.top_p, top_p),
+                    seed=own(c.seed, seed), label=c.name, **{**shaping, **_own_shaping(c)}) for c in chats]
+
+
+def _own_shaping(chat: Chat) -> dict:
+    """The penalties and grammar a chat sets itself (they win over the command line's)."""
+    own = {"penalties": chat.penalties} if chat.penalties else {}
+    return {**own, "constraint": chat.constraint} if chat.constraint is not None else own

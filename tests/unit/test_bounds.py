@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-import tfq.penalties as penalties
+import tfq.decode.penalties as penalties
 from tfq.errors import TfqError
-from tfq.penalties import Penalties
-from tfq.sampling import sample
+from tfq.decode.penalties import Penalties
+from tfq.decode.sampling import sample
 
 VOCAB = 512
 

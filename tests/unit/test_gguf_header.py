@@ -184,7 +184,7 @@ def read_as_plan_does(path: Path) -> None:
     weights line counts every matrix)."""
     from rich.console import Console
 
-    from tfq.cli.plan import resolve_plan
+    from tfq.plan.resolve import resolve_plan
 
     resolve_plan(None, str(path), (), quiet=False, console=Console(file=io.StringIO()))
 

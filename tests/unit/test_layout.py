@@ -1,5 +1,6 @@
-"""The house rules the code's layout keeps: the kernels are a leaf (nothing in kernels/ imports the rest of
-tfq), no module imports itself back through others, and no module outgrows one idea (400 lines)."""
+"""The house rules the code's layout keeps: the layers of docs/architecture.md (an import runs down them, never
+up), the kernels a leaf (nothing in kernels/ imports the rest of tfq), no module importing itself back through
+others, no module outgrowing one idea (400 lines), and a top level of a few modules beside the groups."""
 from __future__ import annotations
 
 import ast
@@ -7,6 +8,23 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 LARGEST = 400
+TOP_LEVEL = 8
+
+# docs/architecture.md's layers, the highest first: a module may import its own layer's modules and any below.
+# A name stands for itself and every module under it; the longest name that matches decides.
+LAYERS = (
+    ("tfq", "tfq.__main__", "tfq.cli"),  # the commands
+    ("tfq.serve", "tfq.bench", "tfq.llm", "tfq.parallel.rank_main"),  # servers, benches, the Python API, a rank's main
+    ("tfq.proofs", "tfq.suite"),  # the checks (tfq together, verify, kernels) and the chats they run
+    ("tfq.engine",),  # engine, scheduler, runner, streams, pages, caches, drafting, the layer guard
+    ("tfq.decode",),  # sampling, penalties, grammars, tool calls
+    ("tfq.plan",),  # keys, layout in bytes
+    ("tfq.model.load",),  # builds a model: one process's, or a tensor-parallel group's
+    ("tfq.parallel",),  # a model across ranks
+    ("tfq.model",),  # config, weights, tokenizer, the forward, the kernel guard
+    ("tfq.kernels",),
+    ("tfq.errors", "tfq.nearest"),  # the one error users see; float32 functions rounded exactly
+)
 
 
 def modules() -> dict[str, Path]:
@@ -46,6 +64,32 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
 def graph() -> dict[str, set[str]]:
     known = modules()
     return {name: imports(name, path, known) for name, path in known.items()}
+
+
+def layer_of(module: str) -> int:
+    matches = [(len(name), i) for i, names in enumerate(LAYERS) for name in names
+               if module == name or module.startswith(name + ".")]
+    assert matches, f"{module} is in no layer: add it to LAYERS and docs/architecture.md"
+    return max(matches)[1]
+
+
+def upward(g: dict[str, set[str]]) -> list[tuple[str, str]]:
+    return [(m, t) for m, targets in sorted(g.items()) for t in sorted(targets) if layer_of(t) < layer_of(m)]
+
+
+def test_every_import_runs_down_the_layers():
+    assert upward(graph()) == []
+
+
+def test_control_an_import_up_the_layers_is_found():
+    g = graph()
+    g["tfq.engine.pages"] = g["tfq.engine.pages"] | {"tfq.serve.app"}
+    assert upward(g) == [("tfq.engine.pages", "tfq.serve.app")]
+
+
+def test_the_top_level_is_a_few_modules_beside_the_groups():
+    top = sorted(p.name for p in (ROOT / "tfq").glob("*.py"))
+    assert len(top) <= TOP_LEVEL, top
 
 
 def test_kernels_import_nothing_from_the_rest_of_tfq():

@@ -9,12 +9,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as hst
 
-from tfq.sampling import choice_seed, log_softmax, logprob
-from tfq.stream import held_back
+from tfq.decode.sampling import choice_seed, log_softmax, logprob
+from tfq.engine.stream import held_back
 
 
 def test_logprob_is_the_log_softmax_in_float64():
-    """Within float32's rounding of each token's weight (tfq.sampling.weights) of the exact log-softmax."""
+    """Within float32's rounding of each token's weight (tfq.decode.sampling.weights) of the exact log-softmax."""
     row = torch.randn(5000, generator=torch.Generator().manual_seed(0)) * 4
     want = torch.log_softmax(row.double(), 0)
     got = log_softmax(row)
@@ -64,7 +64,7 @@ def test_held_back_is_the_longest_end_that_begins_a_stop(text, stops):
 def test_a_tiny_temperature_draws_the_most_likely_token_not_nan():
     """logits / 1e-40 overflows fp32; scaled from the row's max instead, the draw is the argmax (before: the
     probabilities were NaN and the draw the last id)."""
-    from tfq.sampling import sample
+    from tfq.decode.sampling import sample
 
     logits = torch.randn(1000, generator=torch.Generator().manual_seed(1))
     logits[7] = 12.0
@@ -76,7 +76,7 @@ def whole_order_draw(logits: torch.Tensor, temperature: float, top_p: float, see
                      higher_id_first: bool = False) -> int:
     """The sampler's recipe spelled out: every token sorted (by weight, then by id), the running sums of all of
     them, top-p's head, the keyed draw. higher_id_first breaks ties the other way (the control)."""
-    from tfq.sampling import draw_key, weights
+    from tfq.decode.sampling import draw_key, weights
 
     w = weights(logits / temperature)[1]
     ids = np.arange(len(w))[::-1] if higher_id_first else np.arange(len(w))
@@ -90,7 +90,7 @@ def whole_order_draw(logits: torch.Tensor, temperature: float, top_p: float, see
 def test_the_sampler_sorts_only_the_head_yet_draws_what_the_whole_order_draws():
     """sample() sorts only as many tokens as the draw needs; it draws what sorting all of them draws, on peaked,
     flat and tied rows and at every top_p. The control breaks ties by the higher id: it parts on the tied rows."""
-    from tfq.sampling import sample
+    from tfq.decode.sampling import sample
 
     g = torch.Generator().manual_seed(5)
     rows = [torch.randn(n, generator=g) * scale for n in (50, 3000, 151936) for scale in (0.3, 3.0, 12.0)]

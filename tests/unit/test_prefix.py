@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tfq.pages import PagePool
-from tfq.prefix import PrefixCache, root_key
+from tfq.engine.pages import PagePool
+from tfq.engine.prefix import PrefixCache, root_key
 
 
 def test_held_pages_are_never_evicted_and_idle_ones_go_least_recently_used_first():

@@ -9,7 +9,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from tfq.penalties import MOST_BIASED
+from tfq.decode.penalties import MOST_BIASED
 from tfq.serve.intake import validation_message
 from tfq.serve.protocol import MOST_CHOICES, ChatBody, CompletionBody
 

@@ -3,11 +3,11 @@ advance as the engine advances them (`advance`: a stream at the end of its rows 
 from __future__ import annotations
 
 import pytest
-from tfq.pages import PagePool
-from tfq.prefix import PrefixCache, root_key
-from tfq.scheduler import Scheduler
-from tfq.step_cost import StepCost, Work, chunk_work
-from tfq.stream import Request, Status, Stream
+from tfq.engine.pages import PagePool
+from tfq.engine.prefix import PrefixCache, root_key
+from tfq.engine.scheduler import Scheduler
+from tfq.engine.step_cost import StepCost, Work, chunk_work
+from tfq.engine.stream import Request, Status, Stream
 
 
 def scheduler(lanes: int = 4, prefill_chunk: int = 64, step_tokens: int = 0, window: int = 1024,

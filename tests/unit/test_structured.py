@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tfq.penalties import Penalties
+from tfq.decode.penalties import Penalties
 
 # tests/test_structured.py's penalized requests take these too
 PENALIZED = Penalties(presence=0.6, frequency=0.4, repetition=1.3, bias=((17, 4.0), (40, -100.0)))

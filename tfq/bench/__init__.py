@@ -6,7 +6,7 @@ greedy, fp32, its own cache; or llama.cpp, in a child process) run the same rand
 max_new_tokens). A warm-up round comes first; then `repeats` rounds, each running every arm and the peer once
 (peer last on even rounds, first on odd ones), so each tfq/peer ratio is taken from runs side by side and a
 noisy machine hits both alike. When the two engines do not fit in memory together, the peer runs apart: all
-its rounds first, before tfq loads (tfq.bench.peering). Figures are medians over the rounds.
+its rounds first, before tfq loads (tfq.bench.peers.choice). Figures are medians over the rounds.
 
 The roofline: a decode step reads every linear weight and the output head once (the embedding is a lookup)
 plus each stream's cached keys and values; divided by the memory bandwidth measured in this run, that is the
@@ -18,7 +18,7 @@ memory), record (one run's figures), runs (one timed run of tfq), peer (HF trans
 (which peer, where and when), rounds (the interleaved rounds), report (medians, ratios, targets, the JSON
 report).
 
-Names are imported when first asked for, so the peer's child process (`python -m tfq.bench.peer_child`)
+Names are imported when first asked for, so the peer's child process (`python -m tfq.bench.peers.child_end`)
 does not import torch for llama.cpp: its resident memory is llama.cpp's own.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ _WHERE = {
     "tfq.bench.measure": ("BANDWIDTH_MIB", "BANDWIDTH_TRIES", "kv_read_bytes", "mean_context", "measure_bandwidth",
                           "weights_read_bytes"),
     "tfq.bench.memory": ("MemoryProbe",),
-    "tfq.bench.peer": ("HfPeer",),
+    "tfq.bench.peers.hf": ("HfPeer",),
     "tfq.bench.report": ("bench_rows", "build_report", "targets"),
     "tfq.bench.rounds": ("WARMUP_TOKENS", "Bench", "Progress"),
     "tfq.bench.record": ("Run",),

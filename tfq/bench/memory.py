@@ -1,5 +1,5 @@
 """Resident memory of this process around one run, torch-free: tfq measures itself with it, and so does the
-peer's child process (tfq.bench.peer_child), so the peer's figure is its own process's."""
+peer's child process (tfq.bench.peers.child_end), so the peer's figure is its own process's."""
 from __future__ import annotations
 
 import os

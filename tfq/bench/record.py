@@ -1,4 +1,4 @@
-"""One timed run's figures, torch-free: the peer's child process builds them too (tfq.bench.peer_child)."""
+"""One timed run's figures, torch-free: the peer's child process builds them too (tfq.bench.peers.child_end)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

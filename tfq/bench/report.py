@@ -13,7 +13,7 @@ from tfq.bench.memory import MemoryProbe
 from tfq.bench.rounds import Bench
 from tfq.bench.record import Run
 from tfq.bench.settings import bench_window
-from tfq.plan.fields import KEPT_GGUF
+from tfq.model.footprint import KEPT_GGUF
 
 
 def bench_rows(bench: Bench, bandwidth: float) -> list[dict]:

@@ -8,7 +8,7 @@ from tfq.bench.record import Run
 from tfq.errors import TfqError
 from tfq.model.config import ModelConfig
 from tfq.plan import Layout, Plan
-from tfq.stream import Request
+from tfq.engine.stream import Request
 
 NO_EOS = (-1,)  # an id no vocabulary holds: a bench reply always runs to its full length
 
@@ -17,7 +17,7 @@ class TfqArm:
     """One engine for one arm and lane count, reused by every round (its cache is allocated once)."""
 
     def __init__(self, name: str, plan: Plan, layout: Layout, loaded):
-        from tfq.engine import Engine
+        from tfq.engine.core import Engine
 
         self.name, self.plan = name, plan
         self.engine = Engine.from_plan(plan, layout, loaded, eos_ids=NO_EOS, threads=None)  # counts stay as set

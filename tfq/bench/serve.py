@@ -270,9 +270,9 @@ def level_figures(level: Level, chats: list[Chat], reference: dict[int, str]) ->
 
 
 def llama_server_level(gguf, window: int, slots: int, threads: int) -> LevelRun:
-    """llama.cpp's server as the peer (tfq/bench/llama_server.py): a fresh process each level; one that ends or
+    """llama.cpp's server as the peer (tfq/bench/peers/llama_server.py): a fresh process each level; one that ends or
     stops answering raises PeerDown with one line."""
-    from tfq.bench.llama_server import PEER_TIMEOUT_S, PeerDown, llama_server
+    from tfq.bench.peers.llama_server import PEER_TIMEOUT_S, PeerDown, llama_server
 
     def level(chats, requests, concurrency, max_tokens, done):
         with llama_server(gguf, window, slots, threads) as (base_url, ended):

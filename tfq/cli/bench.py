@@ -55,9 +55,9 @@ def bench_command(
         return
     from tfq.bench import (Bench, BenchSettings, bench_window, build_report, check_against_plan, check_settings,
                            measure_bandwidth, parse_arms, parse_lanes)
-    from tfq.bench.peering import start_peer
+    from tfq.bench.peers.choice import start_peer
     from tfq.bench.rounds import apart_run_count, run_apart
-    from tfq.cli.plan import resolve_plan
+    from tfq.plan.resolve import resolve_plan
     from tfq.model.load import load_model
 
     err = Console(stderr=True)
@@ -249,18 +249,18 @@ def bench_serve_command(
     reply must also equal its chat's reply at concurrency 1 (the `equal replies` column)."""
     import torch
 
-    from tfq.bench.llama_peer import peer_gguf
-    from tfq.bench.llama_server import NAME as LLAMA_SERVER
-    from tfq.bench.llama_server import PeerDown, binary
+    from tfq.bench.peers.llama import peer_gguf
+    from tfq.bench.peers.llama_server import NAME as LLAMA_SERVER
+    from tfq.bench.peers.llama_server import PeerDown, binary
     from tfq.bench.serve import (Listener, ServeSettings, Target, build_serve_report, check_serve_settings,
                                  fitting_chats, level_figures, llama_server_level, parse_concurrency, run_levels,
                                  tfq_level, total_requests)
-    from tfq.cli.plan import resolve_plan
+    from tfq.plan.resolve import resolve_plan
     from tfq.cli.serve import served_name
     from tfq.cli.together import default_suite
     from tfq.model.load import load_model
     from tfq.suite import load_prompts
-    from tfq.threads import fix_threads
+    from tfq.engine.threads import fix_threads
 
     err = Console(stderr=True)
     settings = ServeSettings(concurrency=parse_concurrency(concurrency), requests_per_level=requests_per_level,

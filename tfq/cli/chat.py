@@ -9,33 +9,13 @@ import typer
 from rich.console import Console
 
 from tfq.cli.app import app
+from tfq.decode import tools as calls
+from tfq.decode.grammar import constraint_of
+from tfq.decode.penalties import Penalties
+from tfq.engine.stream import Request
+from tfq.engine.threads import fix_threads
 from tfq.errors import TfqError
-from tfq import tools as calls
-from tfq.grammar import constraint_of
-from tfq.penalties import Penalties
-from tfq.threads import fix_threads
-from tfq.stream import Request
-from tfq.suite import Chat, chat_from_prompt, load_prompts
-
-
-def requests_for(chats: list[Chat], tokenizer, max_tokens: int, temperature: float, top_p: float,
-                 seed: int, tools: list[dict] | None = None, **shaping) -> list[Request]:
-    """Chats -> engine requests; a chat's own settings win over the command line's whenever it sets them
-    (temperature 0 or seed 0 included): only None takes the command line's."""
-    def own(value, default):
-        return value if value is not None else default
-
-    return [Request(prompt=tuple(tokenizer.chat_ids(list(c.messages), tools=tools)),
-                    max_tokens=own(c.max_tokens, max_tokens),
-                    temperature=own(c.temperature, temperature),
-                    top_p=own(c.top_p, top_p),
-                    seed=own(c.seed, seed), label=c.name, **{**shaping, **_own_shaping(c)}) for c in chats]
-
-
-def _own_shaping(chat: Chat) -> dict:
-    """The penalties and grammar a chat sets itself (they win over the command line's)."""
-    own = {"penalties": chat.penalties} if chat.penalties else {}
-    return {**own, "constraint": chat.constraint} if chat.constraint is not None else own
+from tfq.suite import Chat, chat_from_prompt, load_prompts, requests_for
 
 
 def read_json(path: str):
@@ -101,9 +81,9 @@ def chat(
     quiet: bool = typer.Option(False, "--quiet", help="Hide the plan lines."),
 ) -> None:
     """Chat with the model; replies stream as they are generated."""
-    from tfq.cli.plan import resolve_plan
-    from tfq.engine import Engine
+    from tfq.engine.core import Engine
     from tfq.model.load import load_model
+    from tfq.plan.resolve import resolve_plan
 
     err = Console(stderr=True)
     chats = [chat_from_prompt(p, f"p{i + 1}", system) for i, p in enumerate(([prompt] if prompt else []) + prompts)]
@@ -188,7 +168,7 @@ def _together(engine, requests: list[Request], err: Console, tools: bool = False
 def _speed(err: Console, tokens: int, first: float, wall: float, streams: int, threads=None) -> None:
     decode = max(wall - first, 1e-9)
     busy = ""
-    if threads is not None and threads.fewest < threads.most:  # tfq.threads.Threads
+    if threads is not None and threads.fewest < threads.most:  # tfq.engine.threads.Threads
         busy = (f" (other processes kept cores busy: down to {threads.fewest} of {threads.most} threads; "
                 f"the bits are the same)")
     err.print(f"[dim]{tokens} tokens in {wall:.1f} s; first token after {first:.2f} s; "
@@ -196,7 +176,7 @@ def _speed(err: Console, tokens: int, first: float, wall: float, streams: int, t
 
 
 def _calls(err: Console, results) -> None:
-    """The tool calls each reply wrote (tfq/tools.py parses them as the server does), one line each."""
+    """The tool calls each reply wrote (tfq/decode/tools.py parses them as the server does), one line each."""
     for r in results:
         for call in calls.parse(r.text)[1]:
             err.print(f"tool call{f' ({r.label})' if len(results) > 1 else ''}: {call.name} {call.arguments}",

@@ -12,7 +12,7 @@ from rich.console import Console
 from tfq.cli.app import app
 from tfq.errors import TfqError
 from tfq.serve.guard import Limits, allowed_hosts
-from tfq.threads import fix_threads
+from tfq.engine.threads import fix_threads
 
 
 def served_name(spec: str) -> str:
@@ -55,7 +55,7 @@ def serve(
 ) -> None:
     """Serve the model over OpenAI's API (chat completions, completions, models) with /health and /metrics.
     Every reply is the one its request gets alone."""
-    from tfq.cli.plan import resolve_plan
+    from tfq.plan.resolve import resolve_plan
     from tfq.model.load import load_model
     from tfq.serve.background import build_served, uvicorn_server
     from tfq.serve.loop import STUCK_AFTER_S
@@ -97,7 +97,7 @@ def serve(
 
 
 def start_logging(level: str) -> None:
-    """tfq's loggers (one a layer: tfq.scheduler, tfq.engine, tfq.serve.*) to stderr, one line an event."""
+    """tfq's loggers (one a layer: tfq.engine.scheduler, tfq.engine.core, tfq.serve.*) to stderr, one line an event."""
     import logging
 
     name = level.strip().upper()

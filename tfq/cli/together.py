@@ -15,7 +15,7 @@ from rich.table import Table
 
 from tfq.cli.app import app, output_file
 from tfq.errors import TfqError
-from tfq.threads import fix_threads
+from tfq.engine.threads import fix_threads
 from tfq.proofs.together import EXACT, RED, ArmRun, Check, Listener, arm_names, arms_for, check_options, select_arms
 
 # About eleven minutes for the whole default check (14 chats) on 2 CPU cores; `--tokens 300`, the field report's
@@ -61,8 +61,8 @@ def together(
     quiet: bool = typer.Option(False, "--quiet", help="No progress and no plan lines: the table only."),
 ) -> None:
     """The exactness check: every arm must equal the chats alone, token ids and logits bits; controls must differ."""
-    from tfq.cli.chat import requests_for
-    from tfq.cli.plan import resolve_plan
+    from tfq.suite import requests_for
+    from tfq.plan.resolve import resolve_plan
     from tfq.model.load import load_model
     from tfq.suite import load_suite
 

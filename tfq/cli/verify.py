@@ -12,7 +12,7 @@ from rich.table import Table
 
 from tfq.cli.app import app, output_file
 from tfq.errors import TfqError
-from tfq.threads import fix_threads
+from tfq.engine.threads import fix_threads
 
 
 @app.command()
@@ -32,7 +32,7 @@ def verify(
 ) -> None:
     """The same bits on every CPU: run the suite here and compare ids, logits digests and log-probabilities with
     the record, chat by chat. Exit 0 only when every chat is equal (1 when one parts)."""
-    from tfq.cli.plan import resolve_plan
+    from tfq.plan.resolve import resolve_plan
     from tfq.cli.together import default_suite
     from tfq.model.load import load_model
     from tfq.proofs import verify as v

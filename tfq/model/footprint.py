@@ -1,21 +1,23 @@
 """What a loaded model holds in memory, counted before loading: the weights as the plan's `weights` keeps them
-(a GGUF's blobs from its header alone), and the activations of the largest forward."""
+(a GGUF's blobs from its header alone; which kind: weights_kind), and the activations of the largest forward."""
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
+from tfq.errors import TfqError
 from tfq.model.config import ModelConfig
 
 # torch, tfq's kernels, the tokenizer and Python itself: resident memory that no plan setting moves (measured
 # here: 220 MiB for torch and the kernels, the default model's tokenizer 70 MiB more; a 250k-token vocabulary more)
 FIXED_OVERHEAD = 500 * 2**20
+KEPT_GGUF = ("gguf", "gguf-q8")  # weights that keep a GGUF file's blocks (activations fp32, or q8)
 
 
 def weight_bytes(spec: str, choice: str, config: ModelConfig, device: str = "cpu") -> int:
     """Bytes the model's weights take once loaded: a GGUF's matrices as their blobs (weights: gguf), an MLX
     checkpoint's groups (weights: mlx), else every parameter in fp32."""
-    from tfq.model.load import activations_of, weights_kind
-    from tfq.plan.fields import KEPT_GGUF
 
     kind = weights_kind(choice, spec, device)[0]
     if kind in KEPT_GGUF:
@@ -57,3 +59,41 @@ def activation_row_bytes(config: ModelConfig) -> int:
         n = c.deltanet
         mixer = max(mixer, 2 * (n.channels + n.value_heads * n.value_dim) + 2 * n.value_heads)
     return 4 * (3 * c.hidden_size + max(mixer, 3 * c.intermediate_size))
+
+
+def weights_kind(choice: str, spec: str, device: str | torch.device = "cpu") -> tuple[str, str]:
+    """(fp32 | gguf | mlx, why) for the plan's `weights` choice: auto is gguf for a GGUF model (the default one,
+    or a .gguf file) and mlx for an MLX-quantized folder whose groups the kernel computes with, on tfq's CPU
+    kernels, else fp32; a choice other than auto is taken as it is (its own checks come when the model
+    loads)."""
+    if choice != "auto":
+        return choice, "as the plan says"
+    kind, why = "gguf", "the model is a GGUF file"
+    if spec != "default" and not (Path(spec).expanduser().is_file() and spec.endswith(".gguf")):
+        from tfq.model.mlx import folder_quantization, keepable
+
+        try:
+            quant = folder_quantization(Path(spec).expanduser())
+        except TfqError:
+            quant = None  # the config's own error comes when it is read
+        if quant is None:
+            return "fp32", "the model is an HF folder"
+        why_not = keepable(quant)
+        if why_not:
+            return "fp32", f"an MLX checkpoint dequantized: {why_not}"
+        kind, why = "mlx", f"the model is an MLX checkpoint: {quant.words()}"
+    if torch.device(device).type != "cpu":
+        return "fp32", "tfq's quantized kernel runs on the CPU"
+    from tfq.kernels import cpu_build
+
+    try:
+        if cpu_build.choice() == "torch":
+            return "fp32", "TFQ_CPU_KERNELS=torch: tfq's CPU kernels are not in use"
+    except ValueError:  # a bad TFQ_CPU_KERNELS: backend_for says so in its own words
+        return "fp32", "TFQ_CPU_KERNELS is not a choice tfq knows"
+    return kind, why  # if the kernels fail to build, load_model falls back to fp32
+
+
+def activations_of(weights: str) -> str:
+    """How a kept GGUF model's activations enter its quantized layers: q8 for weights: gguf-q8, else fp32."""
+    return "q8" if weights == "gguf-q8" else "fp32"

@@ -9,6 +9,7 @@ import torch
 from tfq.errors import TfqError
 from tfq.kernels.backend import Backend, torch_backend, triton_backend
 from tfq.model.config import ModelConfig
+from tfq.model.footprint import activations_of, weights_kind
 from tfq.model.qwen import Qwen
 
 
@@ -30,8 +31,8 @@ def load_model(spec: str, progress: bool = True, device: str | torch.device = "c
     (tfq/parallel: rank 0's shard is returned, the other ranks load theirs); group: a rank's end of the group
     (the ranks call this with it); reduce: the all-reduce control's split."""
     if tp > 1:
-        from tfq.parallel.ranks import ModelSpec, ranks
         from tfq.model.source import resolve_model
+        from tfq.parallel.ranks import ModelSpec, ranks
 
         if ModelConfig.from_folder(resolve_model(spec, progress=False, weights=False)).moe is not None:
             raise TfqError(f"tp: {tp} does not split a mixture of experts yet (tensor parallelism splits dense "
@@ -72,39 +73,6 @@ def load_shard(what, group, progress: bool = False):
         return None, f"rank {group.rank} could not load its shard: {type(e).__name__}: {e}"
 
 
-def weights_kind(choice: str, spec: str, device: str | torch.device = "cpu") -> tuple[str, str]:
-    """(fp32 | gguf | mlx, why) for the plan's `weights` choice: auto is gguf for a GGUF model (the default one,
-    or a .gguf file) and mlx for an MLX-quantized folder whose groups the kernel computes with, on tfq's CPU
-    kernels, else fp32; a choice other than auto is taken as it is (its own checks come when the model
-    loads)."""
-    if choice != "auto":
-        return choice, "as the plan says"
-    kind, why = "gguf", "the model is a GGUF file"
-    if spec != "default" and not (Path(spec).expanduser().is_file() and spec.endswith(".gguf")):
-        from tfq.model.mlx import folder_quantization, keepable
-
-        try:
-            quant = folder_quantization(Path(spec).expanduser())
-        except TfqError:
-            quant = None  # the config's own error comes when it is read
-        if quant is None:
-            return "fp32", "the model is an HF folder"
-        why_not = keepable(quant)
-        if why_not:
-            return "fp32", f"an MLX checkpoint dequantized: {why_not}"
-        kind, why = "mlx", f"the model is an MLX checkpoint: {quant.words()}"
-    if torch.device(device).type != "cpu":
-        return "fp32", "tfq's quantized kernel runs on the CPU"
-    from tfq.kernels import cpu_build
-
-    try:
-        if cpu_build.choice() == "torch":
-            return "fp32", "TFQ_CPU_KERNELS=torch: tfq's CPU kernels are not in use"
-    except ValueError:  # a bad TFQ_CPU_KERNELS: backend_for says so in its own words
-        return "fp32", "TFQ_CPU_KERNELS is not a choice tfq knows"
-    return kind, why  # if the kernels fail to build, load_model falls back to fp32
-
-
 def model_weights(spec: str, folder: Path, weights: str, backend: Backend, progress: bool = True) -> dict:
     """The model's tensors by HF name, as `weights` says they are kept."""
     from tfq.model.gguf_file import read_header
@@ -136,11 +104,6 @@ def model_weights(spec: str, folder: Path, weights: str, backend: Backend, progr
         raise TfqError(f"weights: {weights} keeps a GGUF file's quantized blocks, and {spec} is an HF folder; "
                        f"set weights: fp32, or run a .gguf model")
     return kept_tensors(read_header(path), activations=activations_of(weights))
-
-
-def activations_of(weights: str) -> str:
-    """How a kept GGUF model's activations enter its quantized layers: q8 for weights: gguf-q8, else fp32."""
-    return "q8" if weights == "gguf-q8" else "fp32"
 
 
 def _say_if_building(device: torch.device) -> None:

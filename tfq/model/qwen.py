@@ -6,7 +6,7 @@ share the forward. The kernels come from a backend (kernels.backend: torch on th
 everything else here is elementwise or indexing, which is row-invariant on either device.
 
 A Qwen3.5 hybrid interleaves Gated DeltaNet layers (a recurrence with a fixed-size state per stream, kept in
-the cache's state slots: tfq/cache.py) with gated full attention layers (partial rotary, the output times
+the cache's state slots: tfq/engine/cache.py) with gated full attention layers (partial rotary, the output times
 sigmoid of a gate that q_proj computes beside the queries). Its DeltaNet arithmetic is the recurrence for every
 row (kernels/delta.py), so a row's bits do not depend on how its prompt was chunked.
 """
@@ -14,27 +14,33 @@ from __future__ import annotations
 
 import contextlib
 import math
-
 from typing import Callable
 
 import torch
 
+from tfq.errors import TfqError
 from tfq.kernels.attention import AttentionBatch, attend_fixed, write
 from tfq.kernels.backend import Backend, LinearFn, torch_backend
-from tfq.kernels.delta import DeltaSizes, DeltaWeights, deltanet_chunks, deltanet_rows, gated_rms_norm, sigmoid_gate
+from tfq.kernels.delta import (
+    DeltaSizes,
+    DeltaWeights,
+    deltanet_chunks,
+    deltanet_rows,
+    gated_rms_norm,
+    sigmoid_gate,
+)
 from tfq.kernels.layer import fusable
 from tfq.kernels.quant import Quantized, Stacked
 from tfq.kernels.rowwise import rms_norm_fixed
-from tfq.nearest import exp32
-from tfq.proofs.startup_kernels import check_layers, ensure_exact
-from tfq.batch import Segment, Segments
-from tfq.errors import TfqError
 from tfq.model.config import ModelConfig
+from tfq.model.kernel_guard import check_layers, ensure_exact
 from tfq.model.layers import DeltaLayer, Layer
 from tfq.model.mlp_weights import stack, take_mlp, take_moe
-from tfq.model.moe import MoE, Fused, moe_mlp
+from tfq.model.moe import Fused, MoE, moe_mlp
 from tfq.model.rope import rope_tables
+from tfq.model.segments import Segment, Segments
 from tfq.model.taker import Taker
+from tfq.nearest import exp32
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -117,7 +123,7 @@ class Qwen:
         self.scale = 1.0 / math.sqrt(c.head_dim)
         self.act = backend.silu  # the MLP's activation; the guard's tests swap in flawed ones and must see them
         self.layer_clock: torch.Tensor | None = None  # float64 [3]: tfq bench's breakdown reads the one-call layer
-        self.proved: dict = {}  # what the start-up guard proved on this model (tfq.proofs.startup), by its settings
+        self.proved: dict = {}  # what the start-up guard proved on this model (tfq.engine.layer_guard), by its settings
         self.cache_index = c.cache_index  # layer -> its index among the cache's attention or state layers
         if shard is not None:  # what this rank computes with: its heads, its slice of the MLP
             self.config = shard.local_config()
@@ -176,7 +182,7 @@ class Qwen:
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache, cache_rows: torch.Tensor,
                 batch: AttentionBatch, logit_rows: torch.Tensor, segments: Segments | None = None) -> torch.Tensor:
         """ids, positions, cache_rows: [N] (cache_rows: where each row's key and value are stored); segments:
-        each stream's rows for the DeltaNet layers, and their algorithm (tfq.batch.step_rows). Returns fp32
+        each stream's rows for the DeltaNet layers, and their algorithm (tfq.engine.batch.step_rows). Returns fp32
         logits [len(logit_rows), vocab] on the CPU (where sampling and digests run)."""
         dev = self.backend.device
         ids, positions, logit_rows = ids.to(dev), positions.to(dev), logit_rows.to(dev)

@@ -27,7 +27,7 @@ from tfq.model.qwen import Qwen
 from tfq.model.taker import text_name
 from tfq.parallel.ranks import sigint_deferred
 from tfq.parallel.shard import Shard, sizes
-from tfq.proofs.startup_kernels import check_columns
+from tfq.model.kernel_guard import check_columns
 
 _serials = itertools.count(1)
 

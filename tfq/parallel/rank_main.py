@@ -59,7 +59,7 @@ def rank_main(rank: int, world: int, port: int, device: str) -> None:
                 caches.pop(serial, None)
             model = models[what]
             if cache not in caches:
-                from tfq.cache import KVCache
+                from tfq.engine.cache import KVCache
 
                 caches[cache] = KVCache(model.config, backend=model.backend, **spec)
             model.forward(*args[:2], caches[cache], *args[2:])
@@ -84,7 +84,7 @@ def _refuse(line: str) -> NoReturn:
 def _proved(model, kv_dtype: str, partial: bool, rows: int, chunk: int, draws: int) -> str:
     """"" when this rank's shard is proved row-invariant at its thread count, else the guard's one line."""
     from tfq.errors import TfqError
-    from tfq.proofs.startup import prove
+    from tfq.engine.layer_guard import prove
 
     try:
         prove(model, kv_dtype, partial, torch.get_num_threads(), rows, chunk, draws)

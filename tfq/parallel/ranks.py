@@ -13,7 +13,7 @@ The store is bound (on 127.0.0.1 only) before its port is handed out, gloo's con
 ranks run on this machine; TFQ_TP_INTERFACE names another interface), and a rank proves it knows the secret
 before rank 0 takes it in the group.
 
-A forward's inputs are the step's tensors (tfq/batch.py); the page pool and the scheduler live on rank 0 only,
+A forward's inputs are the step's tensors (tfq/engine/batch.py); the page pool and the scheduler live on rank 0 only,
 so a rank's cache is only its key/value heads, with the same rows as rank 0's (made on the first forward that
 uses it, and dropped when rank 0's is). The model's gathers and the head's logits are collectives between all
 ranks, in the model's own order (tfq/parallel/model.py).

@@ -4,14 +4,36 @@ By job: words (one-line errors, sizes, "set by"), fields (what each key accepts)
 TFQ_* variables, Plan and KVPlan, derived plans), load (file, environment, --set), layout (the bytes the
 engine allocates, the device), lines (plan lines and JSON). `from tfq.plan import X` reaches all of them.
 """
-from tfq.plan.fields import ATTENTION, DTYPE_BYTES, NGRAM_MAX, PAGED, parse_bytes, parse_draft
+from tfq.plan.fields import (
+    ATTENTION,
+    DTYPE_BYTES,
+    NGRAM_MAX,
+    PAGED,
+    parse_bytes,
+    parse_draft,
+)
 from tfq.plan.layout import (
-    AUTO_BUDGET_SHARE, Layout, available_memory, compute_layout, lane_split, pages_for, resolve_device, row_bytes,
+    AUTO_BUDGET_SHARE,
+    Layout,
+    available_memory,
+    compute_layout,
+    lane_split,
+    pages_for,
+    resolve_device,
+    row_bytes,
 )
 from tfq.plan.lines import plan_json, plan_lines
 from tfq.plan.load import apply_env, apply_sets, load_plan, parse_plan_text
 from tfq.plan.schema import (
-    DEFAULT_LANES, DEFAULT_PREFILL_CHUNK, DEFAULT_WINDOW, ENV_FLAGS, ENV_VALUES, SCHEMA, KVPlan, Plan, derive,
+    DEFAULT_LANES,
+    DEFAULT_PREFILL_CHUNK,
+    DEFAULT_WINDOW,
+    ENV_FLAGS,
+    ENV_VALUES,
+    SCHEMA,
+    KVPlan,
+    Plan,
+    derive,
 )
 from tfq.plan.words import human_bytes, one_line
 

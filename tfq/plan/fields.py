@@ -20,7 +20,6 @@ DTYPE_ALIASES = {
 PAGED = ("more", "all")
 ATTENTION = ("rows", "partial")
 WEIGHTS = ("auto", "fp32", "gguf", "gguf-q8", "mlx")
-KEPT_GGUF = ("gguf", "gguf-q8")  # weights that keep a GGUF file's blocks (activations fp32, or q8)
 NGRAM_MAX = 16
 MAX_INT = 2**62  # any size past this is a typo, and keeps byte arithmetic printable
 

@@ -14,13 +14,17 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tfq.model.config import ModelConfig
-from tfq.pages import pages_for
 from tfq.plan.fields import DTYPE_BYTES
 from tfq.plan.words import Sourced, fail, human_bytes, tag
 
 AUTO_BUDGET_SHARE = 0.8  # budget: auto takes this share of the memory available now
 PREFIX_ON_HYBRID = ("does not work for a hybrid model: its DeltaNet layers keep a stream's past as one state, not in "
                     "pages a later stream could map; set kv.prefix_cache: off")
+
+
+def pages_for(rows: int, page_rows: int) -> int:
+    """Pages that hold `rows` rows (the last one partly); the page pool counts with it too."""
+    return -(-rows // page_rows)
 
 
 class KVView(Protocol):
@@ -171,12 +175,12 @@ def verify_rows(draft: str) -> int:
     from tfq.plan.fields import parse_draft
 
     kind, k = parse_draft(draft)
-    return 0 if kind == "none" else 1 + (k or 4)  # tfq.draft's drafters guess 4 tokens unless told
+    return 0 if kind == "none" else 1 + (k or 4)  # tfq.engine.draft's drafters guess 4 tokens unless told
 
 
 def state_bytes(config: ModelConfig, lanes: int, draft: str) -> tuple[int, int]:
     """(bytes, verify rows): a hybrid's DeltaNet states for `lanes` lanes; drafting, each also keeps a copy
-    from before a verify and the verify rows' inputs to the recurrence (tfq.cache.StateCache)."""
+    from before a verify and the verify rows' inputs to the recurrence (tfq.engine.cache.StateCache)."""
     if not config.hybrid:
         return 0, 0
     rows = verify_rows(draft)
@@ -193,7 +197,7 @@ def auto_logits_rows(lanes: int, prefill_chunk: int, drawing_rows: int) -> int:
 
 
 # step_tokens: auto on the CPU. A step that carries prompt rows lasts at most STEP_DECODE_STEPS decode steps of
-# every stream running, by the cost of steps the engine learns as it runs (tfq/step_cost.py): a prompt row costs
+# every stream running, by the cost of steps the engine learns as it runs (tfq/engine/step_cost.py): a prompt row costs
 # more the longer its context, and a decode step more the more streams decode, so no one number of rows keeps
 # the time between tokens (tfq bench serve) within a bound. 2, not 3: the learned cost is off by up to a
 # quarter either way (95th percentiles, docs/serve.md), and with 2 the measured p99 stays near 3 decode steps.

@@ -5,8 +5,8 @@ import dataclasses
 
 from tfq.kernels.contract import KEY_TILE, SPLIT_ROWS
 from tfq.model.config import ModelConfig
-from tfq.plan.fields import DTYPE_BYTES, parse_draft
 from tfq.parallel.shard import Shard, gathered_floats, sizes
+from tfq.plan.fields import DTYPE_BYTES, parse_draft
 from tfq.plan.layout import Layout, budget_words
 from tfq.plan.schema import Plan
 from tfq.plan.words import human_bytes, one_line, tag
@@ -212,8 +212,7 @@ def _step_bound(lay) -> str:
 
 def _weights_lines(plan: Plan, config: ModelConfig, lay: Layout) -> list[str]:
     """How the weights are kept and computed, and the bytes a decode step reads of them."""
-    from tfq.model.footprint import gguf_kept
-    from tfq.model.load import activations_of, weights_kind
+    from tfq.model.footprint import activations_of, gguf_kept, weights_kind
 
     kind, why = weights_kind(plan.weights, plan.model, lay.device)
     said = f" ({why})" if plan.weights == "auto" else ""

@@ -12,7 +12,15 @@ from typing import Any, Mapping, Sequence
 import yaml
 
 from tfq.plan.fields import Bad, flag
-from tfq.plan.schema import ENV_FLAGS, ENV_VALUES, SCHEMA, KVPlan, Plan, override, unknown_key
+from tfq.plan.schema import (
+    ENV_FLAGS,
+    ENV_VALUES,
+    SCHEMA,
+    KVPlan,
+    Plan,
+    override,
+    unknown_key,
+)
 from tfq.plan.words import fail
 
 

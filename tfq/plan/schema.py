@@ -9,8 +9,24 @@ from typing import Any, Mapping
 
 from tfq.model.config import ModelConfig
 from tfq.plan.fields import (
-    ATTENTION, DTYPE_ALIASES, DTYPE_BYTES, PAGED, WEIGHTS, Bad, Check, budget, choice, device, draft, logits_rows,
-    model, pages, pool, positive, step_tokens, switch,
+    ATTENTION,
+    DTYPE_ALIASES,
+    DTYPE_BYTES,
+    PAGED,
+    WEIGHTS,
+    Bad,
+    Check,
+    budget,
+    choice,
+    device,
+    draft,
+    logits_rows,
+    model,
+    pages,
+    pool,
+    positive,
+    step_tokens,
+    switch,
 )
 from tfq.plan.layout import Layout, compute_layout, over_budget
 from tfq.plan.words import fail
@@ -73,7 +89,7 @@ class KVPlan:
     pages: int = 0  # page rows; 0: no pages, every lane contiguous
     paged: str = "more"  # more: streams beyond the first take pages; all: every stream does
     pool: int | str = "auto"
-    prefix_cache: str = "off"  # on: full pages are found again by their tokens (tfq/prefix.py)
+    prefix_cache: str = "off"  # on: full pages are found again by their tokens (tfq/engine/prefix.py)
 
     def __post_init__(self) -> None:
         for name in ("dtype", "pages", "paged", "pool", "prefix_cache"):

@@ -15,7 +15,7 @@ def build_facts() -> dict:
 
     import torch
 
-    from tfq.threads import FIXED_VARIABLES
+    from tfq.engine.threads import FIXED_VARIABLES
 
     fixed = next((v for v in FIXED_VARIABLES if os.environ.get(v)), None)
     return {

@@ -11,8 +11,8 @@ from typing import Callable
 
 import torch
 
-from tfq.cache import KVCache
-from tfq.pages import Placement
+from tfq.engine.cache import KVCache
+from tfq.engine.pages import Placement
 from tfq.kernels.attention import AttentionBatch, Chunk, DecodeGroup, tile_count
 from tfq.kernels.backend import Backend
 from tfq.kernels.contract import KEY_TILE, SATURATE, SPLIT_ROWS

@@ -25,7 +25,7 @@ from tfq.proofs.together_arms import (
     compare, context_for, judge, reach, scored_chats, scores_tally, select_arms,
 )
 from tfq.proofs.together_evidence import chat_record, suite_facts, versions, write_json
-from tfq.stream import Request, Result
+from tfq.engine.stream import Request, Result
 
 INTERRUPTED_EXIT = 130
 
@@ -193,7 +193,7 @@ class Check:
         return self
 
     def _run_arm(self, run: ArmRun) -> None:
-        from tfq.engine import Controls, Engine
+        from tfq.engine.core import Controls, Engine
 
         self.listener.arm_started(run, self.group)
         policy = run.arm.arithmetic(run.plan.attention == "partial") if run.arm.arithmetic else None

@@ -14,10 +14,10 @@ from typing import Any, Callable, Sequence
 
 from tfq.errors import TfqError
 from tfq.kernels.contract import KEY_TILE, SPLIT_ROWS
-from tfq.runner import ColdPartial, Policy, chunked_deltanet, experts_by_load, paged_partial
+from tfq.engine.runner import ColdPartial, Policy, chunked_deltanet, experts_by_load, paged_partial
 from tfq.plan import Plan, derive, pages_for
-from tfq.sampling import TokenLogprob
-from tfq.stream import Request, Result
+from tfq.decode.sampling import TokenLogprob
+from tfq.engine.stream import Request, Result
 
 EXACT, RED, FAIL = "EXACT", "RED", "FAIL"
 CHUNK_ROWS = 61  # odd and prime: chunk boundaries fall inside key tiles and pages, never on them
@@ -48,7 +48,7 @@ class Arm:
     changes: Callable[[Context], dict[str, Any]]  # plan keys this arm sets, beyond lanes and arithmetic
     control: bool = False  # changes the arithmetic on purpose: must come out RED
     # the arithmetic handed to the engine instead of the plan's: made, for each engine, from the plan's attention
-    # (partial or not), as a policy may keep a state (tfq/runner.py)
+    # (partial or not), as a policy may keep a state (tfq/engine/runner.py)
     arithmetic: Callable[[bool], Policy] | None = None
     must_preempt: bool = False
     must_draft: bool = False

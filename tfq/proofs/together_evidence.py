@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tfq.proofs.together_arms import ChatComparison, score_digests
-from tfq.stream import Request, Result
+from tfq.engine.stream import Request, Result
 
 _HASH_LIMIT = 256 << 20  # hash weight files up to this size; the default model is named by its GGUF's sha
 

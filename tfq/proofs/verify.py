@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from tfq.sampling import TokenLogprob
-from tfq.stream import Request, Result
+from tfq.decode.sampling import TokenLogprob
+from tfq.engine.stream import Request, Result
 
 REFERENCE = Path(__file__).resolve().parent.parent / "reference" / "default.json"
 TOKENS = 32  # reply tokens a chat
@@ -87,7 +87,7 @@ def compare(want: ChatBits | None, got: ChatBits | None, chat: str) -> Parting:
 def requests(chats, tokenizer) -> list[Request]:
     """The recorded requests: every chat of the suite for TOKENS tokens (its own settings kept: the suite has a
     sampled chat), the first chat again drawn with SAMPLED, and the first chat's prompt scored."""
-    from tfq.cli.chat import requests_for
+    from tfq.suite import requests_for
 
     base = requests_for(chats, tokenizer, TOKENS, 0.0, 1.0, 0)
     out = [dataclasses.replace(r, max_tokens=min(r.max_tokens, TOKENS), logprobs=TOP) for r in base]
@@ -98,7 +98,7 @@ def requests(chats, tokenizer) -> list[Request]:
 
 def run(plan, layout, loaded, reqs: list[Request], on_token: Callable | None = None) -> list[ChatBits]:
     """The requests through one engine of the plan, as a user's run would go."""
-    from tfq.engine import Engine
+    from tfq.engine.core import Engine
 
     engine = Engine.from_plan(plan, layout, loaded)
     return [ChatBits.of(r, res) for r, res in zip(reqs, engine.generate(reqs, on_token))]

@@ -19,9 +19,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from tfq import tools
+from tfq.decode import tools
 from tfq.errors import TfqError
-from tfq.grammar import Constraint, Matcher
+from tfq.decode.grammar import Constraint, Matcher
 from tfq.serve.compiles import Compiles, Crowded, TooSlow
 from tfq.serve.guard import Guard
 from tfq.serve.intake import (ApiError, Served, chat_prompt, check_model, check_stops, error_body, text_prompts,
@@ -30,7 +30,7 @@ from tfq.serve.loop import Busy, Dead, Done, Ticket, Token
 from tfq.serve.protocol import ChatBody, CompletionBody
 from tfq.serve.replies import (Shape, chat_choice, chat_logprobs, extensions, finish_reason, text_choice,
                                text_logprobs, usage)
-from tfq.stream import Finish, Request, Result
+from tfq.engine.stream import Finish, Request, Result
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ def build_app(served: Served) -> FastAPI:
 
 
 def tool_grammar(served: Served, body: ChatBody) -> Constraint | None:
-    """The grammar of tool_choice "required" or a named function (tfq/tools.py); None otherwise."""
+    """The grammar of tool_choice "required" or a named function (tfq/decode/tools.py); None otherwise."""
     if not body.calling:
         return None
     choice = body.tool_choice.model_dump() if hasattr(body.tool_choice, "model_dump") else body.tool_choice
@@ -294,7 +294,7 @@ def _check(result: Result) -> Result:
 
 
 async def chat_chunks(served: Served, ticket: Ticket, shape: Shape, usage_of: int | None) -> AsyncIterator[dict]:
-    """A chat's chunks; with tools, text from a call's `<tool_call>` on goes out as whole calls (tfq/tools.py)."""
+    """A chat's chunks; with tools, text from a call's `<tool_call>` on goes out as whole calls (tfq/decode/tools.py)."""
     tok = served.tokenizer
     yield shape.body([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                        "finish_reason": None} for i in range(len(ticket.requests))], chunk=True)

@@ -7,7 +7,7 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
-from tfq.engine import Engine
+from tfq.engine.core import Engine
 from tfq.errors import TfqError
 from tfq.serve.app import Served, build_app
 from tfq.serve.guard import Limits
@@ -20,7 +20,7 @@ def build_served(plan, layout, loaded, name: str, queue: int = 64, api_keys: tup
                  stuck_after_s: float = STUCK_AFTER_S, **engine_kw) -> Served:
     """What `tfq serve` serves, from its plan (tfq.plan.Plan and its Layout) and loaded model: the engine, its
     loop and metrics, the app's settings. The CLI, `tfq bench serve` and the tests all build it here; engine_kw
-    reach Engine.from_plan (a check's controls: controls=tfq.engine.Controls(...))."""
+    reach Engine.from_plan (a check's controls: controls=tfq.engine.core.Controls(...))."""
     engine = Engine.from_plan(plan, layout, loaded, **engine_kw)
     try:
         engine.grammars  # llguidance's view of the tokenizer (about a second), now rather than in a request

@@ -1,8 +1,8 @@
 """A constrained request's grammars, compiled for the server: off the engine's thread and the event loop, bounded.
 
-Each choice of a constrained request gets a matcher of its own (tfq/grammar.py), compiled before the request is
+Each choice of a constrained request gets a matcher of its own (tfq/decode/grammar.py), compiled before the request is
 queued, on a pool of THREADS threads kept for compiles (not asyncio's default pool, which tokenizes): the engine's
-thread never compiles and takes no lock a compile holds. llguidance's limits (tfq.grammar.LIMITS) bound each
+thread never compiles and takes no lock a compile holds. llguidance's limits (tfq.decode.grammar.LIMITS) bound each
 compile's work; on top of them a request waits at most WAIT_S for its compiles (then 400: its grammar is too
 costly), and at most WAITING compiles wait for a thread (past that 429, as a full queue).
 """
@@ -12,7 +12,7 @@ import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from tfq.grammar import Constraint, Grammars, Matcher
+from tfq.decode.grammar import Constraint, Grammars, Matcher
 
 THREADS = 2  # compiles at once: a grammar compiles in well under a millisecond to tens of them (llguidance)
 WAITING = 256  # matchers waiting for a thread, in all requests (a request's n counts n)

@@ -18,11 +18,11 @@ from typing import Callable
 
 import torch
 
-from tfq.engine import Engine, ForwardFault, Output
+from tfq.engine.core import Engine, ForwardFault, Output
 from tfq.errors import TfqError, Unservable, own_fault
-from tfq.grammar import Matcher
-from tfq.stream import Finish, Request, Result
-from tfq.threads import release_workers
+from tfq.decode.grammar import Matcher
+from tfq.engine.stream import Finish, Request, Result
+from tfq.engine.threads import release_workers
 
 log = logging.getLogger(__name__)
 

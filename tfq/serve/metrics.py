@@ -44,7 +44,7 @@ class Metrics:
         self.generation_tokens.inc()
 
     def engine(self, stats, streams: int) -> None:
-        """stats: tfq.scheduler.Stats; streams: submitted and not finished."""
+        """stats: tfq.engine.scheduler.Stats; streams: submitted and not finished."""
         self.cached_pages.set(stats.cached_pages)
         if stats.reused_rows > self._reused:
             self.reused.inc(stats.reused_rows - self._reused)

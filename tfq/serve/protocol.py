@@ -2,7 +2,7 @@
 
 Unknown fields are refused (a typo must not pass silently); fields OpenAI defines that would change the reply
 in ways tfq does not implement (suffix, best_of) are refused unless left at their neutral value. Penalties,
-logit_bias (tfq/penalties.py) and response_format (tfq/grammar.py) act on each stream's own logits row; vLLM's
+logit_bias (tfq/decode/penalties.py) and response_format (tfq/decode/grammar.py) act on each stream's own logits row; vLLM's
 `repetition_penalty` and `structured_outputs` (regex, choice, grammar, json) are taken too.
 Defaults are OpenAI's (temperature 1, top_p 1), with one difference: a request without `seed` uses seed 0, so
 a reply is always a function of the request.
@@ -18,9 +18,9 @@ from typing import Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from tfq.grammar import Constraint, constraint_of
-from tfq.penalties import LEAST_REPETITION, MOST_BIAS, MOST_BIASED, MOST_PENALTY, MOST_REPETITION, Penalties
-from tfq.stream import MOST_TOP_LOGPROBS, Request, choices
+from tfq.decode.grammar import Constraint, constraint_of
+from tfq.decode.penalties import LEAST_REPETITION, MOST_BIAS, MOST_BIASED, MOST_PENALTY, MOST_REPETITION, Penalties
+from tfq.engine.stream import MOST_TOP_LOGPROBS, Request, choices
 
 MOST_CHOICES = 16
 MOST_STOPS = 4

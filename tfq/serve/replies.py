@@ -1,6 +1,6 @@
 """Engine results as OpenAI response bodies: whole responses, and the chunks of a streamed one.
 
-Log-probabilities are the engine's (tfq/sampling.py: the log-softmax of the exact logits row in float64), so
+Log-probabilities are the engine's (tfq/decode/sampling.py: the log-softmax of the exact logits row in float64), so
 they carry the same bits alone or under load. Token text is the token decoded alone; `bytes` are the bytes
 it stands for (a piece of a character has no text of its own).
 """
@@ -10,9 +10,9 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from tfq.sampling import TokenLogprob
-from tfq.stream import Finish, Result
-from tfq.tools import parse
+from tfq.decode.sampling import TokenLogprob
+from tfq.engine.stream import Finish, Result
+from tfq.decode.tools import parse
 
 FINISH = {Finish.EOS: "stop", Finish.STOP: "stop", Finish.LENGTH: "length", Finish.WINDOW: "length", Finish.ABORT: "abort",
           Finish.ERROR: "error"}  # tfq's finish -> OpenAI's finish_reason

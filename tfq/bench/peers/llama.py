@@ -7,7 +7,7 @@ tensor dequantized by the `gguf` package, every other entry copied. `--peer llam
 shipped, at its own quantized bits, for reference (what a user of llama.cpp gets; not what tfq computes).
 
 LlamaPeer runs llama.cpp in the process that makes it: the bench's peer makes it in a child process
-(tfq.bench.peer_child, driven by tfq.bench.child_peer), so a crash of llama.cpp never takes tfq down.
+(tfq.bench.peers.child_end, driven by tfq.bench.peers.parent_end), so a crash of llama.cpp never takes tfq down.
 
 Several streams at once go through llama.cpp's batch API (one sequence id a stream, one `llama_decode` a step,
 as its batched bench does); greedy draws are the argmax of each stream's logits row, so the peer's sampling

@@ -1,4 +1,4 @@
-"""tfq's end of the bench peer's child process (tfq.bench.peer_child): the in-process peer's interface
+"""tfq's end of the bench peer's child process (tfq.bench.peers.child_end): the in-process peer's interface
 (`prepare`, `run`, `name`, `version`, `close`), each call one JSON line to the child and one back.
 
 A child that dies (a signal, an exit, the end of its output, a line that is not JSON, no answer in time)
@@ -21,7 +21,7 @@ from tfq.bench.memory import MemoryProbe
 from tfq.bench.record import Run
 from tfq.errors import TfqError
 
-CHILD = [sys.executable, "-m", "tfq.bench.peer_child"]  # the child's command, its engine appended (tests put a
+CHILD = [sys.executable, "-m", "tfq.bench.peers.child_end"]  # the child's command, its engine appended (tests put a
 # fake child here)
 START_TIMEOUT_S = 120.0  # importing llama-cpp-python, or transformers
 LOAD_TIMEOUT_S = 1800.0  # mapping a 16 GB file and repacking its Q4_K tensors, on a machine short of memory

@@ -1,7 +1,7 @@
 """Tool calls in Qwen's format: the chat template lists the tools, the model writes each call as
 `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, and the reply's text is parsed into calls.
 
-`tool_choice` "required" or a named function becomes a grammar (tfq/grammar.py) that allows only such blocks,
+`tool_choice` "required" or a named function becomes a grammar (tfq/decode/grammar.py) that allows only such blocks,
 each call's JSON held to its function's parameters; "auto" lets the model choose and parses what it wrote;
 "none" parses nothing. Parsing is a function of the reply's text, so the calls are as exact as the text.
 """
@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass
 
 from tfq.errors import TfqError
-from tfq.grammar import JSON_STYLE, Constraint
+from tfq.decode.grammar import JSON_STYLE, Constraint
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 

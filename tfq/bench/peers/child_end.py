@@ -1,10 +1,10 @@
-"""The bench peer's child process: `python -m tfq.bench.peer_child ENGINE`, one JSON object a line each way.
+"""The bench peer's child process: `python -m tfq.bench.peers.child_end ENGINE`, one JSON object a line each way.
 ENGINE is `llama.cpp` (the default; llama.cpp on a GGUF file, through llama-cpp-python) or `hf` (HF
 transformers' `generate` on a checkpoint folder).
 
 A crash of the peer (SIGILL on a CPU llama.cpp's build does not suit, a segfault, memory) ends this process,
 never tfq's; and its resident memory is the peer's own, measured here (for llama.cpp torch is never
-imported). tfq's end is tfq.bench.child_peer.ChildPeer.
+imported). tfq's end is tfq.bench.peers.parent_end.ChildPeer.
 
 On start it says {"version": V} (the engine's package's), or {"error": LINE} when that package is missing, and
 exits. Then, a request a line:
@@ -67,7 +67,7 @@ def main() -> None:
 def _require(engine: str) -> str:
     """The engine's package's version, or one line on how to install it."""
     if engine == "llama.cpp":
-        from tfq.bench.llama_peer import require_llama
+        from tfq.bench.peers.llama import require_llama
 
         return require_llama()
     if engine == "hf":
@@ -93,11 +93,11 @@ class Child:
         if op == "load":
             path, threads = Path(request["path"]), request["threads"]
             if self.engine == "hf":
-                from tfq.bench.peer import HfPeer
+                from tfq.bench.peers.hf import HfPeer
 
                 self.peer = HfPeer(path, threads)
             else:
-                from tfq.bench.llama_peer import LlamaPeer
+                from tfq.bench.peers.llama import LlamaPeer
 
                 self.peer = LlamaPeer(path, threads, request["name"])
             return {"ok": True, "rss_peak_is_per_run": self.probe.resettable}

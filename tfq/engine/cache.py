@@ -1,7 +1,7 @@
 """The KV cache: one row store per attention layer, K and V `[rows, kv_heads, head_dim]` in the cache dtype;
 and a hybrid's recurrent state: per DeltaNet layer, one slot per lane.
 
-Rows are handed out by the page pool (tfq/pages.py): first the contiguous lanes, then the pages. Attention
+Rows are handed out by the page pool (tfq/engine/pages.py): first the contiguous lanes, then the pages. Attention
 only ever sees row indices (`rows`, `key_rows`), so a lane and a page list are read by the same code.
 
 A DeltaNet layer keeps no rows: each stream's whole past is a fixed-size state (the recurrence's
@@ -18,7 +18,7 @@ from tfq.kernels.attention import tile_count
 from tfq.kernels.delta import NONE
 from tfq.kernels.contract import CACHE_DTYPES, KEY_TILE
 from tfq.model.config import ModelConfig
-from tfq.pages import PagePool, Placement
+from tfq.engine.pages import PagePool, Placement
 
 
 class KVCache:
@@ -96,7 +96,7 @@ class StateCache:
     def keep_inputs(self, index: int, segments, x: torch.Tensor, a: torch.Tensor,
                     b: torch.Tensor) -> None:
         """Layer `index`'s inputs of the segments marked to save (a verify's rows), by their slots. segments:
-        tfq.batch.Segments."""
+        tfq.engine.batch.Segments."""
         for s in segments:
             if s.save:
                 for kept, t in zip(self.inputs[index], (x, a, b)):

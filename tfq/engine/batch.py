@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple
 
 import torch
 
+from tfq.engine.cache import KVCache
+from tfq.engine.pages import Placement
 from tfq.kernels.attention import AttentionBatch, Chunk, DecodeGroup
-from tfq.cache import KVCache
-from tfq.pages import Placement
+from tfq.model.segments import Segment, Segments
 
 
 @dataclass
@@ -25,39 +25,11 @@ class Feed:
 @dataclass(frozen=True)
 class Arithmetic:
     """How one forward computes: the plan's (the same for every forward, whatever it holds), or a check's
-    control (tfq/runner.py's policies). Carried by the forward's rows, never by a flag through the model."""
+    control (tfq/engine/runner.py's policies). Carried by the forward's rows, never by a flag through the model."""
 
     partial: bool = False  # attention by the `partial` recipe (tfq/kernels/attention.py)
     chunked_deltanet: bool = False  # a hybrid's prompt chunks by the chunked DeltaNet algorithm: a control only
     experts_by_load: bool = False  # a mixture's experts combined in the batch's order of load: a control only
-
-
-class Segment(NamedTuple):
-    """One feed's rows in a forward, as a DeltaNet layer takes them."""
-
-    first: int  # its first row in the forward
-    rows: int
-    slot: int  # the state slot it reads and updates (its lane)
-    fresh: bool  # it starts at position 0: the state starts from zeros
-    save: bool  # a verify: the slot's state is saved first, to roll rejected guesses back
-
-
-@dataclass(frozen=True)
-class Segments:
-    """Every feed's Segment, as the [feeds, 5] int64 table the kernels read (columns in Segment's order), and the
-    arithmetic the forward's layers run by beyond attention (the DeltaNet algorithm, the experts' combine)."""
-
-    table: torch.Tensor
-    chunked: bool = False  # Arithmetic.chunked_deltanet
-    experts_by_load: bool = False  # Arithmetic.experts_by_load
-
-    @classmethod
-    def of(cls, segments: list[Segment], chunked: bool = False, experts_by_load: bool = False) -> "Segments":
-        return cls(torch.tensor([tuple(map(int, s)) for s in segments], dtype=torch.long).reshape(-1, 5), chunked,
-                   experts_by_load)
-
-    def __iter__(self) -> Iterator[Segment]:
-        return (Segment(r, n, slot, bool(fresh), bool(save)) for r, n, slot, fresh, save in self.table.tolist())
 
 
 @dataclass

@@ -6,7 +6,7 @@ thread ran at 15.6. So between steps, every few seconds, the engine reads how bu
 the cores (/proc/stat less this process's own CPU time) and sets the threads to the cores left, at least 1
 and at most the starting count, down when the machine is busy and back up when it frees.
 
-A thread count is a chunking of the work, and chunkings can change bits (tfq/proofs/startup.py), so the policy only
+A thread count is a chunking of the work, and chunkings can change bits (tfq/engine/layer_guard.py), so the policy only
 moves between counts the start-up guard proved on this build: a ladder of the starting count and the powers
 of two below it, each proved the first time the policy wants it (a count that fails is never used). Set
 `--threads N`, TFQ_THREADS or OMP_NUM_THREADS to fix the count yourself (tfq then proves N alone).

@@ -1,6 +1,6 @@
 """The runner: everything a step computes. A Step's feeds through the model in one forward, in the arithmetic an
 attention policy picks; the drafter's guesses for the next step (its own forwards); a hybrid's state rolled back
-after a verify that kept fewer rows than it fed (tfq.scheduler.Verified).
+after a verify that kept fewer rows than it fed (tfq.engine.scheduler.Verified).
 
 The policy is the plan's arithmetic (`rows` attention, or `partial` when the plan says so) for every forward;
 the checks hand the engine others as data, to show on purpose what tfq never does: `paged_partial` (the field
@@ -13,10 +13,10 @@ from typing import Callable
 
 import torch
 
-from tfq.batch import Arithmetic, Feed, forward
-from tfq.cache import KVCache
-from tfq.scheduler import Verified
-from tfq.stream import Stream
+from tfq.engine.batch import Arithmetic, Feed, forward
+from tfq.engine.cache import KVCache
+from tfq.engine.scheduler import Verified
+from tfq.engine.stream import Stream
 
 Policy = Callable[[list[Feed]], Arithmetic]  # a forward's feeds -> the arithmetic it runs
 
@@ -64,7 +64,7 @@ class ColdPartial:
 class Runner:
     def __init__(self, model, cache: KVCache, policy: Policy, drafter=None):
         self.model, self.cache, self.policy = model, cache, policy
-        self.drafter = drafter  # tfq.draft.Drafter or None
+        self.drafter = drafter  # tfq.engine.draft.Drafter or None
         self.forwards = 0
 
     def run(self, feeds: list[Feed]) -> list[torch.Tensor]:

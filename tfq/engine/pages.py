@@ -1,11 +1,11 @@
 """Who holds which rows of the KV store: contiguous lanes, and a pool of pages handed out and taken back.
 
-The store (tfq/cache.py) is `lanes x window` rows of lanes, then `pool_pages x page_rows` rows of pages. A
+The store (tfq/engine/cache.py) is `lanes x window` rows of lanes, then `pool_pages x page_rows` rows of pages. A
 stream's placement maps its positions to store rows: a lane is one block of `window` rows, a paged stream a
 list of pages in any order. Which pages a stream gets never matters to its bits (attention reads through
 row indices), so tests shuffle the pool.
 
-With a prefix cache (tfq/prefix.py) a page can be held by several streams at once (its reference count), and a
+With a prefix cache (tfq/engine/prefix.py) a page can be held by several streams at once (its reference count), and a
 full page keeps its rows after its last stream lets go, until the pool needs it back.
 """
 from __future__ import annotations
@@ -13,12 +13,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from tfq.prefix import PrefixCache, page_key
-
-
-def pages_for(rows: int, page_rows: int) -> int:
-    """Pages that hold `rows` rows (the last one partly); the plan's layout counts with it too."""
-    return -(-rows // page_rows)
+from tfq.engine.prefix import PrefixCache, page_key
+from tfq.plan.layout import pages_for
 
 
 @dataclass

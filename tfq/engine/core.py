@@ -2,12 +2,12 @@
 
 `add(request)` queues a stream, `step()` runs one forward and returns what each stream drew, `abort(id)`
 ends a stream and gives its pages back, `has_work()` says whether anything is left; `generate()` is a loop
-over them. A step is schedule -> run -> draw -> update: the scheduler decides (tfq/scheduler.py: admission,
-rows, pages, preemption), the runner computes (tfq/runner.py: the drafter's guesses, one forward in the
+over them. A step is schedule -> run -> draw -> update: the scheduler decides (tfq/engine/scheduler.py: admission,
+rows, pages, preemption), the runner computes (tfq/engine/runner.py: the drafter's guesses, one forward in the
 arithmetic the attention policy picks), the engine draws from the logits (a digest of their bits, the draw,
 the stream's stops), and the scheduler books what changed (rows cached, guesses kept, pages, finishing), the
 runner rolling a hybrid's state back where a verify kept fewer rows than it fed. The batch's shape never
-chooses the arithmetic: only the plan does (or a check's control, handed over as a policy: tfq/runner.py).
+chooses the arithmetic: only the plan does (or a check's control, handed over as a policy: tfq/engine/runner.py).
 """
 from __future__ import annotations
 
@@ -19,17 +19,17 @@ from typing import Callable, Sequence
 
 import torch
 
-from tfq.cache import KVCache
+from tfq.engine.cache import KVCache
 from tfq.errors import TfqError, own_fault
-from tfq.grammar import Grammars, Matcher, OwnMask
+from tfq.decode.grammar import Grammars, Matcher, OwnMask
 from tfq.model.qwen import Qwen
-from tfq.prefix import PrefixCache, root_key
+from tfq.engine.prefix import PrefixCache, root_key
 from tfq.plan.layout import PREFIX_ON_HYBRID, auto_logits_rows, lane_split
-from tfq.proofs.startup import prove
-from tfq.runner import Policy, Runner, plan_arithmetic
-from tfq.sampling import TokenLogprob, digest, logprob, sample
-from tfq.scheduler import Scheduler
-from tfq.stream import Finish, Request, Result, Status, Stream
+from tfq.engine.layer_guard import prove
+from tfq.engine.runner import Policy, Runner, plan_arithmetic
+from tfq.decode.sampling import TokenLogprob, digest, logprob, sample
+from tfq.engine.scheduler import Scheduler
+from tfq.engine.stream import Finish, Request, Result, Status, Stream
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class EngineSettings:
     paged_all: bool = False
     pool_pages: int = 0
     partial: bool = False
-    prefix_cache: bool = False  # full pages found again by their tokens (tfq/prefix.py)
+    prefix_cache: bool = False  # full pages found again by their tokens (tfq/engine/prefix.py)
     logits_rows: int = 0  # logits rows one forward may hold; 0: auto (tfq.plan.layout.auto_logits_rows)
     step_tokens: int = 0  # rows a forward holds at most while a stream decodes; 0: no bound
     step_steps: int = 0  # or, once the cost of steps is learned, decode steps of every running stream; 0: rows
@@ -91,10 +91,10 @@ class EngineSettings:
 class Controls:
     """What a check changes to prove a point, handed over as data (production runs leave it at its default).
 
-    arithmetic: the attention policy and DeltaNet algorithm a forward's rows run in (tfq/runner.py's policies;
+    arithmetic: the attention policy and DeltaNet algorithm a forward's rows run in (tfq/engine/runner.py's policies;
     None: the plan's). page_order_seed: the pool hands out pages in an order shuffled by it (paged rows must not
-    care where their pages sit). mask: how a constrained row's grammar mask is made (tfq/grammar.py: OwnMask,
-    or the control SharedMask). compile: how a stream's matcher is compiled (tfq/grammar.py: OwnCompile, with
+    care where their pages sit). mask: how a constrained row's grammar mask is made (tfq/decode/grammar.py: OwnMask,
+    or the control SharedMask). compile: how a stream's matcher is compiled (tfq/decode/grammar.py: OwnCompile, with
     its limits, or the control SharedCompile)."""
 
     arithmetic: Policy | None = None
@@ -111,7 +111,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.eos_ids = frozenset(eos_ids or (tokenizer.eos_ids if tokenizer is not None else ()))
         self.keep_logits = keep_logits
-        self.threads = threads  # tfq.threads.Threads (the CPU thread count follows the load) or None
+        self.threads = threads  # tfq.engine.threads.Threads (the CPU thread count follows the load) or None
         prefix = None
         if s.prefix_cache and model.config.hybrid:
             raise TfqError(f"kv.prefix_cache: on {PREFIX_ON_HYBRID}")
@@ -137,7 +137,7 @@ class Engine:
         self.mask = controls.mask or OwnMask()
         self._compile = controls.compile
         self.expected_s: float | None = None  # what the step running now should take, by the learned cost
-        self.proof = None  # tfq.proofs.startup.LayerProof: the model's layer proved row-invariant here
+        self.proof = None  # tfq.engine.layer_guard.LayerProof: the model's layer proved row-invariant here
         if not model.backend.interpreted:  # under Triton's interpreter the tests prove the same, faster
             self.proof = prove(model, s.kv_dtype, s.partial, torch.get_num_threads(), self.largest_forward,
                                s.prefill_chunk, self.drawing_rows)
@@ -149,7 +149,7 @@ class Engine:
 
     @property
     def drafter(self):
-        """tfq.draft.Drafter or None (the runner's)."""
+        """tfq.engine.draft.Drafter or None (the runner's)."""
         return self.runner.drafter
 
     @property
@@ -164,8 +164,8 @@ class Engine:
     @classmethod
     def from_plan(cls, plan, layout, loaded, **kw) -> "Engine":
         """plan: tfq.plan.Plan, layout: its Layout, loaded: tfq.model.load.LoadedModel."""
-        from tfq.draft import make_drafter
-        from tfq.threads import Threads
+        from tfq.engine.draft import make_drafter
+        from tfq.engine.threads import Threads
 
         settings = EngineSettings.from_plan(plan, layout)
         if "drafter" not in kw:
@@ -197,7 +197,7 @@ class Engine:
 
     @property
     def grammars(self) -> Grammars:
-        """The model's grammars (tfq/grammar.py): what compiles a request's constraint."""
+        """The model's grammars (tfq/decode/grammar.py): what compiles a request's constraint."""
         with self._grammars_once:
             if self._grammars is None:
                 if self.tokenizer is None:

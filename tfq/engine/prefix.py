@@ -6,7 +6,7 @@ named by a hash of every token up to its end, chained page by page from a root t
 the bits (the model, the cache dtype, the arithmetic), and a stream whose tokens start the same way can map
 that page instead of computing it: the rows it reads are the rows it would have written.
 
-The cache only names pages; the page pool (tfq/pages.py) owns them. A named page that no stream holds stays
+The cache only names pages; the page pool (tfq/engine/pages.py) owns them. A named page that no stream holds stays
 cached, idle, until the pool needs a page: then the least recently used idle page is forgotten and reused.
 A page a stream holds is never evicted, and is never written again: a stream writes only positions past the
 pages it mapped.

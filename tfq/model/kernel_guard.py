@@ -1,5 +1,5 @@
 """Start-up proofs of the kernels, run once a process when a model loads: linear layers and attention give a
-row the same bits whatever rows share the call (tfq/proofs/startup.py then proves the model's whole layer).
+row the same bits whatever rows share the call (tfq/engine/layer_guard.py then proves the model's whole layer).
 
 tfq's own linear kernel is row-invariant by construction, and oneDNN's pre-packed linear (its fallback) is a
 private op whose row invariance is measured, not promised; either way `check_linear`
@@ -27,7 +27,7 @@ def check_linear(make: Callable[[torch.Tensor, torch.Tensor], LinearFn] | None =
 
     Checks a few shapes like the model's (square, wide, tall) at the row counts where MKL and oneDNN switch
     kernels, against one call of `rows` rows. tests/test_arithmetic.py sweeps the default model's shapes at
-    every size the engine runs (1..64 rows, then steps up to 4096; the head up to 80), and tfq/proofs/startup.py
+    every size the engine runs (1..64 rows, then steps up to 4096; the head up to 80), and tfq/engine/layer_guard.py
     proves the loaded model's own layer up to the plan's largest forward at start. `make`: the CPU backend's
     linear layer unless given.
     """

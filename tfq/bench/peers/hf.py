@@ -1,5 +1,5 @@
 """The peer: HF transformers `generate` on the same checkpoint folder, timed like a tfq run. It runs in the
-bench's child process (tfq.bench.peer_child), so its memory is its own and a crash of it never takes tfq down."""
+bench's child process (tfq.bench.peers.child_end), so its memory is its own and a crash of it never takes tfq down."""
 from __future__ import annotations
 
 import time

@@ -8,10 +8,10 @@ from enum import Enum, StrEnum
 import torch
 
 from tfq.errors import TfqError
-from tfq.grammar import Constraint
-from tfq.pages import Placement
-from tfq.penalties import Penalties
-from tfq.sampling import TokenLogprob, choice_seed
+from tfq.decode.grammar import Constraint
+from tfq.engine.pages import Placement
+from tfq.decode.penalties import Penalties
+from tfq.decode.sampling import TokenLogprob, choice_seed
 
 MOST_TOP_LOGPROBS = 20  # as OpenAI's API
 
@@ -45,8 +45,8 @@ class Request:
     logprobs: int | None = None  # None: none; k >= 0: each drawn token's log-probability and the top k
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (the head runs on
     # every prompt row then: evaluation's log-likelihood)
-    penalties: Penalties = Penalties()  # on the row before the draw (tfq/penalties.py)
-    constraint: Constraint | None = None  # a grammar the reply follows (tfq/grammar.py)
+    penalties: Penalties = Penalties()  # on the row before the draw (tfq/decode/penalties.py)
+    constraint: Constraint | None = None  # a grammar the reply follows (tfq/decode/grammar.py)
     cache_salt: str = ""  # streams share prefix-cache pages only with streams of the same salt (a server's tenant)
 
     def validate(self) -> None:
@@ -136,7 +136,7 @@ class Stream:
     digests: list[str] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
     decoder: object | None = None  # tfq.model.tokenizer.StreamDecoder: text as whole characters
-    grammar: object | None = None  # tfq.grammar.Matcher, when the request has a constraint
+    grammar: object | None = None  # tfq.decode.grammar.Matcher, when the request has a constraint
     text: str = ""
     shown: int = 0  # characters of text returned by append so far
     finish: Finish | None = None

@@ -29,12 +29,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from tfq.batch import Arithmetic, Feed, step_rows
-from tfq.cache import KVCache
-from tfq.pages import Placement, pages_for
+from tfq.engine.batch import Arithmetic, Feed, step_rows
+from tfq.engine.cache import KVCache
+from tfq.engine.pages import Placement, pages_for
 from tfq.errors import TfqError
-from tfq.penalties import Penalties
-from tfq.sampling import logprob, sample
+from tfq.decode.penalties import Penalties
+from tfq.decode.sampling import logprob, sample
 from tfq.kernels.contract import KEY_TILE
 from tfq.model.layers import DeltaLayer
 
@@ -57,7 +57,7 @@ PROBES = (
     Probe("chunk at 230", 230, 45, True, 1),
 )
 SAMPLE = dict(temperature=0.8, top_p=0.9, seed=7)  # besides greedy: a seeded top-p draw per logits row
-# and a penalized draw, and one from a masked row (a grammar's mask as tfq/engine.py applies it: here every
+# and a penalized draw, and one from a masked row (a grammar's mask as tfq/engine/core.py applies it: here every
 # third token allowed), over a fixed history of tokens
 PENALIZED = Penalties(presence=0.5, frequency=0.3, repetition=1.2, bias=((0, 2.0), (1, -100.0)))
 HISTORY = (0, 1, 1, 2, 3, 5, 8, 13, 21, 34)

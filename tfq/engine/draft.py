@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from tfq.batch import Feed, forward
-from tfq.cache import KVCache
+from tfq.engine.batch import Feed, forward
+from tfq.engine.cache import KVCache
 from tfq.errors import TfqError
-from tfq.stream import Stream
+from tfq.engine.stream import Stream
 
 NGRAM_LONGEST = 3  # the longest suffix prompt lookup tries to match
 

@@ -1,5 +1,5 @@
 """The scheduler: which streams run in the next forward, with which rows, and what the forward changed. It
-decides and keeps the books; it computes nothing (the runner does: tfq/runner.py).
+decides and keeps the books; it computes nothing (the runner does: tfq/engine/runner.py).
 
 `schedule(guesses)` admits waiting streams into free lanes (oldest first) and gives every running stream room
 in the cache for its rows (a prompt chunk of at most `prefill_chunk` rows, or the token it drew last plus the
@@ -9,7 +9,7 @@ cached, guesses kept, pages published and given back, the verifies a hybrid must
 While some stream decodes, a forward is bounded: the decodes and verifies first, then prompt chunks, oldest
 first, in what is left; so a long prompt holds back no stream's next token by more than one such forward. The
 bound is `step_tokens` rows, or with `step_steps`, time: the prompt rows that keep the step within that many
-decode steps of the running streams, by the cost of steps learned as they run (tfq/step_cost.py).
+decode steps of the running streams, by the cost of steps learned as they run (tfq/engine/step_cost.py).
 
 When the page pool runs dry it drops guesses first, then preempts the newest stream holding pages; a preempted
 stream goes back to the front of the queue and recomputes its cache when readmitted (its reply is unchanged:
@@ -22,10 +22,10 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from tfq.batch import Feed
-from tfq.pages import PagePool
-from tfq.step_cost import StepCost, Work, chunk_work
-from tfq.stream import Finish, Status, Stream
+from tfq.engine.batch import Feed
+from tfq.engine.pages import PagePool
+from tfq.engine.step_cost import StepCost, Work, chunk_work
+from tfq.engine.stream import Finish, Status, Stream
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class Stats:
 @dataclass(frozen=True)
 class Verified:
     """A verify that kept fewer rows than it fed: a hybrid's state in `slot` must go back to its first `kept`
-    rows (tfq.runner.Runner.settle)."""
+    rows (tfq.engine.runner.Runner.settle)."""
 
     stream: Stream
     slot: int
@@ -116,7 +116,7 @@ class Scheduler:
 
     # -- one step -----------------------------------------------------------------------------------------
     def schedule(self, guesses: dict[int, list[int]] | None = None) -> Step:
-        """The next forward. guesses: stream id -> the drafter's guesses (tfq.runner.Runner.propose)."""
+        """The next forward. guesses: stream id -> the drafter's guesses (tfq.engine.runner.Runner.propose)."""
         self._admit()
         running = self.running()
         for st in running:

@@ -1,6 +1,6 @@
 """The bench's peer: which engine, in which process, and whether it runs beside tfq's arms or apart.
 
-Both peers, HF transformers and llama.cpp, run in a child process (tfq.bench.child_peer), so a crash of one
+Both peers, HF transformers and llama.cpp, run in a child process (tfq.bench.peers.parent_end), so a crash of one
 never takes tfq down: the bench prints one line and carries on with tfq's arms. HF runs beside the arms. When
 llama.cpp and tfq do not fit in memory together, llama.cpp runs apart: all its rounds, every lane count, before
 tfq loads its model (tfq.bench.rounds.run_apart), and its process has exited by then."""
@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, ContextManager
 
-from tfq.bench.child_peer import ChildPeer, PeerFailed
+from tfq.bench.peers.parent_end import ChildPeer, PeerFailed
 from tfq.bench.record import Run
 from tfq.bench.settings import BenchSettings
+from tfq.model.footprint import KEPT_GGUF
 from tfq.plan import Layout, Plan, available_memory, human_bytes
-from tfq.plan.fields import KEPT_GGUF
 
 Say = Callable[[str], None]  # prints one line
 Status = Callable[[str], ContextManager]  # shows what is under way while it lasts
@@ -121,8 +121,8 @@ def start_peer(settings: BenchSettings, plan: Plan, layout: Layout, say: Say, pr
             side.engine.close()
             raise
         return side
-    from tfq.bench.llama_peer import peer_gguf
-    from tfq.model.load import weights_kind
+    from tfq.bench.peers.llama import peer_gguf
+    from tfq.model.footprint import weights_kind
     # the weights tfq will compute with (load_model's choice; were tfq's kernels to fail to build, it would
     # fall back to fp32 while the peer runs the GGUF as shipped)
     quantized = (settings.peer == "llama.cpp-gguf"

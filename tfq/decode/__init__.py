@@ -1,0 +1,1 @@
+"""The decoding rules a stream draws under: sampling, penalties, grammars (structured outputs), tool calls."""

@@ -1,0 +1,36 @@
+"""The plan every command runs under: the file, then TFQ_* variables, then --set, then --model; checked against the
+model's config and printed as plan lines."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Sequence
+
+from rich.console import Console
+
+from tfq.model.config import ModelConfig
+from tfq.plan import Layout, Plan, load_plan, plan_lines
+
+
+def resolve_plan(
+    path: str | Path | None,
+    model: str | None,
+    sets: Sequence[str],
+    quiet: bool,
+    console: Console | None,
+) -> tuple[Plan, ModelConfig, Layout]:
+    """Load the plan (file, TFQ_* variables, --set, then --model), check it against the model, print its lines."""
+    from tfq.model.source import (
+        model_config,  # reads configs only; imported late to keep start-up light
+    )
+
+    plan = load_plan(path, os.environ, sets or ())
+    if model is not None:
+        plan = plan.set("model", model, "--model")
+    config = model_config(plan.model)
+    layout = plan.layout(config)
+    if not quiet:
+        console = console or Console()
+        for line in plan_lines(plan, config, layout):
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
+    return plan, config, layout
