@@ -38,7 +38,7 @@ class Llg:
         self.words = (vocab + 31) // 32
 
     def compile(self, schema: dict):
-        from tfq.grammar import Constraint
+        from tfq.decode.grammar import Constraint
 
         m = self.lib.LLMatcher(self.tok, Constraint.json_schema(schema).grammar(), log_level=0)  # tfq's JSON style
         if m.is_error():

@@ -31,8 +31,8 @@ TEXT = ("docs/contract.md", "docs/architecture.md")
 
 def tfq_scores(loaded, chunks: list[list[int]]) -> list[float]:
     """Each scored token's log-probability, chunk after chunk, by tfq's engine."""
-    from tfq.engine import Engine, EngineSettings
-    from tfq.stream import Request
+    from tfq.engine.core import Engine, EngineSettings
+    from tfq.engine.stream import Request
 
     width = max(len(c) for c in chunks) + 1
     engine = Engine(loaded.model, EngineSettings(window=width, lanes=1, prefill_chunk=width), eos_ids=())
@@ -45,7 +45,7 @@ def tfq_scores(loaded, chunks: list[list[int]]) -> list[float]:
 
 def llama_scores(path: Path, chunks: list[list[int]], threads: int) -> list[float]:
     """The same with llama.cpp on the GGUF file: every row's logits of a chunk from one decode."""
-    from tfq.bench.llama_peer import LlamaPeer
+    from tfq.bench.peers.llama import LlamaPeer
 
     peer = LlamaPeer(path, threads, "llama.cpp")
     peer.prepare(1, max(len(c) for c in chunks))
@@ -65,15 +65,15 @@ def llama_scores(path: Path, chunks: list[list[int]], threads: int) -> list[floa
 
 
 def greedy(loaded, prompts, tokens: int):
-    from tfq.engine import Engine, EngineSettings
-    from tfq.stream import Request
+    from tfq.engine.core import Engine, EngineSettings
+    from tfq.engine.stream import Request
 
     engine = Engine(loaded.model, EngineSettings(window=2048, lanes=4), eos_ids=())
     return [(r.ids, r.digests) for r in engine.generate([Request(prompt=tuple(p), max_tokens=tokens) for p in prompts])]
 
 
 def llama_greedy(path: Path, prompts, tokens: int, threads: int) -> list[list[int]]:
-    from tfq.bench.llama_peer import LlamaPeer
+    from tfq.bench.peers.llama import LlamaPeer
 
     peer = LlamaPeer(path, threads, "llama.cpp")
     out = []

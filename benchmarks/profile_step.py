@@ -17,8 +17,8 @@ import torch
 
 def profile_lanes(loaded, lanes: int, steps: int, prompt_tokens: int) -> dict:
     from tfq.bench.breakdown import step_breakdown
-    from tfq.engine import Engine, EngineSettings
-    from tfq.stream import Request
+    from tfq.engine.core import Engine, EngineSettings
+    from tfq.engine.stream import Request
 
     g = torch.Generator().manual_seed(lanes)
     vocab = loaded.config.vocab_size

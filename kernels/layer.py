@@ -1,7 +1,7 @@
 """A whole decoder layer in one call to tfq's C++ kernels (kernels/cpu/layer.cpp for attention layers, a
 hybrid's gated ones included; kernels/cpu/delta_layer.cpp for a hybrid's DeltaNet layers): the same ops in the
 same order as the layer written op by op (tfq/model/qwen.py), so the same bits by construction, and the start-up
-guard checks on the running build that both give every row the same bits (tfq/proofs/startup.py).
+guard checks on the running build that both give every row the same bits (tfq/engine/layer_guard.py).
 
 It exists for speed alone: at one lane a decode step spent several milliseconds between its linear layers
 dispatching ~25 small ops a layer from Python, each on cold caches after a linear layer's stream of weights.

@@ -1,7 +1,7 @@
 """The model's per-row layers on the CPU: the linear layer, RMS norm and the activation.
 
 Each gives a row the same bits whatever other rows share its call, at any thread count, and the start-up
-proofs (tfq/proofs/startup.py) check all three on the running build.
+proofs (tfq/engine/layer_guard.py) check all three on the running build.
 
 The linear layer is tfq's own C++ kernel (kernels/cpu/linear.cpp, `FixedOrderLinear`): every output summed in
 one fixed order, so row invariance holds by construction, and it streams the weights faster than oneDNN does
