@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 from tfq.engine.pages import PagePool
 from tfq.engine.prefix import PrefixCache, root_key
+from tfq.engine.draft import accepted
 from tfq.engine.scheduler import Scheduler
+from tfq.engine.settings import EngineSettings
 from tfq.engine.step_cost import StepCost, Work, chunk_work
 from tfq.engine.stream import Request, Status, Stream
 
@@ -15,10 +17,11 @@ def scheduler(lanes: int = 4, prefill_chunk: int = 64, step_tokens: int = 0, win
     """Contiguous lanes; with page_rows, every lane paged from a pool (by default one that holds every lane's
     window), and a prefix cache if asked."""
     pool_pages = pool_pages or (lanes * window // page_rows if page_rows else 0)
-    pool = PagePool(0 if page_rows else lanes, window, page_rows, pool_pages,
+    settings = EngineSettings(window=window, lanes=lanes, prefill_chunk=prefill_chunk, page_rows=page_rows,
+                              paged_all=True, pool_pages=pool_pages, step_tokens=step_tokens, step_steps=step_steps)
+    pool = PagePool(settings.contiguous_lanes, window, page_rows, pool_pages,
                     prefix=PrefixCache(root_key("test")) if prefix else None)
-    return Scheduler(lanes, 0 if page_rows else lanes, prefill_chunk, window, pool, step_tokens=step_tokens,
-                     step_steps=step_steps)
+    return Scheduler(settings, pool)
 
 
 def add(s: Scheduler, prompt: int | list[int], index: int, max_tokens: int = 100) -> Stream:
@@ -30,27 +33,25 @@ def add(s: Scheduler, prompt: int | list[int], index: int, max_tokens: int = 100
 
 
 def draw(s: Scheduler, step, draws: dict[int, list[int]] | None = None) -> list[int]:
-    """As the engine draws: a stream at the end of its rows draws token 7 (or draws[its id]), stopping where
-    it finishes or at the first draw that is not the guess fed after it. Tokens drawn, stream by stream."""
+    """As the engine draws: a stream at the end of its rows draws token 7 (or draws[its id]) while it has not
+    finished and its draws confirm its guesses (tfq.engine.draft.accepted). Tokens drawn, stream by stream."""
     drawn = []
-    for st, feed in zip(step.streams, step.feeds):
-        n = 0
-        if feed.start + len(feed.tokens) - feed.guesses == len(st.tokens) and st.finish is None:
-            guesses = feed.tokens[len(feed.tokens) - feed.guesses:]
-            for j, token in enumerate((draws or {}).get(st.id, [7])):
-                st.digests.append("")
-                st.append(token, frozenset(), s.window)
-                n += 1
-                if st.finish is not None or j == len(guesses) or token != guesses[j]:
+    for st, feed in ((x.stream, x.feed) for x in step.scheduled):
+        tokens: list[int] = []
+        if feed.start + feed.chunk == len(st.tokens) and st.finish is None:
+            for token in (draws or {}).get(st.id, [7]):
+                st.append(token, frozenset(), s.settings.window)
+                tokens.append(token)
+                if st.finish is not None or accepted(feed.tokens[feed.chunk:], tokens) < len(tokens):
                     break
-        drawn.append(n)
+        drawn.append(len(tokens))
     return drawn
 
 
 def advance(s: Scheduler, step) -> dict[int, int]:
     """Draw, then the scheduler's update; rows fed, by stream."""
     s.update(step, draw(s, step))
-    return {st.id: len(feed.tokens) for st, feed in zip(step.streams, step.feeds)}
+    return {x.stream.id: len(x.feed.tokens) for x in step.scheduled}
 
 
 def test_without_a_budget_a_prompt_goes_in_whole_chunks_beside_decodes():

@@ -21,6 +21,11 @@ class Feed:
     logits: int = 1  # how many of its last rows need logits (0: none)
     guesses: int = 0  # of its tokens, the last ones a drafter guessed (a verify: a hybrid saves its state first)
 
+    @property
+    def chunk(self) -> int:
+        """Rows of the stream's own tokens (a prompt chunk, or the token it drew last); its guesses follow."""
+        return len(self.tokens) - self.guesses
+
 
 @dataclass(frozen=True)
 class Arithmetic:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import torch
@@ -24,11 +24,13 @@ from tfq.errors import TfqError, own_fault
 from tfq.decode.grammar import Grammars, Matcher, OwnMask
 from tfq.model.qwen import Qwen
 from tfq.engine.prefix import PrefixCache, root_key
-from tfq.plan.layout import PREFIX_ON_HYBRID, auto_logits_rows, lane_split
+from tfq.plan.layout import PREFIX_ON_HYBRID, auto_logits_rows
+from tfq.engine.draft import accepted
 from tfq.engine.layer_guard import prove
 from tfq.engine.runner import Policy, Runner, plan_arithmetic
 from tfq.decode.sampling import TokenLogprob, digest, logprob, sample
 from tfq.engine.scheduler import Scheduler
+from tfq.engine.settings import EngineSettings
 from tfq.engine.stream import Finish, Request, Result, Status, Stream
 
 log = logging.getLogger(__name__)
@@ -54,37 +56,6 @@ class Output:
     finished: bool
     logprob: TokenLogprob | None = None  # when the request asks for log-probabilities
     digest: str = ""  # of the logits row the token was drawn from
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    """What the engine takes from a plan (tfq.plan.Plan + its Layout)."""
-
-    window: int
-    lanes: int
-    prefill_chunk: int = 512
-    kv_dtype: str = "fp32"
-    page_rows: int = 0
-    paged_all: bool = False
-    pool_pages: int = 0
-    partial: bool = False
-    prefix_cache: bool = False  # full pages found again by their tokens (tfq/engine/prefix.py)
-    logits_rows: int = 0  # logits rows one forward may hold; 0: auto (tfq.plan.layout.auto_logits_rows)
-    step_tokens: int = 0  # rows a forward holds at most while a stream decodes; 0: no bound
-    step_steps: int = 0  # or, once the cost of steps is learned, decode steps of every running stream; 0: rows
-
-    @property
-    def contiguous_lanes(self) -> int:
-        return lane_split(self.lanes, self.page_rows, "all" if self.paged_all else "more")[0]
-
-    @classmethod
-    def from_plan(cls, plan, layout) -> "EngineSettings":
-        """The plan's arithmetic and the layout's rows and pages (computed once, in tfq.plan.layout)."""
-        return cls(window=layout.window, lanes=layout.lanes, prefill_chunk=plan.prefill_chunk, kv_dtype=plan.kv.dtype,
-                   page_rows=layout.page_rows, paged_all=plan.kv.paged == "all", pool_pages=layout.pool_pages,
-                   partial=plan.attention == "partial", prefix_cache=plan.kv.prefix_cache == "on",
-                   logits_rows=layout.logits_rows, step_tokens=layout.step_tokens,
-                   step_steps=layout.step_steps)
 
 
 @dataclass(frozen=True)
@@ -127,9 +98,9 @@ class Engine:
         if s.logits_rows and s.logits_rows < least:
             raise TfqError(f"logits_rows {s.logits_rows} is fewer than the rows every lane draws from at once "
                            f"({s.lanes} lanes x {self.drawing_rows}); set logits_rows to {least} or more")
-        self.scheduler = Scheduler(s.lanes, s.contiguous_lanes, s.prefill_chunk, s.window, self.pages,
-                                   s.logits_rows or auto_logits_rows(s.lanes, s.prefill_chunk, self.drawing_rows),
-                                   s.step_tokens, s.step_steps)
+        self.scheduler = Scheduler(replace(s, logits_rows=s.logits_rows or auto_logits_rows(s.lanes, s.prefill_chunk,
+                                                                                              self.drawing_rows)),
+                                   self.pages)
         self.streams: dict[int, Stream] = {}
         self._next_id = 0
         self._grammars: Grammars | None = None  # built on the first constrained request (about a second)
@@ -217,11 +188,10 @@ class Engine:
         step = self.scheduler.schedule(guesses)
         self.expected_s = self.scheduler.expected_seconds(step)
         outputs = [Output(st.id, -1, "", True) for st in failed + step.failed]
-        if step.feeds:
+        if step.scheduled:
             if self.threads is not None:
                 self.threads.step(self._proved)
-            drawn = [self._draw_rows(st, feed, rows) for st, feed, rows in zip(step.streams, step.feeds,
-                                                                                self._forward(step))]
+            drawn = [self._draw_rows(s.stream, s.feed, rows) for s, rows in zip(step.scheduled, self._forward(step))]
             self.runner.settle(self.scheduler.update(step, [len(d) for d in drawn], time.perf_counter() - start))
             outputs += [out for d in drawn for out in d]
         return outputs
@@ -284,14 +254,14 @@ class Engine:
         """One stream's logits rows: the prompt rows score its prompt; then it draws row by row while each draw
         confirms the guess fed after it. When its own work fails (draw, detokenize, stops), it alone fails."""
         try:
-            own = len(feed.tokens) - feed.guesses  # rows of the stream's own tokens, then its guesses
-            draws = 1 + feed.guesses if feed.start + own == len(st.tokens) else 0  # 0: a chunk short of the end
+            draws = 1 + feed.guesses if feed.start + feed.chunk == len(st.tokens) else 0  # 0: short of the end
             if len(rows) > draws:  # rows before the drawing ones: the request scores its prompt
                 self._score_prompt(st, feed.start + len(feed.tokens) - feed.logits, rows[:len(rows) - draws])
-            outputs = []
-            for j, row_logits in enumerate(rows[len(rows) - draws:]):
+            guesses, outputs = feed.tokens[feed.chunk:], []
+            for row_logits in rows[len(rows) - draws:]:
                 outputs.append(self._draw(st, row_logits))
-                if st.finish is not None or j == feed.guesses or st.tokens[-1] != feed.tokens[own + j]:
+                # the next row was fed the guess after this draw's: it counts only while every draw confirms
+                if st.finish is not None or accepted(guesses, [o.token for o in outputs]) < len(outputs):
                     break
             return outputs
         except BaseException as e:

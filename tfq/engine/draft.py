@@ -33,6 +33,18 @@ class NgramDrafter:
         return [lookup(st.tokens, b) for st, b in zip(streams, budgets)]
 
 
+def accepted(guesses: list[int], draws: list[int]) -> int:
+    """How many guesses the draws confirm: draw j confirms guess j when it equals it and every draw before it
+    confirmed its own. A stream draws on while its draws all confirm (the row after a kept guess is right), so
+    the draw after the last confirmed guess is its last in that forward."""
+    kept = 0
+    for guess, draw in zip(guesses, draws):
+        if guess != draw:
+            break
+        kept += 1
+    return kept
+
+
 def lookup(tokens: list[int], k: int, longest: int = NGRAM_LONGEST) -> list[int]:
     if k <= 0:
         return []

@@ -24,24 +24,43 @@ from dataclasses import dataclass, field
 
 from tfq.engine.batch import Feed
 from tfq.engine.pages import PagePool
+from tfq.engine.budget import Budget
+from tfq.engine.settings import EngineSettings
 from tfq.engine.step_cost import StepCost, Work, chunk_work
 from tfq.engine.stream import Finish, Status, Stream
 
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Scheduled:
+    """One stream in a forward, and the rows it feeds (its chunk, then its guesses: `feed.chunk`, `feed.guesses`)."""
+
+    stream: Stream
+    feed: Feed
+
+
 @dataclass
 class Step:
-    """What one forward holds: each stream and the rows it brings, in the same order."""
+    """What one forward holds: its streams and their feeds, oldest stream first. Everything the scheduler decided
+    for the forward is here: nothing of it stays on the scheduler between `schedule` and `update`."""
 
-    streams: list[Stream] = field(default_factory=list)
-    feeds: list[Feed] = field(default_factory=list)
+    scheduled: list[Scheduled] = field(default_factory=list)
     failed: list[Stream] = field(default_factory=list)  # streams that cannot fit at all, finished with an error
+
+    @property
+    def streams(self) -> list[Stream]:
+        return [s.stream for s in self.scheduled]
+
+    @property
+    def feeds(self) -> list[Feed]:
+        """What the runner takes."""
+        return [s.feed for s in self.scheduled]
 
     @property
     def work(self) -> Work:
         """What its forward computes, in the terms of the cost of steps."""
-        return Work.total(chunk_work(f.start, len(f.tokens)) for f in self.feeds)
+        return Work.total(chunk_work(s.feed.start, len(s.feed.tokens)) for s in self.scheduled)
 
 
 @dataclass(frozen=True)
@@ -68,28 +87,22 @@ class Verified:
 
 
 class Scheduler:
-    def __init__(self, lanes: int, contiguous_lanes: int, prefill_chunk: int, window: int, pages: PagePool,
-                 logits_rows: int = 0, step_tokens: int = 0, step_steps: int = 0):
-        self.lanes: list[Stream | None] = [None] * lanes
-        self.contiguous_lanes = contiguous_lanes  # lanes below this index are contiguous, the rest take pages
-        self.prefill_chunk = prefill_chunk
-        self.window = window
+    def __init__(self, settings: EngineSettings, pages: PagePool):
+        """settings: lanes (the first `contiguous_lanes` contiguous, the rest paged), window, prefill_chunk, and
+        the forward's budget (step_tokens, step_steps, logits_rows: 0 bounds nothing here, the engine resolves
+        its auto); pages: the cache's pool."""
+        self.settings = settings
+        self.lanes: list[Stream | None] = [None] * settings.lanes
         self.pages = pages
-        # logits rows one forward may hold (0: no bound); streams scoring their prompts share what drawing leaves
-        self.logits_rows = logits_rows
-        self.step_tokens = step_tokens  # rows a forward holds at most while a stream decodes (0: no bound)
-        # with it, decode steps of every running stream a step may last instead, once the cost is learned
-        self.step_steps = step_steps
         self.cost = StepCost()  # what steps cost here (observe: the engine's clock)
-        self._chunks: dict[int, int] = {}  # this step's rows of its own tokens, by stream id (_share_rows)
         self.waiting: deque[Stream] = deque()
         self.admitted = 0
         self.preemptions = 0  # streams sent back to the queue, in all (the server's metrics)
 
     def add(self, st: Stream) -> None:
         """Queue a stream; a prompt that cannot fit the window finishes at once with an error."""
-        if len(st.tokens) >= self.window:
-            st.fail(f"prompt of {len(st.tokens)} tokens does not fit the window of {self.window} rows; "
+        if len(st.tokens) >= self.settings.window:
+            st.fail(f"prompt of {len(st.tokens)} tokens does not fit the window of {self.settings.window} rows; "
                     f"raise window (TFQ_WINDOW) or shorten the prompt")
             st.status = Status.FINISHED
             return
@@ -111,7 +124,7 @@ class Scheduler:
         """The decoding streams and how many guesses each may take: at most k, within its token and window
         budgets (a guess past either could never stand)."""
         decoding = [st for st in self.running() if st.pending == 1]
-        return decoding, [max(0, min(k, st.request.max_tokens - len(st.digests) - 1, self.window - len(st.tokens)))
+        return decoding, [max(0, min(k, st.request.max_tokens - st.drawn - 1, self.settings.window - len(st.tokens)))
                           for st in decoding]
 
     # -- one step -----------------------------------------------------------------------------------------
@@ -122,30 +135,27 @@ class Scheduler:
         for st in running:
             st.guesses = list(guesses.get(st.id, ())) if guesses and st.pending == 1 else []
             st.proposed += len(st.guesses)
-        self._chunks = self._share_rows(running)
         step = Step()
-        for st in self._reserve([st for st in running if self._chunk(st)], step):
-            n = self._chunk(st)
+        for st, n in self._reserve(self._share_rows(running), step):
             done = st.cached + n == len(st.tokens)
             logits = (1 + len(st.guesses)) if done else 0
             if st.request.prompt_logprobs is not None and st.cached < len(st.request.prompt):
                 logits = n + len(st.guesses)  # every row of a prompt chunk: each scores the prompt's next token
-            step.streams.append(st)
-            step.feeds.append(Feed(st.placement, st.cached, st.tokens[st.cached:st.cached + n] + st.guesses, logits,
-                                   guesses=len(st.guesses)))
+            step.scheduled.append(Scheduled(st, Feed(st.placement, st.cached, st.tokens[st.cached:st.cached + n]
+                                                     + st.guesses, logits, guesses=len(st.guesses))))
         return step
 
     def _admit(self) -> None:
         for i in range(len(self.lanes)):
             if self.lanes[i] is None and self.waiting:
-                st = self._next(paged=i >= self.contiguous_lanes)
+                st = self._next(paged=i >= self.settings.contiguous_lanes)
                 if st is None:
                     continue
                 st.lane, st.status = i, Status.RUNNING
                 if st.order is None:
                     st.order = self.admitted
                     self.admitted += 1
-                st.placement = self.pages.lane(i) if i < self.contiguous_lanes \
+                st.placement = self.pages.lane(i) if i < self.settings.contiguous_lanes \
                     else self.pages.paged(i, st.request.cache_salt)
                 if not st.wants_prompt_scores:  # cached pages of its prefix, if any
                     st.cached = self.pages.adopt(st.placement, st.tokens)
@@ -177,77 +187,30 @@ class Scheduler:
                 return True
         return False
 
-    def _share_rows(self, running: list[Stream]) -> dict[int, int]:
-        """Rows of its own tokens each stream feeds this step. A decode (the last token, and its guesses) is
-        never cut. Prompt chunks, oldest first, take at most `prefill_chunk` rows each; while some stream
-        decodes, only what `step_tokens` leaves after the decodes, or with `step_steps` and a learned cost, the
-        rows that keep the step within that many decode steps (_rows_in_time); and a stream scoring its prompt
-        only what the forward's logits rows leave once every other stream's drawing rows are counted (the plan keeps
-        logits_rows at least lanes x drawing rows, so the oldest always gets a row). 0: it sits this step out.
-        Chunking changes no bits (the rule)."""
-        decoding = [st for st in running if st.pending == 1]
-        timed = bool(self.step_steps and decoding and self.cost.ready)
-        # until the cost is learned, every forward holds at most step_tokens rows, decoding or not: the first
-        # steps teach the cost, and none of them can run long on a machine whose speed is not known yet
-        rows_left = self.step_tokens - sum(1 + len(st.guesses) for st in decoding) \
-            if self.step_tokens and (decoding or not self.cost.ready) and not timed else None
-        if timed:  # the bound: step_steps decode steps of the running streams (a prompt's: one row where it is)
-            work = Work.total(chunk_work(st.cached, 1 + len(st.guesses)) for st in decoding)
-            prompts = Work.total(chunk_work(st.cached, 1) for st in running if st.pending > 1)
-            seconds = self.step_steps * self.cost.seconds(work + prompts)
-        logits_left = self.logits_rows - sum(1 + len(st.guesses) for st in running if not st.scoring) \
-            if self.logits_rows else None
-        chunks = {}
-        for st in sorted(running, key=lambda s: s.order):
-            n = min(st.pending, self.prefill_chunk)
-            prompt = st.pending > 1
-            if prompt and rows_left is not None:
-                n = min(n, rows_left)
-            if prompt and timed:
-                n = self._rows_in_time(st, n, work, seconds)
-                work += chunk_work(st.cached, n)
-            if st.scoring and logits_left is not None:
-                n = min(n, logits_left - len(st.guesses))
-            n = max(0, n)
-            if prompt and rows_left is not None:
-                rows_left -= n
-            if st.scoring and logits_left is not None:
-                logits_left -= n
-            chunks[st.id] = n
-        return chunks
+    def _share_rows(self, running: list[Stream]) -> list[tuple[Stream, int]]:
+        """The streams that feed this step, oldest first, each with the rows of its own tokens it feeds: a prompt
+        chunk of at most `prefill_chunk` rows, or its last drawn token, within the forward's budget
+        (tfq/engine/budget.py); a stream the budget leaves no row sits the step out. Chunking changes no bits
+        (the rule)."""
+        s = self.settings
+        budget = Budget.of(running, self.cost, s.step_tokens, s.step_steps, s.logits_rows)
+        oldest_first = sorted(running, key=lambda st: st.order)
+        chunks = [(st, budget.take(st, min(st.pending, s.prefill_chunk))) for st in oldest_first]
+        return [(st, n) for st, n in chunks if n]
 
     def expected_seconds(self, step: Step) -> float | None:
         """What the step should take by the cost learned so far (None until it is learned)."""
         return self.cost.seconds(step.work) if self.cost.ready else None
 
-    def _rows_in_time(self, st: Stream, most: int, work: Work, seconds: float) -> int:
-        """The most prompt rows of `st` (at most `most`) that a step already holding `work` takes within
-        `seconds`. The oldest prompt always gets a row: the bound is at least the decodes and a row of each
-        prompt where it stands, and the cost (a + b * rows + c * keys) has no term below 0."""
-        lo, hi = 0, most  # the step's cost grows with every row: bisect
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self.cost.seconds(work + chunk_work(st.cached, mid)) <= seconds:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
-
-    def _chunk(self, st: Stream) -> int:
-        """Rows of its own tokens a stream feeds this step (its guesses come after them)."""
-        return self._chunks.get(st.id, min(st.pending, self.prefill_chunk))
-
-    def _rows(self, st: Stream) -> int:
-        return self._chunk(st) + len(st.guesses)
-
-    def _reserve(self, feeding: list[Stream], step: Step) -> list[Stream]:
-        """Room for each feeding stream's rows, oldest first; when the pool is dry, preempt the newest stream
-        holding pages, whether it feeds this step or not (the step budget may leave a prompt out of it)."""
-        ready: list[Stream] = []
-        for st in sorted(feeding, key=lambda s: s.order):
+    def _reserve(self, feeding: list[tuple[Stream, int]], step: Step) -> list[tuple[Stream, int]]:
+        """Room for each feeding stream's rows (its chunk, then its guesses), oldest first; when the pool is dry,
+        preempt the newest stream holding pages, whether it feeds this step or not (the step budget may leave a
+        prompt out of it)."""
+        ready: list[tuple[Stream, int]] = []
+        for st, n in feeding:
             if st.status is not Status.RUNNING:
                 continue  # preempted by an older stream in this very loop
-            while not self.pages.grow(st.placement, st.cached + self._rows(st)):
+            while not self.pages.grow(st.placement, st.cached + n + len(st.guesses)):
                 if st.guesses:  # first give up guessing, then preempt
                     st.guesses = []
                     continue
@@ -258,7 +221,7 @@ class Scheduler:
                     continue
                 if not holding:
                     st.fail(f"the page pool ({self.pages.pool_pages} pages of {self.pages.page_rows} rows) cannot "
-                            f"hold this stream's {st.cached + self._rows(st)} rows; raise kv.pool (TFQ_KV_POOL) "
+                            f"hold this stream's {st.cached + n + len(st.guesses)} rows; raise kv.pool (TFQ_KV_POOL) "
                             f"or the budget")
                     self.finish(st)
                     step.failed.append(st)
@@ -266,23 +229,24 @@ class Scheduler:
                     self.preempt(st)
                 break
             else:
-                ready.append(st)
+                ready.append((st, n))
         return ready
 
     def update(self, step: Step, drawn: list[int], seconds: float | None = None) -> list[Verified]:
-        """What the step's forward changed. drawn[i]: tokens step.streams[i] drew (appended to its tokens, its
-        finish set, by the engine); a stream that failed drawing is finished. Its rows before the last drawn token
-        are cached; of its guesses, those its draws confirmed; a verify's rejected rows give their pages back;
+        """What the step's forward changed. drawn[i]: tokens step.scheduled[i]'s stream drew (appended to its
+        tokens, its finish set, by the engine); a stream that failed drawing is finished. Its rows before the last
+        drawn token are cached; of its guesses, those its draws confirmed; a verify's rejected rows give their pages back;
         every full page is published for later streams. seconds: the step's time, which the cost of steps learns
         from. Returns the verifies a hybrid rolls back."""
         if seconds is not None:
             self.cost.observe(step.work, seconds)
         verified = []
-        for st, feed, n in zip(step.streams, step.feeds, drawn):
+        for scheduled, n in zip(step.scheduled, drawn):
+            st, feed = scheduled.stream, scheduled.feed
             if st.finish is Finish.ERROR:
                 continue
-            own = len(feed.tokens) - feed.guesses
-            st.cached = feed.start + (own if not n else own - 1 + n)  # a chunk short of the prompt's end draws none
+            # a chunk short of the prompt's end draws none
+            st.cached = feed.start + (feed.chunk if not n else feed.chunk - 1 + n)
             if feed.guesses:
                 st.accepted += n - 1  # every draw but the last confirmed a guess
                 st.verifies += 1
@@ -316,7 +280,7 @@ class Scheduler:
         st.status = Status.FINISHED
         level = logging.WARNING if st.finish is Finish.ERROR else logging.INFO
         log.log(level, "stream %d finished (%s): %d tokens drawn, preempted %d times%s", st.id, st.finish,
-                len(st.digests), st.preempted, f": {st.error}" if st.error else "")
+                st.drawn, st.preempted, f": {st.error}" if st.error else "")
 
     def _vacate(self, st: Stream) -> None:
         if st.placement is not None:

@@ -133,6 +133,7 @@ class Stream:
     lane: int | None = None
     placement: Placement | None = None
     cached: int = 0  # positions whose keys and values are in the cache
+    drawn: int = 0  # tokens drawn so far (its reply's length): max_tokens bounds it
     digests: list[str] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
     decoder: object | None = None  # tfq.model.tokenizer.StreamDecoder: text as whole characters
@@ -179,7 +180,8 @@ class Stream:
         token budget or the window). Returns the text that became visible."""
         req = self.request
         self.tokens.append(token)
-        if len(self.digests) == 1:
+        self.drawn += 1
+        if self.drawn == 1:
             self.first_token_s = time.perf_counter() - self.added_s
         if token in eos_ids:
             self.finish = Finish.EOS
@@ -192,7 +194,7 @@ class Stream:
             if hit is not None:
                 self.text = self.text[:hit[0]]
                 self.finish = Finish.STOP
-        if self.finish is None and len(self.digests) >= req.max_tokens:
+        if self.finish is None and self.drawn >= req.max_tokens:
             self.finish = Finish.LENGTH
         elif self.finish is None and len(self.tokens) >= window:
             self.finish = Finish.WINDOW
