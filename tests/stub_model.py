@@ -4,10 +4,10 @@ around a forward that costs nothing.
 Each forward stores every row's token and position in the cache (layer 0's keys, at the rows the engine gave),
 then reads back, for each row that draws, the keys its attention batch names (a decode row's `lengths`, a chunk
 row's keys up to its own position) and hashes them into a logits row of `vocab` fp32 values. So a row's bits
-are a function of the tokens the cache holds before it: a row the scheduler booked as cached but never fed, a
-page handed to two streams, a verify's rejected row left in place, would change them. `shaped` is the control: it
-also hashes how many rows the forward holds, so a row's bits depend on its batch (what tfq's arithmetic never
-lets happen), and replies together no longer equal replies alone.
+are a function of the tokens the cache holds at and before its position: a row the scheduler booked as cached but
+never fed, or a page two streams wrote, would change them. `shaped` is the control: it also hashes how many rows
+the forward holds, so a row's bits depend on its batch (what tfq's arithmetic never lets happen), and replies
+together no longer equal replies alone.
 """
 from __future__ import annotations
 

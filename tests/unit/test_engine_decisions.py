@@ -17,6 +17,7 @@ from tfq.kernels.contract import KEY_TILE
 from stub_model import VOCAB, Guesser, StubModel
 
 WINDOW = 256
+MOST_STEPS = 1000  # the runs here take at most a few hundred
 SHAPES = [(40, 12), (150, 9), (7, 14), (90, 10), (33, 8)]  # (prompt tokens, max tokens)
 
 
@@ -38,12 +39,18 @@ class Recorder:
 
 
 def run(model, reqs, drafter=None, **fields):
-    """Results and the recorded forwards of one engine (one lane, window 256 unless given)."""
+    """Results and the recorded forwards of one engine (one lane, window 256 unless given), stepped as a server
+    steps it; a scheduler that stops making progress fails the test instead of looping."""
     record = Recorder()
     engine = Engine(model, EngineSettings(**{"window": WINDOW, "lanes": 1, **fields}), eos_ids=(), drafter=drafter,
                     controls=Controls(arithmetic=record, page_order_seed=fields.get("pool_pages")))
-    results = engine.generate(reqs)
-    return results, record.forwards, engine
+    ids = [engine.add(r) for r in reqs]
+    for _ in range(MOST_STEPS):
+        if not engine.has_work():
+            break
+        engine.step()
+    assert not engine.has_work(), f"not done in {MOST_STEPS} steps"
+    return [engine.result(i) for i in ids], record.forwards, engine
 
 
 def bits(results) -> list[tuple[list[int], list[str]]]:
