@@ -98,9 +98,8 @@ class Engine:
         if s.logits_rows and s.logits_rows < least:
             raise TfqError(f"logits_rows {s.logits_rows} is fewer than the rows every lane draws from at once "
                            f"({s.lanes} lanes x {self.drawing_rows}); set logits_rows to {least} or more")
-        self.scheduler = Scheduler(replace(s, logits_rows=s.logits_rows or auto_logits_rows(s.lanes, s.prefill_chunk,
-                                                                                              self.drawing_rows)),
-                                   self.pages)
+        logits_rows = s.logits_rows or auto_logits_rows(s.lanes, s.prefill_chunk, self.drawing_rows)
+        self.scheduler = Scheduler(replace(s, logits_rows=logits_rows), self.pages)  # its settings: auto resolved
         self.streams: dict[int, Stream] = {}
         self._next_id = 0
         self._grammars: Grammars | None = None  # built on the first constrained request (about a second)

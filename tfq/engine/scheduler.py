@@ -9,12 +9,15 @@ cached, guesses kept, pages published and given back, the verifies a hybrid must
 While some stream decodes, a forward is bounded: the decodes and verifies first, then prompt chunks, oldest
 first, in what is left; so a long prompt holds back no stream's next token by more than one such forward. The
 bound is `step_tokens` rows, or with `step_steps`, time: the prompt rows that keep the step within that many
-decode steps of the running streams, by the cost of steps learned as they run (tfq/engine/step_cost.py).
+decode steps of the running streams, by the cost of steps learned as they run (tfq/engine/step_cost.py); and a
+stream scoring its prompt shares the logits rows drawing leaves. One `Budget` holds the three
+(tfq/engine/budget.py).
 
 When the page pool runs dry it drops guesses first, then preempts the newest stream holding pages; a preempted
 stream goes back to the front of the queue and recomputes its cache when readmitted (its reply is unchanged:
-every row is computed the same way). The result is a plain `Step` record that the runner turns into tensors;
-`update` returns `Verified` records for the runner.
+every row is computed the same way). The result is a plain `Step` record, each stream with its `Feed` (its chunk
+of its own tokens, then its guesses), which the runner turns into tensors; the scheduler keeps nothing of it
+until `update`, which returns `Verified` records for the runner.
 """
 from __future__ import annotations
 
@@ -235,9 +238,9 @@ class Scheduler:
     def update(self, step: Step, drawn: list[int], seconds: float | None = None) -> list[Verified]:
         """What the step's forward changed. drawn[i]: tokens step.scheduled[i]'s stream drew (appended to its
         tokens, its finish set, by the engine); a stream that failed drawing is finished. Its rows before the last
-        drawn token are cached; of its guesses, those its draws confirmed; a verify's rejected rows give their pages back;
-        every full page is published for later streams. seconds: the step's time, which the cost of steps learns
-        from. Returns the verifies a hybrid rolls back."""
+        drawn token are cached; of its guesses, those its draws confirmed; a verify's rejected rows give their
+        pages back; every full page is published for later streams. seconds: the step's time, which the cost of
+        steps learns from. Returns the verifies a hybrid rolls back."""
         if seconds is not None:
             self.cost.observe(step.work, seconds)
         verified = []
