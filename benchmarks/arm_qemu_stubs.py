@@ -44,7 +44,8 @@ for lib in libs:
 
 # every dynamic symbol some torch library or sysroot library defines: those need no stub
 defined = set()
-for lib in libs + glob.glob(f"{sysroot}/lib/aarch64-linux-gnu/*.so*") + glob.glob(f"{sysroot}/usr/lib/aarch64-linux-gnu/*.so*"):
+for lib in (libs + glob.glob(f"{sysroot}/lib/aarch64-linux-gnu/*.so*")
+            + glob.glob(f"{sysroot}/usr/lib/aarch64-linux-gnu/*.so*")):
     if os.path.isfile(lib) and not os.path.islink(lib):
         defined |= {line.split()[-1].split("@")[0] for line in tool("nm", "-D", "--defined-only", lib).splitlines()}
 

@@ -4,9 +4,9 @@ tokenizer: how many schemas each compiles, the time to compile, and the time to 
 
     pip install xgrammar llguidance && python benchmarks/grammar_engines.py [--steps 48] [--json out.json]
 
-Both write JSON as tfq does (a space after "," and ":", no other whitespace). The paths: from each schema's start, a seeded walk that takes, at each step, one allowed token (the same rule
-for both engines: the lowest id allowed by both, after skipping a seeded number of them), until the grammar
-accepts or --steps tokens.
+Both write JSON as tfq does (a space after "," and ":", no other whitespace). The paths: from each schema's start, a
+seeded walk that takes, at each step, one allowed token (the same rule for both engines: the lowest id allowed by both,
+after skipping a seeded number of them), until the grammar accepts or --steps tokens.
 """
 from __future__ import annotations
 
@@ -70,7 +70,9 @@ class Xgr:
         self.buffer = xgrammar.allocate_token_bitmask(1, vocab)
 
     def compile(self, schema: dict):
-        return self.lib.GrammarMatcher(self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=(", ", ": "), strict_mode=True))
+        grammar = self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=(", ", ": "),
+                                                    strict_mode=True)
+        return self.lib.GrammarMatcher(grammar)
 
     def mask(self, m) -> np.ndarray:
         m.fill_next_token_bitmask(self.buffer)

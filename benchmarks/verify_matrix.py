@@ -53,8 +53,8 @@ def run(combo: tuple, extra: list[str]) -> dict:
                                weights, "--json", str(out), *extra], env=env, capture_output=True, text=True)
         seconds = time.perf_counter() - t0
         report = json.loads(out.read_text()) if out.is_file() else None
-    row = {"march": march, "aten": isa, "numpy": "on" if numpy_on else "off", "threads": threads, "exit": done.returncode,
-           "seconds": round(seconds, 1)}
+    row = {"march": march, "aten": isa, "numpy": "on" if numpy_on else "off", "threads": threads,
+           "exit": done.returncode, "seconds": round(seconds, 1)}
     if report is None:
         row["error"] = (done.stderr.strip().splitlines() or ["no report"])[-1]
         return row
@@ -84,8 +84,8 @@ def main() -> None:
         table.add_column(col)
     for r in rows:
         lanes = r.get("machine", {}).get("lanes", "?")
-        table.add_row(r["march"], lanes, r["aten"], r["numpy"], str(r["threads"]), r.get("gguf", "-"), r.get("fp32", "-"),
-                      str(r["exit"]), f"{r['seconds']:.0f}")
+        table.add_row(r["march"], lanes, r["aten"], r["numpy"], str(r["threads"]), r.get("gguf", "-"),
+                      r.get("fp32", "-"), str(r["exit"]), f"{r['seconds']:.0f}")
     Console().print(table)
     for r in rows:
         if "error" in r:

@@ -4,11 +4,11 @@
 
 The tensors are laid out as llama.cpp's converter writes a qwen3, qwen35 (Qwen3.5 hybrid) or qwen3moe (a mixture
 of experts, each layer's experts stacked in one tensor a kind, the router in F32) model and typed as llama.cpp's
-Q4_K_M mix does (Q4_K, with Q6_K for the head and for attn_v and ffn_down in the layers `use_more_bits` picks); their blocks
-are random integers under fp16 scales sized like a trained model's (tfq.proofs.kernel_check_rowwise.
+Q4_K_M mix does (Q4_K, with Q6_K for the head and for attn_v and ffn_down in the layers `use_more_bits` picks); their
+blocks are random integers under fp16 scales sized like a trained model's (tfq.proofs.kernel_check_rowwise.
 random_blocks), so activations stay finite through every layer. The tokenizer and chat template are the
-default model's (Qwen2.5's 151,936 tokens, which Qwen3 shares; padded to Qwen3.5's 248,320). Nothing is held in memory beyond one tensor:
-the header goes first, then each tensor is made and written in turn, with a progress bar.
+default model's (Qwen2.5's 151,936 tokens, which Qwen3 shares; padded to Qwen3.5's 248,320). Nothing is held in memory
+beyond one tensor: the header goes first, then each tensor is made and written in turn, with a progress bar.
 """
 from __future__ import annotations
 
@@ -49,7 +49,8 @@ def tensors(name: str) -> list[tuple[str, tuple[int, ...], str]]:
                (b + "ffn_down.weight", (hidden, ffn), more)]
         if arch == "qwen3moe":
             n, _, inter = EXPERTS[name]
-            mlp = [(b + "ffn_gate_inp.weight", (n, hidden), "F32"), (b + "ffn_gate_exps.weight", (n, inter, hidden), "Q4_K"),
+            mlp = [(b + "ffn_gate_inp.weight", (n, hidden), "F32"),
+                   (b + "ffn_gate_exps.weight", (n, inter, hidden), "Q4_K"),
                    (b + "ffn_up_exps.weight", (n, inter, hidden), "Q4_K"),
                    (b + "ffn_down_exps.weight", (n, hidden, inter), more)]
         if arch == "qwen35" and (i + 1) % 4:

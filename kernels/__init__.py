@@ -1,4 +1,6 @@
-"""The kernels: one interface (backend.py), torch for the CPU (attention.py, rowwise.py), Triton for GPUs\n(triton_attention.py, triton_rowwise.py), and the contract they share with the engine (contract.py).\nInstalled as tfq.kernels; nothing here imports the rest of tfq."""
+"""The kernels: one interface (backend.py), torch for the CPU (attention.py, rowwise.py), Triton for GPUs
+(triton_attention.py, triton_rowwise.py), and the contract they share with the engine (contract.py).
+Installed as tfq.kernels; nothing here imports the rest of tfq."""
 import sys as _sys
 
 if __name__ == "kernels":  # this folder imported by its own name (the repository's root on sys.path), not as

@@ -3,8 +3,8 @@ linear layers), and the rest (norms, rotary, activations, routing, the combine, 
 scheduler, sampling, Python).
 
 A few decode steps run with a clock around every linear layer, every attention call and every expert of the
-model (the clocks cost well under a microsecond each); the rest is the step's wall time less all three. Where a layer runs as
-one C++ call (kernels/layer.py), the clock is inside it (`model.layer_clock`), around the same kernels. With
+model (the clocks cost well under a microsecond each); the rest is the step's wall time less all three. Where a layer
+runs as one C++ call (kernels/layer.py), the clock is inside it (`model.layer_clock`), around the same kernels. With
 `top`, a second pass under the torch profiler names the ops that take the most time (the profiler adds its own
 cost to every op, so its times only rank them; benchmarks/profile_step.py asks for it, `tfq bench` does not).
 """
@@ -35,7 +35,9 @@ class _Clock:
 
 def _clocked(moe, clock: _Clock):
     """A mixture whose router and experts' linear layers run under `clock`."""
-    wrap = lambda e: e and dataclasses.replace(e, gate_up=clock.wrap(e.gate_up), down=clock.wrap(e.down))  # noqa: E731
+    def wrap(e):
+        return e and dataclasses.replace(e, gate_up=clock.wrap(e.gate_up), down=clock.wrap(e.down))
+
     return dataclasses.replace(moe, router=clock.wrap(moe.router), experts=[wrap(e) for e in moe.experts],
                                shared=wrap(moe.shared),
                                shared_gate=moe.shared_gate and clock.wrap(moe.shared_gate))
@@ -79,8 +81,12 @@ def step_breakdown(engine, steps: int, top: int = 0) -> dict:
                 engine.step()
         ranked = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
     per = 1e3 / steps
-    ms = lambda seconds: round(seconds * per, 4)  # to 0.1 us: a tiny model's attention is a few us a step
+
+    def ms(seconds: float) -> float:  # to 0.1 us: a tiny model's attention is a few us a step
+        return round(seconds * per, 4)
+
+    rest = wall - linear.seconds - attention.seconds - experts.seconds
     return {"step_ms": ms(wall), "linear_ms": ms(linear.seconds), "attention_ms": ms(attention.seconds),
-            "experts_ms": ms(experts.seconds), "rest_ms": ms(wall - linear.seconds - attention.seconds - experts.seconds),
+            "experts_ms": ms(experts.seconds), "rest_ms": ms(rest),
             "top_ops": [{"op": e.key, "calls_per_step": e.count // steps,
                          "self_ms_per_step": round(e.self_cpu_time_total / 1e3 / steps, 3)} for e in ranked]}

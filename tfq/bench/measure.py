@@ -2,6 +2,7 @@
 a run is tfq.bench.memory's (torch-free: the peer's child process measures itself with it)."""
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -75,7 +76,7 @@ def measure_bandwidth(mib: int = BANDWIDTH_MIB, tries: int = BANDWIDTH_TRIES) ->
         x = torch.rand(rows, inner)
         layer(x)
         out[f"linear {rows} row{'s' * (rows > 1)}, {_threads(threads)}"] = (
-            layer.out_features * inner * 4 / _second_best(lambda: layer(x), tries))
+            layer.out_features * inner * 4 / _second_best(functools.partial(layer, x), tries))
     del layer
     a = torch.rand(mib * 2**20 // 4)
     a.sum()

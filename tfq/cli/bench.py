@@ -27,19 +27,23 @@ app.add_typer(bench_app, name="bench")
 @bench_app.callback(invoke_without_command=True)
 def bench_command(
     ctx: typer.Context,
-    plan: Optional[str] = typer.Option(None, "--plan", help="Plan YAML the arms are derived from (default plan if left out)."),
+    plan: Optional[str] = typer.Option(None, "--plan",
+                                       help="Plan YAML the arms are derived from (default plan if left out)."),
     model: Optional[str] = typer.Option(None, "--model", help="default, an HF folder or a .gguf file."),
     lanes: str = typer.Option("1,2,4,8", "--lanes", help="Lane counts (streams run together), comma-separated."),
-    prompt_tokens: int = typer.Option(128, "--prompt-tokens", help="Prompt length: random token ids, exactly this many."),
+    prompt_tokens: int = typer.Option(128, "--prompt-tokens",
+                                      help="Prompt length: random token ids, exactly this many."),
     tokens: int = typer.Option(32, "--tokens", help="Reply tokens a stream (EOS ignored: every reply is this long)."),
     repeats: int = typer.Option(3, "--repeats", help="Timed rounds after the warm-up; figures are their medians."),
-    peer: str = typer.Option("hf", "--peer", help="hf: HF transformers generate on the same weights (pip install -e \".[peer]\"); llama.cpp: llama.cpp on "
-                                                         "the weights tfq computes with (the GGUF as shipped for weights: gguf, an F32 "
-                                                         "GGUF of its values for fp32), llama.cpp-gguf: on the GGUF as shipped "
-                                                         "(pip install -e \".[peer-llama]\"); none."),
+    peer: str = typer.Option("hf", "--peer",
+                             help="hf: HF transformers generate on the same weights (pip install -e \".[peer]\"); "
+                                  "llama.cpp: llama.cpp on the weights tfq computes with (the GGUF as shipped for "
+                                  "weights: gguf, an F32 GGUF of its values for fp32), llama.cpp-gguf: on the GGUF as "
+                                  "shipped (pip install -e \".[peer-llama]\"); none."),
     arms: str = typer.Option("whole,paged,partial,drafted", "--arms",
                              help="tfq arms: whole, paged (256-row pages beyond stream 0), partial, drafted (ngram)."),
-    json_file: Optional[str] = typer.Option(None, "--json", metavar="FILE", help="Also write the report as JSON ('-': stdout)."),
+    json_file: Optional[str] = typer.Option(None, "--json", metavar="FILE",
+                                            help="Also write the report as JSON ('-': stdout)."),
     sets: List[str] = typer.Option([], "--set", help="Plan override key=value (after TFQ_* variables)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random prompts."),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch threads for both engines (default: torch's)."),
@@ -173,20 +177,21 @@ def _print_table(report: dict, console: Console) -> None:
     best = max(probes, key=probes.get)
     console.print(f"memory bandwidth {m['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (the best of {len(probes)} probes, "
                   f"at the start and the end: {best}); a step at one lane reads "
-                  f"{report['model']['weights_read_per_step_bytes'] / 1e9:.2f} GB of weights plus the cache; load average {la[0]:.2f} before, {lb[0]:.2f} after, on "
-                  f"{m['cpus']} CPUs", highlight=False)
+                  f"{report['model']['weights_read_per_step_bytes'] / 1e9:.2f} GB of weights plus the cache; "
+                  f"load average {la[0]:.2f} before, {lb[0]:.2f} after, on {m['cpus']} CPUs", highlight=False)
     console.print("roofline: the least time a decode step can take (bytes it reads / bandwidth) over the time it took; "
                   f"vs peer: tfq/peer decode tokens/s, {_pairs(report['peer'])}; run +MiB: resident memory a "
-                  "run added (the peer's includes its cache); = peer: replies equal to the peer's up to their first EOS (which the peer may not draw), and tokens before they part" + ("" if m["rss_peak_is_per_run"] else
-                                                                 "; peak RSS is the process's lifetime peak here"),
+                  "run added (the peer's includes its cache); = peer: replies equal to the peer's up to their first "
+                  "EOS (which the peer may not draw), and tokens before they part"
+                  + ("" if m["rss_peak_is_per_run"] else "; peak RSS is the process's lifetime peak here"),
                   highlight=False, style="dim")
     if report["peer"] and report["peer"]["failure"]:
         console.print(f"peer: {report['peer']['failure']}", highlight=False, style="yellow")
     if la[0] > m["cpus"] - m["torch_threads"] + 0.5:
         console.print(f"the machine was busy (load average {la[0]:.2f} on {m['cpus']} CPUs, {m['torch_threads']} torch "
-                      f"thread{'s' * (m['torch_threads'] > 1)} each engine): a thread that waits for a busy core stalls "
-                      f"every parallel step, so these figures are noisy; compare with --threads 1", highlight=False,
-                      style="yellow")
+                      f"thread{'s' * (m['torch_threads'] > 1)} each engine): a thread that waits for a busy core "
+                      "stalls every parallel step, so these figures are noisy; compare with --threads 1",
+                      highlight=False, style="yellow")
     for r in report["rows"]:
         b = r.get("breakdown_ms")
         if b:
@@ -226,20 +231,25 @@ def _no_options_before(ctx: typer.Context) -> None:
 
 @bench_app.command("serve")
 def bench_serve_command(
-    plan: Optional[str] = typer.Option(None, "--plan", help="Plan YAML each level's engine follows (default plan if left out)."),
+    plan: Optional[str] = typer.Option(None, "--plan",
+                                       help="Plan YAML each level's engine follows (default plan if left out)."),
     model: Optional[str] = typer.Option(None, "--model", help="default, an HF folder or a .gguf file."),
     sets: List[str] = typer.Option([], "--set", help="Plan override key=value (after TFQ_* variables)."),
     suite_file: Optional[str] = typer.Option(None, "--suite", help="Suite YAML whose chats are sent (default "
                                              "examples/chats.yaml)."),
     concurrency: str = typer.Option("1,4,8,16", "--concurrency", help="Requests in flight at once, a level each, "
                                     "comma-separated."),
-    requests_per_level: Optional[int] = typer.Option(None, "--requests-per-level", metavar="N",
-                                                     help="Requests a level (default: 2x its concurrency, at least 4)."),
-    max_tokens: int = typer.Option(32, "--max-tokens", help="max_tokens of every request (greedy; EOS may end a reply sooner)."),
-    json_file: Optional[str] = typer.Option(None, "--json", metavar="FILE", help="Also write the report as JSON ('-': stdout)."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="Exactly N torch threads (default: follow the free cores)."),
-    peer: str = typer.Option("none", "--peer", help="none | llama-server: llama.cpp's own server on the same GGUF, "
-                             "same levels and client, after tfq's (built once: bash benchmarks/build_llama_server.sh)."),
+    requests_per_level: Optional[int] = typer.Option(
+        None, "--requests-per-level", metavar="N", help="Requests a level (default: 2x its concurrency, at least 4)."),
+    max_tokens: int = typer.Option(32, "--max-tokens",
+                                   help="max_tokens of every request (greedy; EOS may end a reply sooner)."),
+    json_file: Optional[str] = typer.Option(None, "--json", metavar="FILE",
+                                            help="Also write the report as JSON ('-': stdout)."),
+    threads: Optional[int] = typer.Option(None, "--threads",
+                                          help="Exactly N torch threads (default: follow the free cores)."),
+    peer: str = typer.Option("none", "--peer",
+                             help="none | llama-server: llama.cpp's own server on the same GGUF, same levels and "
+                                  "client, after tfq's (built once: bash benchmarks/build_llama_server.sh)."),
     quiet: bool = typer.Option(False, "--quiet", help="No plan lines and no progress: the table only."),
 ) -> None:
     """The OpenAI-compatible server under the official `openai` client, at several concurrencies.

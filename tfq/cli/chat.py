@@ -66,7 +66,8 @@ def chat(
     temperature: float = typer.Option(0.0, "--temperature", help="0 is greedy."),
     top_p: float = typer.Option(1.0, "--top-p"),
     seed: int = typer.Option(0, "--seed", help="Seed of the per-position draws (temperature > 0)."),
-    draft: Optional[str] = typer.Option(None, "--draft", help="none | ngram[:K] | a draft checkpoint (plan key draft)."),
+    draft: Optional[str] = typer.Option(None, "--draft",
+                                        help="none | ngram[:K] | a draft checkpoint (plan key draft)."),
     sets: List[str] = typer.Option([], "--set", help="Plan override key=value (after TFQ_* variables)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Exactly N torch threads, even past the cores "
                                           "(default: follow the free cores)."),

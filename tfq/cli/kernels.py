@@ -32,8 +32,9 @@ def kernels_command(
                                        "on CUDA or else under TRITON_INTERPRET=1)."),
     dtypes: List[str] = typer.Option([], "--dtype",
                                      help="Cache dtype fp32, bf16, fp16 or fp8 (repeatable; default: all)."),
-    kernels: List[str] = typer.Option([], "--kernel", help="rows, partial (attention) or rowwise (linear layers and RMS norm); repeatable, "
-                                                     "default: all three."),
+    kernels: List[str] = typer.Option([], "--kernel",
+                                      help="rows, partial (attention) or rowwise (linear layers and RMS norm); "
+                                           "repeatable, default: all three."),
     heads: int = typer.Option(8, "--heads", help="Query heads."),
     kv_heads: int = typer.Option(2, "--kv-heads", help="Key/value heads (GQA groups)."),
     head_dim: int = typer.Option(64, "--head-dim", help="Head size (a power of two)."),

@@ -46,14 +46,18 @@ def default_suite() -> Path:
 
 @app.command()
 def together(
-    suite: Optional[str] = typer.Option(None, "--suite", help="Suite YAML, a list of chats (default examples/chats.yaml)."),
-    plan: Optional[str] = typer.Option(None, "--plan", help="Plan YAML the arms derive from (default plan if left out)."),
+    suite: Optional[str] = typer.Option(None, "--suite",
+                                        help="Suite YAML, a list of chats (default examples/chats.yaml)."),
+    plan: Optional[str] = typer.Option(None, "--plan",
+                                       help="Plan YAML the arms derive from (default plan if left out)."),
     model: Optional[str] = typer.Option(None, "--model", help="default, an HF folder or a .gguf file."),
     group: int = typer.Option(DEFAULT_GROUP, "--group", help="K: streams together in the together arms."),
     tokens: int = typer.Option(DEFAULT_TOKENS, "--tokens",
                                help="Reply tokens a chat (its own smaller max_tokens wins); 300 for the full check."),
-    arms: Optional[str] = typer.Option(None, "--arms", help=f"Comma-separated arms (default all): {','.join(arm_names())}"),
-    evidence: Optional[str] = typer.Option(None, "--evidence", help="Evidence folder (default evidence/together-TIME)."),
+    arms: Optional[str] = typer.Option(None, "--arms",
+                                       help=f"Comma-separated arms (default all): {','.join(arm_names())}"),
+    evidence: Optional[str] = typer.Option(None, "--evidence",
+                                           help="Evidence folder (default evidence/together-TIME)."),
     json_file: Optional[str] = typer.Option(None, "--json", help="Also write the summary JSON here ('-': stdout)."),
     sets: List[str] = typer.Option([], "--set", help="Plan override key=value (after TFQ_* variables)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Exactly N torch threads, even past the cores "

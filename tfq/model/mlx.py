@@ -135,7 +135,8 @@ def load_mlx_state(folder: Path, quant: MlxQuantization, keep: bool = False) -> 
                     if not name.startswith(("vision_tower.", "model.visual.", "mtp.", "language_model.vision")):
                         raw[name] = f.get_tensor(name)
         except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-            raise TfqError(f"{path}: not a readable safetensors file ({e}); it may be truncated, copy it again") from None
+            raise TfqError(f"{path}: not a readable safetensors file ({e}); "
+                           "it may be truncated, copy it again") from None
     out: dict[str, torch.Tensor] = {}
     for name, t in raw.items():
         if name.endswith((".scales", ".biases")):

@@ -148,7 +148,8 @@ class Fused:
         return self.mixture(h, ids, weights, moe.bank, self.intermediate, self.clock)
 
 
-def filled_routes(fast: Callable, logits: torch.Tensor, chosen: int, normalized: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def filled_routes(fast: Callable, logits: torch.Tensor, chosen: int,
+                  normalized: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, weights) by the backend's routes (kernels/moe.py: route_fixed), the rows it was unsure of by route."""
     ids, weights, unsure = fast(logits, chosen, normalized)
     if len(unsure):  # an exp glibc's float64 value could not round for sure: route asks mpmath
@@ -157,7 +158,8 @@ def filled_routes(fast: Callable, logits: torch.Tensor, chosen: int, normalized:
     return ids, weights
 
 
-def moe_mlp(moe: MoE, h: torch.Tensor, act, tap: Tap, by_load: bool = False, fused: Fused | None = None) -> torch.Tensor:
+def moe_mlp(moe: MoE, h: torch.Tensor, act, tap: Tap, by_load: bool = False,
+            fused: Fused | None = None) -> torch.Tensor:
     """The mixture's output for the post-norm rows h [rows, hidden] (before the residual); `fused`: the backend's
     two calls where every expert is tfq's C++ linear layer."""
     logits = tap("router", moe.router(h))

@@ -101,13 +101,15 @@ def write_once(target: Path, produce: Callable[[Path], None]) -> None:
         fd, name = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
         os.close(fd)
     except OSError as e:
-        raise TfqError(f"cannot write the cache folder {target.parent} ({e.strerror or e}); set TFQ_CACHE to a writable folder") from None
+        raise TfqError(f"cannot write the cache folder {target.parent} ({e.strerror or e}); "
+                       "set TFQ_CACHE to a writable folder") from None
     tmp = Path(name)
     try:
         produce(tmp)
         os.replace(tmp, target)
     except OSError as e:
-        raise TfqError(f"cannot write {target} ({e.strerror or e}); is the disk full? set TFQ_CACHE elsewhere") from None
+        raise TfqError(f"cannot write {target} ({e.strerror or e}); "
+                       "is the disk full? set TFQ_CACHE elsewhere") from None
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -157,7 +159,8 @@ def _convert_once(target: Path, produce: Callable[[Path], None]) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
         lock = _hold(_lock_of(tmp))  # fresh, so no clean-up takes it before the lock is held
     except OSError as e:
-        raise TfqError(f"cannot write the cache folder {target.parent} ({e.strerror or e}); set TFQ_CACHE to a writable folder") from None
+        raise TfqError(f"cannot write the cache folder {target.parent} ({e.strerror or e}); "
+                       "set TFQ_CACHE to a writable folder") from None
     try:
         produce(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp made it private; the cache is an ordinary folder
@@ -167,7 +170,8 @@ def _convert_once(target: Path, produce: Callable[[Path], None]) -> Path:
             if not (target / "config.json").is_file():  # not a concurrent conversion that finished first
                 raise
     except OSError as e:
-        raise TfqError(f"converting into {target} failed ({e.strerror or e}); is the disk full? set TFQ_CACHE elsewhere") from None
+        raise TfqError(f"converting into {target} failed ({e.strerror or e}); "
+                       "is the disk full? set TFQ_CACHE elsewhere") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         _let_go(lock, _lock_of(tmp))
@@ -254,7 +258,8 @@ def file_sha256(path: Path, progress: bool = True) -> str:
 
     digest = hashlib.sha256()
     with open(path, "rb") as f, tqdm(
-        total=path.stat().st_size, unit="B", unit_scale=True, desc=f"hashing {path.name}", disable=not progress, leave=False
+        total=path.stat().st_size, unit="B", unit_scale=True, desc=f"hashing {path.name}", disable=not progress,
+        leave=False,
     ) as bar:
         while chunk := f.read(8 << 20):
             digest.update(chunk)

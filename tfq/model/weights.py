@@ -26,7 +26,8 @@ def safetensors_files(folder: Path) -> list[Path]:
         files = [folder / name for name in sorted(set(weight_map.values()))]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
-            raise TfqError(f"{index} names {', '.join(missing)}, which is not in {folder}; the checkpoint is incomplete")
+            raise TfqError(f"{index} names {', '.join(missing)}, which is not in {folder}; "
+                           "the checkpoint is incomplete")
         return files
     files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -95,7 +96,8 @@ def lazy_state_dict(folder: Path):
                         raise TfqError(f"{path}: tensor {name} appears in two weight files")
                     where[name] = path
         except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-            raise TfqError(f"{path}: not a readable safetensors file ({e}); it may be truncated, copy it again") from None
+            raise TfqError(f"{path}: not a readable safetensors file ({e}); "
+                           "it may be truncated, copy it again") from None
 
     def read(name: str) -> torch.Tensor:
         try:

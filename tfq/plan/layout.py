@@ -126,7 +126,8 @@ def resolve_device(plan: PlanView) -> str:
     index = int(plan.device.partition(":")[2] or 0)
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if index >= count:
-        seen = f"sees {count} CUDA GPU{'s' * (count != 1)}" if count else f"sees no CUDA GPU (torch {torch.__version__})"
+        seen = (f"sees {count} CUDA GPU{'s' * (count != 1)}" if count
+                else f"sees no CUDA GPU (torch {torch.__version__})")
         raise fail(f"device {plan.device}{tag(plan, 'device')}: this machine {seen}; use device: cpu or auto")
     return f"cuda:{index}"
 

@@ -157,8 +157,8 @@ def tp_lines(plan: Plan, config: ModelConfig, lay: Layout) -> list[str]:
     per_row, per_logit = gathered_floats(config)
     token = 4 * (per_row + per_logit)
     idle = heads.count(0)
-    spare = (f"; {idle} rank{'s hold' if idle > 1 else ' holds'} no attention head, only {'their' if idle > 1 else 'its'}"
-             f" share of the rest" if idle else "")
+    spare = (f"; {idle} rank{'s hold' if idle > 1 else ' holds'} no attention head, "
+             f"only {'their' if idle > 1 else 'its'} share of the rest" if idle else "")
     if config.hybrid:
         spare += f"; DeltaNet by whole key heads ({' + '.join(map(str, sizes(config.deltanet.key_heads, n)))})"
     return [

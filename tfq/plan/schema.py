@@ -61,8 +61,8 @@ SCHEMA: dict[str, Check] = {
 
 # Environment variables that set one key from their text.
 ENV_VALUES = {
-    "TFQ_MODEL": "model", "TFQ_WEIGHTS": "weights", "TFQ_WINDOW": "window", "TFQ_LANES": "lanes", "TFQ_PREFILL_CHUNK": "prefill_chunk",
-    "TFQ_LOGITS_ROWS": "logits_rows", "TFQ_STEP_TOKENS": "step_tokens",
+    "TFQ_MODEL": "model", "TFQ_WEIGHTS": "weights", "TFQ_WINDOW": "window", "TFQ_LANES": "lanes",
+    "TFQ_PREFILL_CHUNK": "prefill_chunk", "TFQ_LOGITS_ROWS": "logits_rows", "TFQ_STEP_TOKENS": "step_tokens",
     "TFQ_KV_DTYPE": "kv.dtype", "TFQ_KV_PAGES": "kv.pages", "TFQ_KV_POOL": "kv.pool",
     "TFQ_KV_PREFIX_CACHE": "kv.prefix_cache",
     "TFQ_BUDGET": "budget", "TFQ_DRAFT": "draft", "TFQ_DEVICE": "device",

@@ -341,31 +341,44 @@ def _differ(comparisons: Sequence[ChatComparison], what: str) -> str:
 def judge(arm: Arm, comparisons: Sequence[ChatComparison], preemptions: int, longest: int,
           drafted: tuple[int, int] = (0, 0), cold: Sequence[ChatComparison] = (), reused: int = 0) -> tuple[str, str]:
     """(verdict, a short note saying why). `cold`: a warm arm's first pass; `reused`: rows from its cache."""
-    n = len(comparisons)
     failed = [c for c in [*comparisons, *cold] if c.error]
     if failed:
-        return FAIL, f"{len(failed)} of {n + len(cold)} runs failed: {failed[0].chat}: {failed[0].error}"
+        return FAIL, f"{len(failed)} of {len(comparisons) + len(cold)} runs failed: {failed[0].chat}: {failed[0].error}"
     equal, compared = scores_tally([*comparisons, *cold])
     if arm.control:
-        differ = sum(not c.logits_equal for c in comparisons)
-        scores = f", {compared - equal} of {compared} prompt scores" if compared else ""
-        if differ or equal < compared:
-            return RED, f"{differ} of {n} replies' logits{scores} differ, as they must"
-        if arm.arithmetic is chunked_deltanet:
-            return FAIL, "its logits equal the reference: the chunked DeltaNet arithmetic did not show"
-        if arm.reduce:
-            return FAIL, "its logits equal the reference: the sums split across ranks did not show"
-        if longest <= SPLIT_ROWS:
-            return FAIL, (f"cannot differ: the longest context is {longest} rows and partial only changes bits past "
-                          f"{SPLIT_ROWS} rows; add a longer chat or raise --tokens")
-        if arm.warm:
-            return FAIL, (f"its logits equal the reference: no page it reused holds rows past the first {SPLIT_ROWS} "
-                          f"keys; add a chat whose prompt is longer than {SPLIT_ROWS + SMALL_PAGE_ROWS} rows")
-        return FAIL, "its logits equal the reference: the check did not see an arithmetic change"
+        return _judge_control(arm, comparisons, longest, equal, compared)
     if any(not c.equal for c in comparisons):
         return FAIL, _differ(comparisons, "replies")
     if any(not c.equal for c in cold):
         return FAIL, _differ(cold, "replies of the cold pass")
+    return _judge_exercised(arm, preemptions, drafted, reused, compared)
+
+
+def _judge_control(arm: Arm, comparisons: Sequence[ChatComparison], longest: int, equal: int,
+                   compared: int) -> tuple[str, str]:
+    """A control is RED when its logits or prompt scores differ from the reference; else it fails, saying why its
+    change of the arithmetic could not show."""
+    differ = sum(not c.logits_equal for c in comparisons)
+    if differ or equal < compared:
+        scores = f", {compared - equal} of {compared} prompt scores" if compared else ""
+        return RED, f"{differ} of {len(comparisons)} replies' logits{scores} differ, as they must"
+    if arm.arithmetic is chunked_deltanet:
+        return FAIL, "its logits equal the reference: the chunked DeltaNet arithmetic did not show"
+    if arm.reduce:
+        return FAIL, "its logits equal the reference: the sums split across ranks did not show"
+    if longest <= SPLIT_ROWS:
+        return FAIL, (f"cannot differ: the longest context is {longest} rows and partial only changes bits past "
+                      f"{SPLIT_ROWS} rows; add a longer chat or raise --tokens")
+    if arm.warm:
+        return FAIL, (f"its logits equal the reference: no page it reused holds rows past the first {SPLIT_ROWS} "
+                      f"keys; add a chat whose prompt is longer than {SPLIT_ROWS + SMALL_PAGE_ROWS} rows")
+    return FAIL, "its logits equal the reference: the check did not see an arithmetic change"
+
+
+def _judge_exercised(arm: Arm, preemptions: int, drafted: tuple[int, int], reused: int,
+                     compared: int) -> tuple[str, str]:
+    """Every reply equals its run alone: EXACT when what the arm exists to exercise (reuse from the prefix cache,
+    prompt scores, preemption, drafting) happened, FAIL when it went untested."""
     if arm.warm and reused == 0:
         return FAIL, "no row was taken from the prefix cache, so reuse went untested"
     if arm.scores and compared == 0:

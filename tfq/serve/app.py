@@ -294,7 +294,8 @@ def _check(result: Result) -> Result:
 
 
 async def chat_chunks(served: Served, ticket: Ticket, shape: Shape, usage_of: int | None) -> AsyncIterator[dict]:
-    """A chat's chunks; with tools, text from a call's `<tool_call>` on goes out as whole calls (tfq/decode/tools.py)."""
+    """A chat's chunks; with tools, text from a call's `<tool_call>` on goes out as whole calls
+    (tfq/decode/tools.py)."""
     tok = served.tokenizer
     yield shape.body([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                        "finish_reason": None} for i in range(len(ticket.requests))], chunk=True)

@@ -98,7 +98,8 @@ class Guard:
         """Everything decided by the request line and headers alone."""
         host = host_name(headers.get("host", ""))
         if self.hosts is not None and host not in self.hosts:
-            return Refusal(421, f"Host {host!r} is not a name this server answers to ({', '.join(sorted(self.hosts))}); "
+            names = ", ".join(sorted(self.hosts))
+            return Refusal(421, f"Host {host!r} is not a name this server answers to ({names}); "
                            f"start it with --allowed-host {host or 'NAME'} to serve that name")
         api = scope["path"].startswith("/v1/")
         if not (api or scope["path"] == "/metrics"):

@@ -2,8 +2,8 @@
 
 Unknown fields are refused (a typo must not pass silently); fields OpenAI defines that would change the reply
 in ways tfq does not implement (suffix, best_of) are refused unless left at their neutral value. Penalties,
-logit_bias (tfq/decode/penalties.py) and response_format (tfq/decode/grammar.py) act on each stream's own logits row; vLLM's
-`repetition_penalty` and `structured_outputs` (regex, choice, grammar, json) are taken too.
+logit_bias (tfq/decode/penalties.py) and response_format (tfq/decode/grammar.py) act on each stream's own logits row;
+vLLM's `repetition_penalty` and `structured_outputs` (regex, choice, grammar, json) are taken too.
 Defaults are OpenAI's (temperature 1, top_p 1), with one difference: a request without `seed` uses seed 0, so
 a reply is always a function of the request.
 """

@@ -14,8 +14,8 @@ from tfq.decode.sampling import TokenLogprob
 from tfq.engine.stream import Finish, Result
 from tfq.decode.tools import parse
 
-FINISH = {Finish.EOS: "stop", Finish.STOP: "stop", Finish.LENGTH: "length", Finish.WINDOW: "length", Finish.ABORT: "abort",
-          Finish.ERROR: "error"}  # tfq's finish -> OpenAI's finish_reason
+FINISH = {Finish.EOS: "stop", Finish.STOP: "stop", Finish.LENGTH: "length", Finish.WINDOW: "length",
+          Finish.ABORT: "abort", Finish.ERROR: "error"}  # tfq's finish -> OpenAI's finish_reason
 
 
 @dataclass

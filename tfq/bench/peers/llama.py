@@ -99,7 +99,8 @@ class LlamaPeer:
         L.llama_backend_init()
         self.model = L.llama_model_load_from_file(str(path).encode(), L.llama_model_default_params())
         if not self.model:
-            raise TfqError(f"llama.cpp cannot load {path}; is it a GGUF file of a model llama.cpp {self.version} knows?")
+            raise TfqError(f"llama.cpp cannot load {path}; "
+                           f"is it a GGUF file of a model llama.cpp {self.version} knows?")
         self.vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
         self.ctx = self.batch = None
         self.lanes = 0
@@ -145,7 +146,8 @@ class LlamaPeer:
             b.seq_id[i][0] = seq
         rc = self.L.llama_decode(self.ctx, b)
         if rc != 0:
-            raise TfqError(f"llama.cpp's llama_decode returned {rc} (its context of {self.lanes} streams is too small?)")
+            raise TfqError(f"llama.cpp's llama_decode returned {rc} "
+                           f"(its context of {self.lanes} streams is too small?)")
 
     def _greedy(self, rows: list[int]) -> list[int]:
         """The argmax of the last forward's logits at these batch rows (each one that asked for logits)."""

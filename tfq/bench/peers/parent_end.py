@@ -39,8 +39,8 @@ class PeerFailed(Exception):
 
 
 class ChildPeer:
-    """The peer (llama.cpp or HF transformers, by `name`) in a process of its own. A run's memory is the child's (its own probe); the `probe` passed to
-    `run` is tfq's and is not used."""
+    """The peer (llama.cpp or HF transformers, by `name`) in a process of its own. A run's memory is the child's (its
+    own probe); the `probe` passed to `run` is tfq's and is not used."""
 
     def __init__(self, name: str, engine: str):
         self.name, self.engine = name, engine  # the peer as the bench names it; the child's engine
