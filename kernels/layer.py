@@ -8,11 +8,13 @@ dispatching ~25 small ops a layer from Python, each on cold caches after a linea
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from . import cpu_build
 from .attention import attention_tables
-from .contract import KEY_TILE, SATURATE, SPLIT_ROWS, AttentionBatch
+from .contract import KEY_TILE, SATURATE, SPLIT_ROWS, AttentionBatch, LinearFn
 from .delta import DeltaSizes, DeltaWeights
 from .quant import QuantLinear
 from .rowwise import FixedOrderLinear
@@ -24,50 +26,106 @@ def fusable(*linears) -> bool:
     return all(type(f) in (FixedOrderLinear, QuantLinear) for f in linears)
 
 
-def decoder_layer_fixed(x: torch.Tensor, input_norm: torch.Tensor, qkv: FixedOrderLinear,
-                        q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, cos: torch.Tensor,
-                        sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
-                        cache_dtype: str, batch: AttentionBatch, scale: float, o: FixedOrderLinear,
-                        post_norm: torch.Tensor, gate_up: FixedOrderLinear, down: FixedOrderLinear, heads: int,
-                        kv_heads: int, head_dim: int, intermediate: int, eps: float, gated: bool = False,
+@dataclass(frozen=True, eq=False)
+class LayerSizes:
+    """A model's sizes as the one-call layers take them, built once with the model."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int  # the dense MLP's
+    eps: float  # every RMS norm's
+    scale: float  # attention's, 1 / sqrt(head_dim)
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionWeights:
+    """An attention layer's weights as its one call takes them, built once per layer (tfq/model/layers.py). The
+    call reads the linear layers' panels: it runs only on fusable ones."""
+
+    input_norm: torch.Tensor
+    qkv: LinearFn
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: LinearFn
+    post_norm: torch.Tensor
+    gate_up: LinearFn | None  # None in a mixture's layer (its attention half alone runs in one call)
+    down: LinearFn | None
+    gated: bool  # a hybrid's attention: qkv's last rows are a gate of its output
+
+
+@dataclass(frozen=True, eq=False)
+class DeltaLayerWeights:
+    """A hybrid's DeltaNet layer's weights as its one call takes them, built once per layer."""
+
+    input_norm: torch.Tensor
+    in_proj: LinearFn
+    mixer: DeltaWeights
+    out_proj: LinearFn
+    post_norm: torch.Tensor
+    gate_up: LinearFn
+    down: LinearFn
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionInputs:
+    """What one forward brings an attention layer: its rows' rotary tables, the layer's cache and the rows the
+    new keys and values go to, the batch."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    rows: torch.Tensor
+    cache_dtype: str
+    batch: AttentionBatch
+
+
+@dataclass(frozen=True, eq=False)
+class DeltaState:
+    """One DeltaNet layer's states this forward: the slots' convolution windows and recurrent states (updated in
+    place), the segments' table, and where a segment marked to save copies its slot's states first."""
+
+    conv: torch.Tensor
+    rec: torch.Tensor
+    segments: torch.Tensor
+    save_conv: torch.Tensor
+    save_rec: torch.Tensor
+
+
+def _attention_half(x: torch.Tensor, w: AttentionWeights, n: LayerSizes, at: AttentionInputs) -> tuple:
+    """The arguments layer.cpp's two entry points share, up to the post norm, in their order."""
+    table, offsets, lengths = attention_tables(at.batch, x.shape[0])
+    return (x, w.input_norm, w.qkv.panels, w.qkv.bias, w.q_norm, w.k_norm, at.cos, at.sin, at.k_cache, at.v_cache,
+            at.rows, SATURATE.get(at.cache_dtype, 0.0), table, offsets, lengths, n.scale, KEY_TILE,
+            SPLIT_ROWS if at.batch.partial else 0, w.o.panels, w.post_norm)
+
+
+def decoder_layer_fixed(x: torch.Tensor, w: AttentionWeights, n: LayerSizes, at: AttentionInputs,
                         clock: torch.Tensor | None = None) -> torch.Tensor:
-    """x [N, hidden] through one layer; its keys and values go to the cache at `rows`. Rotary turns each head's
-    first cos.shape[-1] dimensions; `gated`: a hybrid's attention, qkv's last rows a gate of its output. `clock`
-    (float64 [2]), when given, gains the seconds spent in linear layers and in attention."""
-    table, offsets, lengths = attention_tables(batch, x.shape[0])
-    return cpu_build.op("layer")(
-        x, input_norm, qkv.panels, qkv.bias, q_norm, k_norm, cos, sin, k_cache, v_cache, rows,
-        SATURATE.get(cache_dtype, 0.0), table, offsets, lengths, scale, KEY_TILE,
-        SPLIT_ROWS if batch.partial else 0, o.panels, post_norm, gate_up.panels, down.panels, heads, kv_heads,
-        head_dim, intermediate, eps, gated, clock)
+    """x [N, hidden] through one layer; its keys and values go to the cache at `at.rows`. Rotary turns each
+    head's first cos.shape[-1] dimensions; `w.gated`: a hybrid's attention, qkv's last rows a gate of its
+    output. `clock` (float64 [2]), when given, gains the seconds spent in linear layers and in attention."""
+    return cpu_build.op("layer")(*_attention_half(x, w, n, at), w.gate_up.panels, w.down.panels, n.heads,
+                                 n.kv_heads, n.head_dim, n.intermediate, n.eps, w.gated, clock)
 
 
-def attention_layer_fixed(x: torch.Tensor, input_norm: torch.Tensor, qkv: FixedOrderLinear,
-                          q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, cos: torch.Tensor,
-                          sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
-                          cache_dtype: str, batch: AttentionBatch, scale: float, o: FixedOrderLinear,
-                          post_norm: torch.Tensor, heads: int, kv_heads: int, head_dim: int, eps: float,
-                          gated: bool = False, clock: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_layer_fixed(x: torch.Tensor, w: AttentionWeights, n: LayerSizes, at: AttentionInputs,
+                          clock: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A mixture-of-experts layer's attention half in one call: (x + the attention's output projected, its post
     norm), the ops of decoder_layer_fixed before its MLP."""
-    table, offsets, lengths = attention_tables(batch, x.shape[0])
-    return cpu_build.op("attention_layer")(
-        x, input_norm, qkv.panels, qkv.bias, q_norm, k_norm, cos, sin, k_cache, v_cache, rows,
-        SATURATE.get(cache_dtype, 0.0), table, offsets, lengths, scale, KEY_TILE,
-        SPLIT_ROWS if batch.partial else 0, o.panels, post_norm, heads, kv_heads, head_dim, eps, gated, clock)
+    return cpu_build.op("attention_layer")(*_attention_half(x, w, n, at), n.heads, n.kv_heads, n.head_dim, n.eps,
+                                           w.gated, clock)
 
 
-def delta_layer_fixed(x: torch.Tensor, input_norm: torch.Tensor, in_proj: FixedOrderLinear, mixer: DeltaWeights,
-                      conv_state: torch.Tensor, rec_state: torch.Tensor, segments: torch.Tensor,
-                      save_conv: torch.Tensor, save_rec: torch.Tensor, sizes: DeltaSizes, out_proj: FixedOrderLinear,
-                      post_norm: torch.Tensor, gate_up: FixedOrderLinear, down: FixedOrderLinear, intermediate: int,
-                      eps: float, clock: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def delta_layer_fixed(x: torch.Tensor, w: DeltaLayerWeights, n: LayerSizes, d: DeltaSizes, state: DeltaState,
+                      clock: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [N, hidden] through a hybrid's DeltaNet layer, the states of the segments' slots updated in place (and
     saved first where a segment says so, as kernels.delta.deltanet_rows does). Returns (the output, in_proj's
     output: qkv | z | b | a, from which a draft verify keeps the recurrence's inputs). `clock` gains the seconds
     of linear layers ([0]) and of the recurrence ([1])."""
-    n = sizes
+    m = w.mixer
     return cpu_build.op("delta_layer")(
-        x, input_norm, in_proj.panels, mixer.conv, mixer.A, mixer.dt_bias, mixer.norm, conv_state, rec_state,
-        segments, save_conv, save_rec, n.key_heads, n.key_dim, n.value_heads, n.value_dim, out_proj.panels,
-        post_norm, gate_up.panels, down.panels, intermediate, eps, clock)
+        x, w.input_norm, w.in_proj.panels, m.conv, m.A, m.dt_bias, m.norm, state.conv, state.rec, state.segments,
+        state.save_conv, state.save_rec, d.key_heads, d.key_dim, d.value_heads, d.value_dim, w.out_proj.panels,
+        w.post_norm, w.gate_up.panels, w.down.panels, n.intermediate, n.eps, clock)

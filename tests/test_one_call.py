@@ -92,10 +92,10 @@ def test_control_the_guard_refuses_a_deltanet_layer_one_ulp_off(hybrid, monkeypa
     real = model.backend.delta_layer
     up = torch.tensor(float("inf"))
 
-    def nudged(x, input_norm, in_proj, mixer, conv_state, rec_state, *rest):
-        out, proj = real(x, input_norm, in_proj, mixer, conv_state, rec_state, *rest)
+    def nudged(x, weights, sizes, delta, state, clock):
+        out, proj = real(x, weights, sizes, delta, state, clock)
         if harm == "state":
-            rec_state.copy_(torch.nextafter(rec_state, up))
+            state.rec.copy_(torch.nextafter(state.rec, up))
             return out, proj
         return torch.nextafter(out, up), proj
 

@@ -2,16 +2,17 @@
 Gated DeltaNet layer, each with its MLP (dense, or a mixture of experts)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from tfq.kernels.backend import LinearFn
 from tfq.kernels.delta import DeltaWeights
+from tfq.kernels.layer import AttentionWeights, DeltaLayerWeights
 from tfq.model.moe import MoE
 
 
-@dataclass
+@dataclass(frozen=True)
 class Layer:
     input_norm: torch.Tensor
     qkv: LinearFn
@@ -23,9 +24,14 @@ class Layer:
     down: LinearFn | None
     gated: bool = False  # a hybrid's attention: qkv's last rows are a gate; the output is times sigmoid(gate)
     moe: MoE | None = None
+    fused: AttentionWeights = field(init=False, repr=False)  # its weights as the one-call layer takes them
+
+    def __post_init__(self):  # once, from fields that never change (dataclasses.replace builds a new layer)
+        object.__setattr__(self, "fused", AttentionWeights(self.input_norm, self.qkv, self.q_norm, self.k_norm, self.o,
+                                                           self.post_norm, self.gate_up, self.down, self.gated))
 
 
-@dataclass
+@dataclass(frozen=True)
 class DeltaLayer:
     """A hybrid's Gated DeltaNet layer: the projections in one linear layer (qkv | z | b | a), the recurrence's
     own tensors, the output projection, then the MLP as in every layer."""
@@ -38,6 +44,11 @@ class DeltaLayer:
     gate_up: LinearFn | None
     down: LinearFn | None
     moe: MoE | None = None
+    fused: DeltaLayerWeights = field(init=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "fused", DeltaLayerWeights(self.input_norm, self.in_proj, self.mixer, self.out_proj,
+                                                            self.post_norm, self.gate_up, self.down))
 
 
 def linears(layer: Layer | DeltaLayer) -> dict[str, LinearFn]:

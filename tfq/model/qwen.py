@@ -29,7 +29,7 @@ from tfq.kernels.delta import (
     gated_rms_norm,
     sigmoid_gate,
 )
-from tfq.kernels.layer import fusable
+from tfq.kernels.layer import AttentionInputs, DeltaState, LayerSizes, fusable
 from tfq.kernels.quant import Quantized, Stacked
 from tfq.kernels.rowwise import rms_norm_fixed
 from tfq.model.config import ModelConfig
@@ -127,6 +127,9 @@ class Qwen:
         self.cache_index = c.cache_index  # layer -> its index among the cache's attention or state layers
         if shard is not None:  # what this rank computes with: its heads, its slice of the MLP
             self.config = shard.local_config()
+        own = self.config  # what the one-call layers take besides a layer's weights
+        self.layer_sizes = LayerSizes(own.num_heads, own.num_kv_heads, own.head_dim, own.intermediate_size,
+                                      own.rms_eps, self.scale)
         first = self.layers[c.attention_layers[0]] if c.attention_layers else self.layers[0]
         layers = {"lm_head": self.lm_head}
         dense = next((layer for layer in self.layers if layer.moe is None), None)
@@ -347,28 +350,22 @@ class Qwen:
                  index: int, cache_rows: torch.Tensor, batch: AttentionBatch,
                  segments: Segments | None = None) -> torch.Tensor:
         """decoder_layer in one call to the backend (kernels/layer.py)."""
-        c = self.config
+        n, clock = self.layer_sizes, self.layer_clock
+        at = AttentionInputs(cos, sin, cache.k[index], cache.v[index], cache_rows, cache.dtype_name, batch) \
+            if isinstance(layer, Layer) else None
         if layer.moe is not None:
-            x, h = self.backend.attention_layer(
-                x, layer.input_norm, layer.qkv, layer.q_norm, layer.k_norm, cos, sin, cache.k[index], cache.v[index],
-                cache_rows, cache.dtype_name, batch, self.scale, layer.o, layer.post_norm, c.num_heads,
-                c.num_kv_heads, c.head_dim, c.rms_eps, layer.gated, self.layer_clock)
+            x, h = self.backend.attention_layer(x, layer.fused, n, at, clock)
             return x + self.mixture(layer.moe, h, untapped, segments)
         if isinstance(layer, DeltaLayer):
             state = cache.state
-            out, proj = self.backend.delta_layer(
-                x, layer.input_norm, layer.in_proj, layer.mixer, state.conv[index], state.rec[index], segments.table,
-                state.saved_conv[index], state.saved_rec[index], self.sizes, layer.out_proj, layer.post_norm,
-                layer.gate_up, layer.down, c.intermediate_size, c.rms_eps, self.layer_clock)
+            out, proj = self.backend.delta_layer(x, layer.fused, n, self.sizes, DeltaState(
+                state.conv[index], state.rec[index], segments.table, state.saved_conv[index], state.saved_rec[index]),
+                clock)
             if state.verify_rows:  # the recurrence's inputs of a verify's rows, to roll rejected ones back
                 mixed, _, b, a = self.projections(proj)
                 state.keep_inputs(index, segments, mixed, a, b)
             return out
-        return self.backend.layer(x, layer.input_norm, layer.qkv, layer.q_norm, layer.k_norm, cos, sin,
-                                  cache.k[index], cache.v[index], cache_rows, cache.dtype_name, batch, self.scale,
-                                  layer.o, layer.post_norm, layer.gate_up, layer.down, c.num_heads,
-                                  c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_eps, layer.gated,
-                                  self.layer_clock)
+        return self.backend.layer(x, layer.fused, n, at, clock)
 
     def logits(self, x: torch.Tensor, tap: Tap = untapped) -> torch.Tensor:
         """The final norm and the head over the rows that draw; fp32 logits on the CPU."""
