@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tfq.engine.batch import Feed, forward
-from tfq.engine.cache import KVCache
+from tfq.engine.cache import CacheSpec, KVCache
 from tfq.engine.core import Engine, EngineSettings
 from tfq.proofs.case import same_bits
 from tfq.engine.stream import Request, Result
@@ -38,5 +38,5 @@ def same(a: Result, b: Result) -> bool:
 
 def one_forward(loaded, ids: list[int], window: int = WINDOW) -> torch.Tensor:
     """The logits of every row of one prompt in one forward, from an empty cache of one lane."""
-    cache = KVCache(loaded.config, lanes=1, window=window, slots=1)
+    cache = KVCache(loaded.config, CacheSpec(lanes=1, window=window, slots=1))
     return forward(loaded.model, cache, [Feed(cache.pages.lane(0), 0, ids, len(ids))])[0]

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from tfq.plan.resolve import resolve_plan
-from tfq.serve.background import build_served
+from tfq.serve.background import ServeOptions, build_served
 
 TINY_PLAN = str(Path(__file__).parent.parent / "plans" / "tiny.yaml")
 POOL = 8  # pages of 64 rows: four streams with long prompts cannot all hold theirs, so some are preempted
@@ -22,9 +22,9 @@ def tiny_served(tiny_dirs, tiny_models, sets=()):
 
 def server(tiny, queue: int = 64, api_keys: tuple[str, ...] = (), served: dict | None = None, **engine_kw):
     """A fresh engine behind a fresh app, built as `tfq serve` builds it (the weights are shared; nothing else
-    is); `served`: build_served's keywords (limits, hosts, stuck_after_s)."""
+    is); `served`: more of tfq.serve.background.ServeOptions (limits, hosts, stuck_after_s)."""
     plan, layout, loaded = tiny
-    return build_served(plan, layout, loaded, NAME, queue, api_keys, **(served or {}), **engine_kw)
+    return build_served(plan, layout, loaded, NAME, ServeOptions(queue, api_keys, **(served or {})), **engine_kw)
 
 
 def metrics(base: str, key: str | None = None) -> dict[str, float]:

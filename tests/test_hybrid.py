@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tfq.engine.batch import Arithmetic, Feed, forward
-from tfq.engine.cache import KVCache
+from tfq.engine.cache import CacheSpec, KVCache
 from tfq.engine.draft import ModelDrafter, NgramDrafter
 from tfq.engine.core import Controls, Engine, EngineSettings
 from tfq.errors import TfqError
@@ -204,7 +204,7 @@ def test_control_chunked_prefill_then_recurrent_decode_differs(hybrid, alone):
 def test_chunked_control_is_within_tolerance_of_the_recurrence(hybrid):
     """The control computes the same function (it is the arithmetic that differs, not the model)."""
     ids = prompt(150, salt=9)
-    cache = KVCache(hybrid.config, lanes=1, window=WINDOW, slots=1)
+    cache = KVCache(hybrid.config, CacheSpec(lanes=1, window=WINDOW, slots=1))
     chunked = forward(hybrid.model, cache, [Feed(cache.pages.lane(0), 0, ids, len(ids))],
                       Arithmetic(chunked_deltanet=True))[0]
     rows = one_forward(hybrid, ids)

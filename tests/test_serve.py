@@ -19,7 +19,7 @@ from serve_load import calls, differences, fire
 from tfq.engine.core import Controls, Engine
 from tfq.engine.runner import paged_partial
 from served import NAME, POOL, TINY_PLAN, idle, raw, server, tiny_served, until
-from tfq.serve.background import build_served, serving
+from tfq.serve.background import ServeOptions, build_served, serving
 
 @pytest.fixture(scope="module")
 def tiny(tiny_dirs, tiny_models):
@@ -100,7 +100,7 @@ def test_tenants_share_no_prefix_cache_pages_and_metrics_need_a_key(tiny):
         reused = idle(base, key=key)["tfq_prefix_cache_reused_rows_total"]
         return json.loads(body)["choices"][0]["digests"], reused
 
-    with serving(build_served(on, layout, loaded, NAME, api_keys=("alpha", "beta"))) as base:
+    with serving(build_served(on, layout, loaded, NAME, ServeOptions(api_keys=("alpha", "beta")))) as base:
         assert raw(base, "GET", "/metrics", None)[0] == 401
         assert raw(base, "GET", "/health", None)[0] == 200  # a probe needs no key
         first, _ = ask(base, "alpha")
@@ -108,7 +108,7 @@ def test_tenants_share_no_prefix_cache_pages_and_metrics_need_a_key(tiny):
         own, after_own = ask(base, "alpha")
     assert first == other == own
     assert after_other == 0 < after_own
-    with serving(build_served(on, layout, loaded, NAME, api_keys=("alpha",))) as base:  # the control
+    with serving(build_served(on, layout, loaded, NAME, ServeOptions(api_keys=("alpha",)))) as base:  # the control
         ask(base, "alpha")
         assert ask(base, "alpha")[1] > 0
     with serving(build_served(on, layout, loaded, NAME)) as base:  # no key: metrics open, as before

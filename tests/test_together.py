@@ -17,7 +17,7 @@ from tfq.cli.together import DEFAULT_TOKENS, default_suite
 from tfq.errors import TfqError
 from tfq.plan import ENV_FLAGS, ENV_VALUES, Plan, load_plan
 from tfq.suite import load_suite, parse_suite
-from tfq.proofs.together import ARMS, EXACT, FAIL, RED, Check, arm_names, select_arms
+from tfq.proofs.together import ARMS, EXACT, FAIL, RED, Check, CheckSuite, arm_names, select_arms
 from tfq.proofs.together_arms import compare, judge
 from tfq.decode.sampling import TokenLogprob
 from tfq.engine.stream import Result
@@ -74,7 +74,7 @@ def check_for(loaded, chats: list[dict], plan: Plan, group: int, tokens: int, ev
     parsed = parse_suite(chats, "suite")
     requests = [dataclasses.replace(r, max_tokens=min(r.max_tokens, tokens))
                 for r in requests_for(parsed, loaded.tokenizer, tokens, 0.0, 1.0, 0)]
-    return Check(plan, loaded.config, loaded, parsed, requests, arms or list(ARMS), group, evidence, **kw)
+    return Check(plan, loaded.config, loaded, CheckSuite(parsed, requests), arms or list(ARMS), group, evidence, **kw)
 
 
 def verdicts_wrong(check: Check) -> dict:

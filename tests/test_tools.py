@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 
 from served import NAME, server, tiny_served
-from tfq.serve.background import build_served, serving
+from tfq.serve.background import ServeOptions, build_served, serving
 from tfq.decode.tools import CLOSE, OPEN, CallStream, parse
 
 WEATHER = {"type": "function", "function": {
@@ -129,7 +129,7 @@ def test_a_two_turn_conversation_with_a_tool_on_the_default_model(default_model)
     plan, _, layout = resolve_plan(None, None, [], True, None)
     weather = {"type": "function", "function": {**WEATHER["function"], "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-    with serving(build_served(plan, layout, default_model, "default", 64)) as base:
+    with serving(build_served(plan, layout, default_model, "default", ServeOptions(queue=64))) as base:
         client = OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
         turn = dict(model="default", tools=[weather], max_tokens=48, temperature=0)
         one = client.chat.completions.create(messages=ASK, tool_choice="required", parallel_tool_calls=False, **turn)

@@ -264,7 +264,7 @@ def test_the_triton_backend_serves_the_cache_and_attention(store):
     """The one interface: a cache built with the Triton backend stores through the Triton kernel, and the
     backend's attend is the Triton one (bits equal to calling it directly)."""
     from tfq.kernels.backend import triton_backend
-    from tfq.engine.cache import KVCache
+    from tfq.engine.cache import CacheSpec, KVCache
     from tfq.model.config import ModelConfig
 
     backend, why = triton_backend()
@@ -274,7 +274,7 @@ def test_the_triton_backend_serves_the_cache_and_attention(store):
     assert same_bits(backend.attend(q.to(DEV), store.k.to(DEV), store.v.to(DEV), batch, 1 / math.sqrt(D)).cpu(),
                      store.triton(q, batch))
     cfg = ModelConfig("qwen3", 1, H * D, 1, 1, H, HKV, D, 1e6, 1e-6, 64, True, "float32")
-    cache = KVCache(cfg, lanes=1, window=64, dtype="fp8", backend=backend)
+    cache = KVCache(cfg, CacheSpec(lanes=1, window=64, dtype="fp8"), backend=backend)
     assert cache.k[0].device.type == DEV.type
     x = torch.randn(4, HKV, D) * 500
     cache.write(0, torch.arange(4), x.to(DEV), -x.to(DEV))

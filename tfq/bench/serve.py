@@ -51,6 +51,16 @@ class Target:
     name: str
 
 
+@dataclass(frozen=True)
+class SuiteSent:
+    """The suite a run sends: its file, the chats that fit the window, and those left out with why
+    (fitting_chats)."""
+
+    path: str
+    chats: list[Chat]
+    left_out: list[dict]
+
+
 @dataclass
 class Reply:
     """One request as the client saw it."""
@@ -190,10 +200,11 @@ def tfq_level(target: Target) -> LevelRun:
 def serve_level(target: Target, chats: list[Chat], requests: int, concurrency: int, max_tokens: int,
                 done: Callable[[], None] = lambda: None) -> Level:
     """A fresh engine behind a fresh server, driven at one concurrency; the server stops after."""
-    from tfq.serve.background import build_served, serving
+    from tfq.serve.background import ServeOptions, build_served, serving
 
     # a queue as deep as the level, so requests past the lanes wait for one instead of getting 429
-    served = build_served(target.plan, target.layout, target.loaded, target.name, queue=max(64, concurrency))
+    served = build_served(target.plan, target.layout, target.loaded, target.name,
+                          ServeOptions(queue=max(64, concurrency)))
     with serving(served) as base_url:
         return asyncio.run(drive(base_url, target.name, chats, requests, concurrency, max_tokens, done))
 
@@ -284,21 +295,21 @@ def llama_server_level(gguf, window: int, slots: int, threads: int) -> LevelRun:
     return level
 
 
-def build_serve_report(target: Target, config, settings: ServeSettings, suite: str, chats: list[Chat],
-                       left_out: list[dict], levels: list[Level], reference: dict[int, str], threads: int,
-                       loads: tuple, wall: float) -> dict:
+def build_serve_report(target: Target, config, settings: ServeSettings, suite: SuiteSent, levels: list[Level],
+                       reference: dict[int, str], threads: int, loads: tuple, wall: float) -> dict:
     """Everything the run measured, JSON-ready."""
     import torch
 
     from tfq.plan import plan_json
 
+    chats = suite.chats
     used = chats_used(settings, chats)
     return {
         "settings": {"model": target.plan.model, "served_name": target.name, "folder": str(target.loaded.folder),
                      "concurrency": list(settings.concurrency),
                      "requests_per_level": {str(c): settings.requests_at(c) for c in settings.concurrency},
-                     "max_tokens": settings.max_tokens, "temperature": 0.0, "suite": suite,
-                     "chats": [c.name for c in chats[:used]], "left_out": left_out},
+                     "max_tokens": settings.max_tokens, "temperature": 0.0, "suite": suite.path,
+                     "chats": [c.name for c in chats[:used]], "left_out": suite.left_out},
         "plan": plan_json(target.plan, config, target.layout),
         "machine": {"cpus": os.cpu_count(), "torch_threads": threads,
                     "threads_fixed": settings.threads is not None or bool(os.environ.get("TFQ_THREADS")),

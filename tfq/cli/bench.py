@@ -262,7 +262,7 @@ def bench_serve_command(
     from tfq.bench.peers.llama import peer_gguf
     from tfq.bench.peers.llama_server import NAME as LLAMA_SERVER
     from tfq.bench.peers.llama_server import PeerDown, binary
-    from tfq.bench.serve import (Listener, ServeSettings, Target, build_serve_report, check_serve_settings,
+    from tfq.bench.serve import (Listener, ServeSettings, SuiteSent, Target, build_serve_report, check_serve_settings,
                                  fitting_chats, level_figures, llama_server_level, parse_concurrency, run_levels,
                                  tfq_level, total_requests)
     from tfq.plan.resolve import resolve_plan
@@ -321,7 +321,7 @@ def bench_serve_command(
                 peer_report["levels"] = [level_figures(lv, chats, peer_reference) for lv in peer_levels]
             except PeerDown as e:
                 peer_report["failure"] = str(e)
-    report = build_serve_report(target, config, settings, str(suite), chats, left_out, levels, reference,
+    report = build_serve_report(target, config, settings, SuiteSent(str(suite), chats, left_out), levels, reference,
                                 torch_threads, (load_before, os.getloadavg()), wall)
     report["peer"] = peer_report
     out = err if json_file == "-" else Console()

@@ -57,7 +57,7 @@ def serve(
     Every reply is the one its request gets alone."""
     from tfq.plan.resolve import resolve_plan
     from tfq.model.load import load_model
-    from tfq.serve.background import build_served, uvicorn_server
+    from tfq.serve.background import ServeOptions, build_served, uvicorn_server
     from tfq.serve.loop import STUCK_AFTER_S
 
     err = Console(stderr=True)
@@ -76,9 +76,9 @@ def serve(
     with err.status("loading the model"):
         loaded = load_model(the_plan.model, device=layout.device, weights=the_plan.weights, tp=the_plan.tp)
     limits = Limits(max_body_bytes, max_prompt_tokens, max_stop_chars)
-    served = build_served(the_plan, layout, loaded, name or served_name(the_plan.model), queue,
-                          tuple(k for k in api_keys if k),
-                          limits, allowed_hosts(host, tuple(extra_hosts)), log_prompts, stuck_after or STUCK_AFTER_S)
+    served = build_served(the_plan, layout, loaded, name or served_name(the_plan.model), ServeOptions(
+        queue, tuple(k for k in api_keys if k), limits, allowed_hosts(host, tuple(extra_hosts)), log_prompts,
+        stuck_after or STUCK_AFTER_S))
     bound = sock.getsockname()[1]
     err.print(f"serving {served.model!r} at http://{host}:{bound}/v1 (OpenAI's API; /openapi.json, /health, /metrics)"
               + ("; API key required" if served.api_keys else ""))

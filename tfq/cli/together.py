@@ -16,7 +16,8 @@ from rich.table import Table
 from tfq.cli.app import app, output_file
 from tfq.errors import TfqError
 from tfq.engine.threads import fix_threads
-from tfq.proofs.together import EXACT, RED, ArmRun, Check, Listener, arm_names, arms_for, check_options, select_arms
+from tfq.proofs.together import (EXACT, RED, ArmRun, Check, CheckSuite, Listener, arm_names, arms_for, check_options,
+                                 select_arms)
 
 # About eleven minutes for the whole default check (14 chats) on 2 CPU cores; `--tokens 300`, the field report's
 # length, took 1134 s (every arm EXACT 12/12 on the 12 chats of then, controls RED) on a quiet machine.
@@ -96,8 +97,8 @@ def together(
         raise typer.Exit(130)
     requests = [dataclasses.replace(r, max_tokens=min(r.max_tokens, tokens))
                 for r in requests_for(chats, loaded.tokenizer, tokens, 0.0, 1.0, 0)]
-    check = Check(the_plan, config, loaded, chats, requests, chosen, group, folder, suite_path=suite_path,
-                  tokens=tokens, named=bool(arms and arms.strip()))
+    check = Check(the_plan, config, loaded, CheckSuite(chats, requests, suite_path, tokens), chosen, group, folder,
+                  named=bool(arms and arms.strip()))
     previous = signal.signal(signal.SIGTERM, _terminate)  # a kill leaves evidence too, marked incomplete
     try:
         if quiet:

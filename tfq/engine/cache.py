@@ -12,6 +12,8 @@ scratch; a draft verify keeps the state from before its rows and their inputs, s
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from tfq.kernels.attention import tile_count
@@ -21,28 +23,39 @@ from tfq.model.config import ModelConfig
 from tfq.engine.pages import PagePool, Placement
 
 
+@dataclass(frozen=True)
+class CacheSpec:
+    """A cache's rows and slots: also what another tensor-parallel rank needs to hold the same rows of its own heads
+    (tfq/parallel/rank_main.py builds its cache from rank 0's)."""
+
+    lanes: int  # contiguous lanes of `window` rows
+    window: int
+    page_rows: int = 0  # 0: no pages
+    pool_pages: int = 0
+    dtype: str = "fp32"  # CACHE_DTYPES
+    slots: int = 0  # a hybrid's state slots, every lane's, contiguous or paged (0: one a contiguous lane)
+    verify_rows: int = 0  # drafting: rows of a verify a slot can roll back
+
+
 class KVCache:
-    def __init__(self, config: ModelConfig, *, lanes: int, window: int, page_rows: int = 0, pool_pages: int = 0,
-                 dtype: str = "fp32", page_order_seed: int | None = None, backend=None, prefix=None,
-                 slots: int = 0, verify_rows: int = 0):
+    def __init__(self, config: ModelConfig, spec: CacheSpec, *, page_order_seed: int | None = None, backend=None,
+                 prefix=None):
         if backend is None:
             from tfq.kernels.backend import torch_backend
             backend = torch_backend()
         self.backend = backend  # tfq.kernels.backend.Backend: where the store lives and which kernel writes it
-        self.dtype_name = dtype
-        self.dtype = CACHE_DTYPES[dtype]
-        # what another tensor-parallel rank needs to hold the same rows of its own heads (tfq/parallel/ranks.py)
-        self.spec = dict(lanes=lanes, window=window, page_rows=page_rows, pool_pages=pool_pages, dtype=dtype,
-                         slots=slots, verify_rows=verify_rows)
-        self.pages = PagePool(lanes, window, page_rows, pool_pages, page_order_seed, prefix)  # prefix: PrefixCache
+        self.spec = s = spec
+        self.dtype_name = s.dtype
+        self.dtype = CACHE_DTYPES[s.dtype]
+        # prefix: tfq.engine.prefix.PrefixCache
+        self.pages = PagePool(s.lanes, s.window, s.page_rows, s.pool_pages, page_order_seed, prefix)
         self.rows_total = self.pages.rows
         shape = (self.rows_total, config.num_kv_heads, config.head_dim)
         dev = backend.device
         layers = len(config.attention_layers)
         self.k = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(layers)]
         self.v = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(layers)]
-        # a hybrid's state: a slot per lane (slots: every lane, contiguous or paged)
-        self.state = StateCache(config, slots or lanes, verify_rows) if config.hybrid else None
+        self.state = StateCache(config, s.slots or s.lanes, s.verify_rows) if config.hybrid else None
 
     @property
     def nbytes(self) -> int:

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from tfq.engine.cache import KVCache
+from tfq.engine.cache import CacheSpec, KVCache
 from tfq.errors import TfqError, own_fault
 from tfq.decode.grammar import Grammars, Matcher, OwnMask
 from tfq.model.qwen import Qwen
@@ -88,10 +88,10 @@ class Engine:
             raise TfqError(f"kv.prefix_cache: on {PREFIX_ON_HYBRID}")
         if s.prefix_cache and s.page_rows:  # what besides the tokens decides a cached row's bits
             prefix = PrefixCache(root_key(model.config, model.backend.name, s.kv_dtype, s.partial))
-        self.cache = KVCache(model.config, lanes=s.contiguous_lanes, window=s.window, page_rows=s.page_rows,
-                             pool_pages=s.pool_pages, dtype=s.kv_dtype, page_order_seed=controls.page_order_seed,
-                             backend=model.backend, prefix=prefix, slots=s.lanes,
-                             verify_rows=1 + drafter.k if drafter is not None else 0)
+        spec = CacheSpec(lanes=s.contiguous_lanes, window=s.window, page_rows=s.page_rows, pool_pages=s.pool_pages,
+                         dtype=s.kv_dtype, slots=s.lanes, verify_rows=1 + drafter.k if drafter is not None else 0)
+        self.cache = KVCache(model.config, spec, page_order_seed=controls.page_order_seed, backend=model.backend,
+                             prefix=prefix)
         self.pages = self.cache.pages
         self.runner = Runner(model, self.cache, controls.arithmetic or plan_arithmetic(s.partial), drafter)
         least = s.lanes * self.drawing_rows

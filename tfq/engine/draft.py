@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from tfq.engine.batch import Feed, forward
-from tfq.engine.cache import KVCache
+from tfq.engine.cache import CacheSpec, KVCache
 from tfq.errors import TfqError
 from tfq.engine.stream import Stream
 
@@ -69,7 +69,8 @@ class ModelDrafter:
         self.model = model
         self.k = k
         self.lanes = lanes
-        self.cache = KVCache(model.config, lanes=lanes, window=window, backend=model.backend, slots=2 * lanes)
+        self.cache = KVCache(model.config, CacheSpec(lanes=lanes, window=window, slots=2 * lanes),
+                             backend=model.backend)
         self.owner: dict[int, tuple[int, int]] = {}  # lane -> (stream id, times preempted) its rows are of
         self.cached: dict[int, int] = {}  # lane -> positions in the drafter's cache
         self.checkpoint: dict[int, int] = {}  # hybrid: lane -> positions its checkpoint holds

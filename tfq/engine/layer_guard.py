@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from tfq.engine.batch import Arithmetic, Feed, step_rows
-from tfq.engine.cache import KVCache
+from tfq.engine.cache import CacheSpec, KVCache
 from tfq.engine.pages import Placement, pages_for
 from tfq.errors import TfqError
 from tfq.decode.penalties import Penalties
@@ -242,9 +242,10 @@ class _Bench:
                         if c.hybrid else "") for kind, i in firsts]
         config = replace(c, num_layers=len(firsts), layer_types=tuple(k for k, _ in firsts) if c.hybrid else ())
         streams = list(PROBES) + self.fillers
-        self.cache = KVCache(config, lanes=2, window=LANE_WINDOW, page_rows=KEY_TILE, pool_pages=pages,
-                             dtype=kv_dtype, page_order_seed=11, backend=model.backend, slots=len(streams),
-                             verify_rows=max(draws, max(p.count for p in PROBES)))
+        self.cache = KVCache(config, CacheSpec(lanes=2, window=LANE_WINDOW, page_rows=KEY_TILE, pool_pages=pages,
+                                               dtype=kv_dtype, slots=len(streams),
+                                               verify_rows=max(draws, max(p.count for p in PROBES))),
+                             page_order_seed=11, backend=model.backend)
         self.places: dict[str, Placement] = {}
         lanes = iter(range(2))
         for slot, s in enumerate(streams):

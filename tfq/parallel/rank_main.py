@@ -61,7 +61,7 @@ def rank_main(rank: int, world: int, port: int, device: str) -> None:
             if cache not in caches:
                 from tfq.engine.cache import KVCache
 
-                caches[cache] = KVCache(model.config, backend=model.backend, **spec)
+                caches[cache] = KVCache(model.config, spec, backend=model.backend)
             model.forward(*args[:2], caches[cache], *args[2:])
         except Exception:  # noqa: BLE001 - the group cannot go on without this rank: say why, then stop
             traceback.print_exc()

@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from tfq.engine.cache import KVCache
+from tfq.engine.cache import CacheSpec, KVCache
 from tfq.engine.pages import Placement
 from tfq.kernels.attention import AttentionBatch, Chunk, DecodeGroup, tile_count
 from tfq.kernels.backend import Backend
@@ -60,8 +60,8 @@ class Bench:
                              num_layers=1, num_heads=cfg.heads, num_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
                              rope_theta=1e6, rms_eps=1e-6, max_positions=window, tie_embeddings=True,
                              weights_dtype="float32")
-        self.cache = KVCache(config, lanes=2 * len(lengths) + 1, window=window, page_rows=cfg.page_rows,
-                             pool_pages=2 * need + 1, dtype=dtype, backend=backend)
+        self.cache = KVCache(config, CacheSpec(lanes=2 * len(lengths) + 1, window=window, page_rows=cfg.page_rows,
+                                               pool_pages=2 * need + 1, dtype=dtype), backend=backend)
         # streams get the odd lanes and odd pages (in shuffled order): every lane and page sits between guards
         pages = list(range(1, 2 * need + 1, 2))
         random.Random(cfg.seed).shuffle(pages)

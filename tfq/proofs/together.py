@@ -31,9 +31,20 @@ INTERRUPTED_EXIT = 130
 
 # What the command and the tests import from here; the arms themselves live in together_arms.
 __all__ = [
-    "ARMS", "EXACT", "FAIL", "INTERRUPTED_EXIT", "RED", "Arm", "ArmRun", "ChatComparison", "Check", "Context",
-    "Listener", "arm_names", "arms_for", "check_options", "select_arms",
+    "ARMS", "EXACT", "FAIL", "INTERRUPTED_EXIT", "RED", "Arm", "ArmRun", "ChatComparison", "Check", "CheckSuite",
+    "Context", "Listener", "arm_names", "arms_for", "check_options", "select_arms",
 ]
+
+
+@dataclass(frozen=True)
+class CheckSuite:
+    """The suite a check runs: its chats as parsed, their requests (each reply capped at `tokens`), and the file
+    they came from (copied into the evidence)."""
+
+    chats: Sequence
+    requests: Sequence[Request]
+    path: Path | None = None
+    tokens: int | None = None
 
 
 @dataclass
@@ -97,16 +108,15 @@ class Listener:
 class Check:
     """The reference plus the chosen arms, over one loaded model, writing evidence into `evidence`."""
 
-    def __init__(self, base: Plan, config, loaded, chats, requests: Sequence[Request], arms: Sequence[Arm],
-                 group: int, evidence: Path | None, listener: Listener | None = None,
-                 suite_path: Path | None = None, tokens: int | None = None, named: bool = False):
+    def __init__(self, base: Plan, config, loaded, suite: CheckSuite, arms: Sequence[Arm], group: int,
+                 evidence: Path | None, listener: Listener | None = None, named: bool = False):
         """`named`: the user chose the arms (--arms), so one whose plan cannot be made is refused, not left out."""
-        self.config, self.loaded, self.chats = config, loaded, list(chats)
-        self.requests = list(requests)
+        self.config, self.loaded, self.chats = config, loaded, list(suite.chats)
+        self.requests = list(suite.requests)
         self.group = group
         self.evidence = evidence
         self.listener = listener or Listener()
-        self.suite_path, self.tokens = suite_path, tokens
+        self.suite_path, self.tokens = suite.path, suite.tokens
         for r in self.requests:
             r.validate()
             if len(r.prompt) >= base.window:

@@ -5,6 +5,7 @@ import socket
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Iterator
 
 from tfq.engine.core import Engine
@@ -15,9 +16,20 @@ from tfq.serve.loop import STUCK_AFTER_S, EngineLoop
 from tfq.serve.metrics import Metrics
 
 
-def build_served(plan, layout, loaded, name: str, queue: int = 64, api_keys: tuple[str, ...] = (),
-                 limits: Limits = Limits(), hosts: frozenset[str] | None = None, log_prompts: bool = False,
-                 stuck_after_s: float = STUCK_AFTER_S, **engine_kw) -> Served:
+@dataclass(frozen=True)
+class ServeOptions:
+    """How `tfq serve` serves, besides the model: the engine loop's queue and stuck timeout, and the app's keys,
+    limits, Host names and prompt logging (tfq.serve.intake.Served)."""
+
+    queue: int = 64
+    api_keys: tuple[str, ...] = ()
+    limits: Limits = Limits()
+    hosts: frozenset[str] | None = None
+    log_prompts: bool = False
+    stuck_after_s: float = STUCK_AFTER_S
+
+
+def build_served(plan, layout, loaded, name: str, options: ServeOptions = ServeOptions(), **engine_kw) -> Served:
     """What `tfq serve` serves, from its plan (tfq.plan.Plan and its Layout) and loaded model: the engine, its
     loop and metrics, the app's settings. The CLI, `tfq bench serve` and the tests all build it here; engine_kw
     reach Engine.from_plan (a check's controls: controls=tfq.engine.core.Controls(...))."""
@@ -27,8 +39,10 @@ def build_served(plan, layout, loaded, name: str, queue: int = 64, api_keys: tup
     except TfqError:
         pass  # no llguidance: a constrained request is refused with that reason
     metrics = Metrics(engine.settings.lanes, engine.settings.pool_pages)
-    return Served(EngineLoop(engine, queue, metrics, stuck_after_s), loaded.tokenizer, name, engine.settings.window,
-                  loaded.tokenizer.vocab_size, metrics, tuple(api_keys), limits, hosts, log_prompts)
+    o = options
+    return Served(EngineLoop(engine, o.queue, metrics, o.stuck_after_s), loaded.tokenizer, name,
+                  engine.settings.window, loaded.tokenizer.vocab_size, metrics, tuple(o.api_keys), o.limits, o.hosts,
+                  o.log_prompts)
 
 
 def uvicorn_server(served: Served, graceful_s: float):
