@@ -125,3 +125,70 @@ def test_no_import_circle_in_the_package():
 def test_no_module_outgrows_one_idea():
     sizes = {name: len(path.read_text().splitlines()) for name, path in modules().items()}
     assert {n: s for n, s in sizes.items() if s >= LARGEST} == {}
+
+
+# ---------------------------------------------------------------------------------------------- parameters
+
+MOST_PARAMETERS = 10  # past it, parameters that travel together go in a named record (docs/architecture.md)
+FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+
+
+def parameter_count(f: ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda) -> int:
+    """Every parameter, keyword-only ones too; *args and **kwargs one each; a leading self or cls not."""
+    a = f.args
+    positional = [p.arg for p in a.posonlyargs + a.args]
+    own = positional[:1] in (["self"], ["cls"])
+    return len(positional) - own + len(a.kwonlyargs) + (a.vararg is not None) + (a.kwarg is not None)
+
+
+def typer_apps(tree: ast.Module) -> set[str]:
+    """The names a module binds to typer.Typer(...)."""
+    return {t.id for node in ast.walk(tree) if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+            and ast.unparse(node.value.func) == "typer.Typer" for t in node.targets if isinstance(t, ast.Name)}
+
+
+def exempt(decorator: ast.expr, apps: set[str]) -> bool:
+    """@triton.jit (a kernel's parameters are its launch's) and a Typer app's @app.command(...) or
+    @app.callback(...) (a command's parameters are its options)."""
+    call = isinstance(decorator, ast.Call)
+    d = decorator.func if call else decorator
+    if not (isinstance(d, ast.Attribute) and isinstance(d.value, ast.Name)):
+        return False
+    command = call and d.value.id in apps and d.attr in ("command", "callback")
+    return (d.value.id, d.attr) == ("triton", "jit") or command
+
+
+def crowded(source: str, imported_apps: dict[str, set[str]] | None = None) -> list[tuple[str, int, int]]:
+    """(name, line, parameters) of each function in `source` over MOST_PARAMETERS, the exempt left out.
+    imported_apps: module -> its Typer apps, for the apps `source` imports (tfq.cli.app's `app`)."""
+    tree = ast.parse(source)
+    apps = typer_apps(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module in (imported_apps or {}):
+            apps |= {a.asname or a.name for a in node.names if a.name in imported_apps[node.module]}
+    return [(getattr(f, "name", "lambda"), f.lineno, parameter_count(f)) for f in ast.walk(tree)
+            if isinstance(f, FUNCTIONS) and parameter_count(f) > MOST_PARAMETERS
+            and not any(exempt(d, apps) for d in getattr(f, "decorator_list", []))]
+
+
+def test_no_function_takes_more_than_ten_parameters():
+    sources = {name: path.read_text() for name, path in modules().items()}
+    apps = {name: typer_apps(ast.parse(text)) for name, text in sources.items()}
+    assert any(apps.values())  # the commands' app is found, so the commands are what is exempt
+    found = {name: bad for name, text in sources.items() if (bad := crowded(text, apps))}
+    assert found == {}
+
+
+def test_control_eleven_parameters_are_found_and_only_the_exempt_pass():
+    names = ", ".join(f"p{i}" for i in range(11))
+    assert crowded(f"def f({names}): ...") == [("f", 1, 11)]
+    assert crowded(f"def f(p0, *, {names[4:]}): ...") == [("f", 1, 11)]  # keyword-only ones count
+    assert crowded("def f(p0, p1, p2, p3, p4, p5, p6, p7, p8, *a, **k): ...") == [("f", 1, 11)]
+    assert crowded(f"class C:\n    def f(self, {names[4:]}): ...") == []  # self is not one
+    assert crowded(f"class C:\n    def f(self, {names}): ...") == [("f", 2, 11)]
+    assert crowded(f"import triton\n@triton.jit\ndef k({names}): ...") == []
+    command = f"@app.command()\ndef cmd({names}): ...\n"
+    assert crowded("import typer\napp = typer.Typer()\n" + command) == []
+    assert crowded("from tfq.cli.app import app\n" + command, {"tfq.cli.app": {"app"}}) == []
+    assert crowded("app = object()\n" + command) == [("cmd", 3, 11)]  # not a Typer app: not exempt
+    assert crowded(f"import typer\napp = typer.Typer()\n@app.other()\ndef cmd({names}): ...") == [("cmd", 4, 11)]
