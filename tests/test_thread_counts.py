@@ -170,7 +170,7 @@ def test_the_guard_refuses_a_penalty_that_follows_the_thread_count(wide, threads
     arithmetic follows the thread count (the control: the count picks which token it lifts) is refused at the
     second count, naming the sampler."""
     from tfq.decode.penalties import Penalties
-    from tfq.proofs import startup
+    from tfq.engine import layer_guard
 
     class Drifting(Penalties):
         def apply(self, row, prompt, reply):
@@ -181,8 +181,8 @@ def test_the_guard_refuses_a_penalty_that_follows_the_thread_count(wide, threads
     proof = LayerProof(wide, "fp32", False)
     threads(1)
     assert proof.holds(1, 100, 50) is None
-    monkeypatch.setattr(startup, "PENALIZED", Drifting(**{f: getattr(startup.PENALIZED, f) for f in
-                                                          ("presence", "frequency", "repetition", "bias")}))
+    monkeypatch.setattr(layer_guard, "PENALIZED", Drifting(**{f: getattr(layer_guard.PENALIZED, f) for f in
+                                                              ("presence", "frequency", "repetition", "bias")}))
     threads(3)
     failure = proof.holds(3, 100, 50)
     assert failure is not None and failure.op == "sampler"
