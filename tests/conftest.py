@@ -9,7 +9,14 @@ import torch
 from tiny import write_tiny_checkpoint
 
 
-WORKER_GIB = 9  # the most one process of the suite holds at once, with room (8.2-8.9 GB peak in full runs)
+# The most one process of the suite holds at once, with room (8.2-8.9 GB peak in full runs): a worker that holds the
+# default model (session-scoped, for every slow test) reaching test_plan.py's budget test, which holds 4 GiB and must
+# (its docstring says why). Peaks with -n 0 on 2026-12-05 (Zen 4, two cores, other jobs beside): test_plan.py
+# 4.5 GB, test_quant.py 4.0 GB, the two in one process 6.5 GB; the largest files besides: test_verify.py 4.9 GB (its
+# `tfq verify` child loads the fp32 model still holding the gguf one), test_forward.py 3.2 GB, test_structured.py
+# 2.6 GB, test_together.py's default-model tests 1.7 GB. A worker that has run more default-model files holds more
+# before it reaches test_plan.py.
+WORKER_GIB = 9
 MOST_WORKERS = 4  # past it the suite's time is its longest file's; more workers only oversubscribe the cores
 
 

@@ -1,13 +1,18 @@
 """A tiny model behind `tfq serve`'s app, and how the server tests talk to it and watch its state."""
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import http.client
 import re
 import time
 from pathlib import Path
+from typing import Callable
 
+from serve_load import Call, fire
 from tfq.plan.resolve import resolve_plan
-from tfq.serve.background import ServeOptions, build_served
+from tfq.serve.app import Served
+from tfq.serve.background import ServeOptions, build_served, serving
 
 TINY_PLAN = str(Path(__file__).parent.parent / "plans" / "tiny.yaml")
 POOL = 8  # pages of 64 rows: four streams with long prompts cannot all hold theirs, so some are preempted
@@ -25,6 +30,16 @@ def server(tiny, queue: int = 64, api_keys: tuple[str, ...] = (), served: dict |
     is); `served`: more of tfq.serve.background.ServeOptions (limits, hosts, stuck_after_s)."""
     plan, layout, loaded = tiny
     return build_served(plan, layout, loaded, NAME, ServeOptions(queue, api_keys, **(served or {})), **engine_kw)
+
+
+def replies_alone(fresh: Callable[[], Served], model: str, load: list[Call]) -> list[list[dict]]:
+    """Each call's reply (fire()'s records) sent alone, at once, to a server of its own from `fresh()`: the run
+    alone that the replies under load are compared with."""
+    out = []
+    for call in load:
+        with serving(fresh()) as base:
+            out.append(asyncio.run(fire(base, model, [dataclasses.replace(call, delay=0.0)]))[0])
+    return out
 
 
 def metrics(base: str, key: str | None = None) -> dict[str, float]:

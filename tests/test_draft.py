@@ -12,9 +12,7 @@ from tfq.engine.draft import ModelDrafter, NgramDrafter, lookup
 from tfq.engine.core import EngineSettings
 from tfq.engine.stream import Request
 from tfq.kernels.contract import KEY_TILE
-from engines import engine
-
-WINDOW = 512
+from engines import WINDOW, run, run_on
 
 
 class RandomDrafter:
@@ -45,11 +43,6 @@ class OracleDrafter(RandomDrafter):
         return out
 
 
-def run(model, cfg, requests, drafter=None):
-    e = engine(model, cfg, drafter=drafter)
-    return e.generate(requests), e
-
-
 def make_requests(vocab, spec):
     g = torch.Generator().manual_seed(sum(n for n, _, _ in spec))
     out = []
@@ -75,7 +68,7 @@ def test_drafted_equals_undrafted(model, data):
     paged = data.draw(st.booleans())
     cfg = EngineSettings(window=WINDOW, lanes=data.draw(st.integers(1, 5)), prefill_chunk=data.draw(st.integers(8, 200)),
                          page_rows=KEY_TILE if paged else 0, pool_pages=40 if paged else 0)
-    plain, _ = run(model, EngineSettings(window=WINDOW, lanes=len(requests)), requests)
+    plain = run(model, requests, lanes=len(requests))
     k = data.draw(st.integers(1, 8))
     kind = data.draw(st.sampled_from(["random", "oracle", "ngram"]))
     seed = data.draw(st.integers(0, 99))
@@ -86,7 +79,7 @@ def test_drafted_equals_undrafted(model, data):
                                 spoil=data.draw(st.integers(0, 4)))
     else:
         drafter = NgramDrafter(k)
-    drafted, engine = run(model, cfg, requests, drafter)
+    drafted = run(model, requests, cfg, drafter=drafter)
     for a, b in zip(plain, drafted):
         assert b.ids == a.ids and b.digests == a.digests
     if kind == "oracle" and drafter.spoil == 0 and any(len(p.ids) > 2 for p in plain):
@@ -98,14 +91,14 @@ def test_drafted_equals_undrafted(model, data):
 def test_oracle_saves_forwards_and_pages_roll_back(model):
     requests = make_requests(model.config.vocab_size, [(70, 30, 0.0), (40, 30, 0.0)])
     cfg = EngineSettings(window=WINDOW, lanes=2, page_rows=KEY_TILE, paged_all=True, pool_pages=20)
-    plain, plain_engine = run(model, cfg, requests)
+    plain, plain_engine = run_on(model, requests, cfg)
     oracle = OracleDrafter(6, model.config.vocab_size, 0, {r.prompt: p.ids for r, p in zip(requests, plain)}, 0)
-    drafted, engine = run(model, cfg, requests, oracle)
+    drafted, engine = run_on(model, requests, cfg, drafter=oracle)
     assert [d.ids for d in drafted] == [p.ids for p in plain]
     assert engine.forwards < plain_engine.forwards / 3
     assert len(engine.pages.free) == 20  # every page back, none leaked by rejected rows
     rnd = RandomDrafter(8, model.config.vocab_size, 1)
-    rejected, engine = run(model, cfg, requests, rnd)
+    rejected, engine = run_on(model, requests, cfg, drafter=rnd)
     assert [d.ids for d in rejected] == [p.ids for p in plain]
     assert sum(d.proposed for d in rejected) > 0 and len(engine.pages.free) == 20
 
@@ -114,8 +107,8 @@ def test_tiny_draft_model_stays_exact(tiny_models):
     target, draft = tiny_models["qwen2"], tiny_models["qwen3"]
     requests = make_requests(target.config.vocab_size, [(60, 20, 0.0), (90, 16, 0.7), (30, 25, 0.0)])
     cfg = EngineSettings(window=WINDOW, lanes=3, page_rows=KEY_TILE, pool_pages=30)
-    plain, _ = run(target.model, cfg, requests)
-    drafted, _ = run(target.model, cfg, requests, ModelDrafter(draft.model, lanes=3, window=WINDOW, k=4))
+    plain = run(target.model, requests, cfg)
+    drafted = run(target.model, requests, cfg, drafter=ModelDrafter(draft.model, lanes=3, window=WINDOW, k=4))
     for a, b in zip(plain, drafted):
         assert b.ids == a.ids and b.digests == a.digests
     assert sum(b.proposed for b in drafted) > 0
@@ -126,8 +119,9 @@ def test_self_draft_accepts_everything_greedy(tiny_models):
     target = tiny_models["qwen2"]
     requests = make_requests(target.config.vocab_size, [(50, 21, 0.0)])
     cfg = EngineSettings(window=WINDOW, lanes=1)
-    plain, _ = run(target.model, cfg, requests)
-    drafted, engine = run(target.model, cfg, requests, ModelDrafter(target.model, lanes=1, window=WINDOW, k=4))
+    plain = run(target.model, requests, cfg)
+    drafter = ModelDrafter(target.model, lanes=1, window=WINDOW, k=4)
+    drafted, engine = run_on(target.model, requests, cfg, drafter=drafter)
     assert drafted[0].ids == plain[0].ids and drafted[0].digests == plain[0].digests
     assert drafted[0].accepted == drafted[0].proposed == 16
     assert engine.forwards == 1 + 4  # prefill draws 1, then four verifies of 4 guesses + 1

@@ -6,8 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tfq.engine.core import Engine, EngineSettings
+from tfq.engine.core import EngineSettings
 from tfq.engine.stream import Request
+from engines import engine, run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,7 +26,7 @@ def test_logits_match_transformers(tiny_dirs, tiny_models, family):
     prompt = tuple(torch.randint(0, loaded.config.vocab_size, (150,), generator=g).tolist())
     # a paged, chunked run: the reference check covers the engine's whole path, not one kernel
     settings = EngineSettings(window=512, lanes=2, prefill_chunk=50, page_rows=64, paged_all=True, pool_pages=8)
-    got = Engine(loaded.model, settings, eos_ids=(), keep_logits=True).generate([Request(prompt, max_tokens=20)])[0]
+    got = run(loaded.model, [Request(prompt, max_tokens=20)], settings, keep_logits=True)[0]
     with torch.no_grad():
         ref = hf_model(tiny_dirs[family])(torch.tensor([prompt + tuple(got.ids[:-1])])).logits[0, len(prompt) - 1:]
     ours = torch.stack(got.logits)
@@ -40,12 +41,12 @@ def test_default_model_greedy_tokens_equal_transformers(default_model):
 
     loaded = default_model
     hf = hf_model(resolve_model("default", progress=False))  # the folder with its fp32 weights, written once for HF
-    engine = Engine(loaded.model, EngineSettings(window=1024, lanes=2), loaded.tokenizer)
+    chats = engine(loaded.model, window=1024, lanes=2, tokenizer=loaded.tokenizer)
     prompts = ["Write a Python function that checks whether a number is prime.",
                "Write a bash one-liner that counts the lines of every .py file in a folder."]
     for text in prompts:
         ids = loaded.tokenizer.chat_ids([{"role": "user", "content": text}])
-        ours = engine.generate([Request(tuple(ids), max_tokens=32)])[0].ids
+        ours = chats.generate([Request(tuple(ids), max_tokens=32)])[0].ids
         with torch.no_grad():
             out = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
                               eos_token_id=list(loaded.tokenizer.eos_ids), pad_token_id=loaded.tokenizer.eos_ids[-1])
@@ -105,13 +106,11 @@ def test_scaled_rotary_matches_transformers(tmp_path, scaling):
     (folder / "config.json").write_text(json.dumps(config))
     loaded = load_model(str(folder), progress=False)
     prompt = tuple(torch.randint(0, 512, (200,), generator=torch.Generator().manual_seed(8)).tolist())
-    got = Engine(loaded.model, EngineSettings(window=512, lanes=1), eos_ids=(), keep_logits=True).generate(
-        [Request(prompt, max_tokens=4)])[0]
+    got = run(loaded.model, [Request(prompt, max_tokens=4)], keep_logits=True)[0]
     with torch.no_grad():
         ref = hf_model(folder)(torch.tensor([prompt + tuple(got.ids[:-1])])).logits[0, len(prompt) - 1:]
     ours = torch.stack(got.logits)
     assert (ours - ref).abs().max() <= 1e-4 * ref.abs().max()
     unscaled = load_model(str(write_tiny_checkpoint(tmp_path / "plain", family="qwen2", seed=3)), progress=False)
-    plain = Engine(unscaled.model, EngineSettings(window=512, lanes=1), eos_ids=(), keep_logits=True).generate(
-        [Request(prompt, max_tokens=1)])[0]
+    plain = run(unscaled.model, [Request(prompt, max_tokens=1)], keep_logits=True)[0]
     assert (plain.logits[0] - ref[0]).abs().max() > 1e-3 * ref.abs().max()  # the scaling is really applied

@@ -13,8 +13,8 @@ from tfq.model import gguf_kept, gguf_tensors
 from tfq.model.gguf_header import read_header
 from tfq.model.gguf_kept import kept_summary
 from tfq.model.load import load_model
-from engines import bits
-from test_hybrid import requests, run, shipped_hybrid_suite
+from engines import alone, bits, run
+from test_hybrid import requests, shipped_hybrid_suite
 from tiny import held_bytes, llama_converted, llama_converter, tiny_model_dir
 
 pytestmark = pytest.mark.skipif(not cpu_build.load()[0], reason="tfq's CPU kernels do not build here")
@@ -66,7 +66,7 @@ def kept_blocks_have_their_values_bits(path):
     reqs = requests(4)
     want = bits(run(fp32.model, reqs, lanes=4))
     assert bits(run(kept.model, reqs, lanes=4)) == want
-    assert bits([run(kept.model, [r])[0] for r in reqs]) == want
+    assert bits(alone(kept.model, reqs)) == want
     summary = kept_summary(read_header(path))
     assert held_bytes(kept.model) == summary.resident != held_bytes(fp32.model)
     return kept.model, summary

@@ -15,7 +15,7 @@ import torch
 from tfq.engine.batch import Arithmetic, Feed, forward
 from tfq.engine.cache import CacheSpec, KVCache
 from tfq.engine.draft import ModelDrafter, NgramDrafter
-from tfq.engine.core import Controls, Engine, EngineSettings
+from tfq.engine.core import Engine, EngineSettings
 from tfq.errors import TfqError
 from tfq.engine.runner import chunked_deltanet
 from tfq.kernels.contract import KEY_TILE
@@ -23,10 +23,9 @@ from tfq.model.config import ModelConfig
 from tfq.model.load import load_model
 from tfq.engine.stream import Request
 import engines
-from engines import one_forward
+from engines import WINDOW, engine, one_forward, run
 from tiny import tiny_model_dir, write_tiny_checkpoint
 
-WINDOW = 512
 KINDS = ("linear_attention", "linear_attention", "linear_attention", "full_attention",
          "linear_attention", "full_attention")
 
@@ -50,10 +49,6 @@ def hf(hybrid_dir):
 
 def prompt(n: int, salt: int = 0, vocab: int = 512) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(1000 + n + salt)).tolist()
-
-
-def run(model, requests, lanes=1, **kw) -> list:
-    return engines.run(model, requests, lanes=lanes, **kw)
 
 
 # ------------------------------------------------------------------------------------ against transformers
@@ -92,8 +87,7 @@ def test_head_dims_off_the_vector_width_match_transformers_and_stay_exact(tmp_pa
         want = hf(torch.tensor([ids])).logits[0]
     assert (one_forward(loaded, ids) - want).abs().max().item() <= 2e-5 * want.abs().max().item()
     reqs = requests(4)
-    alone = [run(loaded.model, [r])[0] for r in reqs]
-    same(run(loaded.model, reqs, lanes=4, prefill_chunk=11), alone)
+    same(run(loaded.model, reqs, lanes=4, prefill_chunk=11), engines.alone(loaded.model, reqs))
 
 
 def test_config_reads_layer_kinds_and_sizes(hybrid):
@@ -122,7 +116,7 @@ def requests(n=5, tokens=24):
 
 @pytest.fixture(scope="module")
 def alone(hybrid):
-    return [run(hybrid.model, [r])[0] for r in requests()]
+    return engines.alone(hybrid.model, requests())
 
 
 def same(results, reference):
@@ -141,10 +135,9 @@ def test_streams_equal_their_runs_alone(hybrid, alone, arm):
 
 
 def test_preempted_streams_recompute_their_state_exactly(hybrid, alone):
-    engine = Engine(hybrid.model, EngineSettings(window=WINDOW, lanes=5, page_rows=KEY_TILE, pool_pages=8,
-                                                 paged_all=True, prefill_chunk=29), eos_ids=())
-    results = engine.generate(requests())
-    assert engine.scheduler.preemptions > 0, "nothing was preempted: the pool held every stream"
+    results, e = engines.run_on(hybrid.model, requests(), lanes=5, page_rows=KEY_TILE, pool_pages=8, paged_all=True,
+                                prefill_chunk=29)
+    assert e.scheduler.preemptions > 0, "nothing was preempted: the pool held every stream"
     same(results, alone)
 
 
@@ -193,11 +186,11 @@ def test_rejected_guesses_need_the_roll_back(hybrid, alone, monkeypatch):
 def test_control_chunked_prefill_then_recurrent_decode_differs(hybrid, alone):
     """transformers' way (prompt chunks by the chunked algorithm, decode rows by the recurrence) gives other
     bits: tfq never mixes the two."""
-    results = run(hybrid.model, requests(), lanes=5, controls=Controls(arithmetic=chunked_deltanet(False)))
+    results = run(hybrid.model, requests(), lanes=5, arithmetic=chunked_deltanet(False))
     long = [i for i, r in enumerate(requests()) if len(r.prompt) > 1]
     assert all(results[i].digests[0] != alone[i].digests[0] for i in long)
     # and the chunked arithmetic depends on the chunking, which is why it is not tfq's
-    other = run(hybrid.model, requests(), lanes=5, controls=Controls(arithmetic=chunked_deltanet(False)), prefill_chunk=13)
+    other = run(hybrid.model, requests(), lanes=5, arithmetic=chunked_deltanet(False), prefill_chunk=13)
     assert any(a.digests != b.digests for a, b in zip(results, other))
 
 
@@ -224,8 +217,7 @@ def test_threads_do_not_change_the_bits(hybrid, alone):
 
 def test_prefix_cache_is_refused_for_a_hybrid(hybrid):
     with pytest.raises(TfqError, match="prefix_cache"):
-        Engine(hybrid.model, EngineSettings(window=WINDOW, lanes=2, page_rows=KEY_TILE, pool_pages=8,
-                                            prefix_cache=True))
+        engine(hybrid.model, lanes=2, page_rows=KEY_TILE, pool_pages=8, prefix_cache=True)
 
 
 # ------------------------------------------------------------------------------------------ checkpoints
@@ -382,7 +374,5 @@ def test_a_hybrid_of_deltanet_layers_only_is_proved_and_exact(tmp_path):
     assert loaded.config.attention_layers == []
     requests = [Request(prompt=tuple(range(3 + i, 40 + 9 * i)), max_tokens=6) for i in range(3)]
     settings = EngineSettings(window=256, lanes=3)
-    together = Engine(loaded.model, settings).generate(requests)
-    for request, got in zip(requests, together):
-        alone = Engine(loaded.model, settings).generate([request])[0]
+    for got, alone in zip(run(loaded.model, requests, settings), engines.alone(loaded.model, requests, settings)):
         assert got.ids == alone.ids and got.digests == alone.digests

@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from served import NAME, raw, server, tiny_served
-from tfq.engine.core import Engine, EngineSettings
+from engines import engine as make_engine
 from tfq.serve.background import serving
 from tfq.engine.stream import Request
 
@@ -22,7 +22,7 @@ def tiny(tiny_dirs, tiny_models):
 
 def test_the_engine_logs_admissions_preemptions_finishes_and_aborts(tiny_models, caplog):
     model = tiny_models["qwen2"].model
-    engine = Engine(model, EngineSettings(window=512, lanes=3, page_rows=64, paged_all=True, pool_pages=4))
+    engine = make_engine(model, lanes=3, page_rows=64, paged_all=True, pool_pages=4)
     caplog.set_level(logging.DEBUG, logger="tfq")
     ids = [engine.add(Request(tuple(range(3, 3 + n)), max_tokens=12)) for n in (150, 150, 40)]
     engine.step()

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tfq.engine.core import Controls, Engine, EngineSettings
+from tfq.engine.core import Engine
 from tfq.engine.stream import Request
+from engines import alone, engine, run
 
 TINY_PLAN = str(Path(__file__).parent.parent / "plans" / "tiny.yaml")
 
@@ -32,12 +33,11 @@ def test_prompt_and_reply_logprobs_equal_alone_chunked_paged_and_preempted(model
     requests = [Request(tuple(torch.randint(0, 500, (n,), generator=g).tolist()), max_tokens=24, logprobs=3,
                         prompt_logprobs=2, temperature=t, seed=9)
                 for n, t in ((90, 0.0), (40, 0.7), (130, 0.0), (70, 0.9))]
-    alone = [Engine(model, EngineSettings(window=512, lanes=1)).generate([r])[0] for r in requests]
-    busy = Engine(model, EngineSettings(window=512, lanes=4, prefill_chunk=16, page_rows=64, paged_all=True,
-                                        pool_pages=5), controls=Controls(page_order_seed=1))
-    together = busy.generate(requests)
+    alone_runs = alone(model, requests)
+    together = run(model, requests, lanes=4, prefill_chunk=16, page_rows=64, paged_all=True, pool_pages=5,
+                   page_order_seed=1)
     assert sum(r.preempted for r in together) > 0
-    assert scores(together) == scores(alone)
+    assert scores(together) == scores(alone_runs)
     assert all(len(r.prompt_logprobs) == len(q.prompt) and r.prompt_logprobs[0] is None
                for r, q in zip(together, requests))
 
@@ -65,17 +65,17 @@ def test_the_python_api(tiny_dirs):
 def free_reply(tiny_models):
     """(engine, prompt, result): the tiny model's greedy 24-token reply to a short prompt, with no stop string."""
     loaded = tiny_models["qwen2"]
-    engine = Engine(loaded.model, EngineSettings(window=512, lanes=1), loaded.tokenizer)
+    e = engine(loaded.model, tokenizer=loaded.tokenizer)
     prompt = tuple(loaded.tokenizer.encode("def fibonacci(n):"))
-    return engine, prompt, engine.generate([Request(prompt, max_tokens=24)])[0]
+    return e, prompt, e.generate([Request(prompt, max_tokens=24)])[0]
 
 
 def test_streamed_pieces_join_to_the_reply_with_a_stop_string(tiny_models):
     """Text that may begin a stop string is held back, so a streamed reply never shows a stop's first half."""
-    engine, prompt, free = free_reply(tiny_models)
+    e, prompt, free = free_reply(tiny_models)
     stop = free.text[5:9]  # four characters from inside the free reply: the stopped reply ends before them
     pieces: list[str] = []
-    stopped = engine.generate([Request(prompt, max_tokens=24, stop=(stop,))],
+    stopped = e.generate([Request(prompt, max_tokens=24, stop=(stop,))],
                               on_token=lambda _, __, piece: pieces.append(piece))[0]
     assert stopped.finish == "stop" and stopped.text == free.text[:free.text.index(stop)]
     assert "".join(pieces) == stopped.text
@@ -88,28 +88,27 @@ def test_prompt_scores_from_a_warm_prefix_equal_cold(model):
     g = torch.Generator().manual_seed(5)
     prompt = tuple(torch.randint(0, 500, (200,), generator=g).tolist())  # three full 64-row pages
     scored = Request(prompt, max_tokens=6, prompt_logprobs=2, logprobs=1)
-    cold_run = Engine(model, EngineSettings(window=512, lanes=1)).generate([scored])[0]
-    engine = Engine(model, EngineSettings(window=512, lanes=2, page_rows=64, paged_all=True, pool_pages=16,
-                                          prefix_cache=True))
+    cold_run = run(model, [scored])[0]
+    warmed = engine(model, lanes=2, page_rows=64, paged_all=True, pool_pages=16, prefix_cache=True)
     warm = Request(prompt, max_tokens=6)
-    first = engine.generate([warm])[0]
-    drawing, *scoring = engine.generate([warm, scored, scored])
+    first = warmed.generate([warm])[0]
+    drawing, *scoring = warmed.generate([warm, scored, scored])
     assert first.reused == 0 and drawing.reused == 3 * 64
     assert all(r.reused == 0 for r in scoring)
     assert scores(scoring) == scores([cold_run, cold_run])
     assert all(all(s is not None for s in r.prompt_logprobs[1:]) for r in scoring)
 
 
-def forwards_logits_rows(engine: Engine) -> list[int]:
+def forwards_logits_rows(e: Engine) -> list[int]:
     """Record the logits rows of every forward the engine runs."""
     seen: list[int] = []
-    run = engine.runner.run
+    real = e.runner.run
 
     def counting(feeds):
         seen.append(sum(f.logits for f in feeds))
-        return run(feeds)
+        return real(feeds)
 
-    engine.runner.run = counting
+    e.runner.run = counting
     return seen
 
 
@@ -119,27 +118,27 @@ def test_scored_prompts_take_their_logits_rows_in_chunks_within_the_bound(model)
     g = torch.Generator().manual_seed(8)
     requests = [Request(tuple(torch.randint(0, 500, (n,), generator=g).tolist()), max_tokens=12, prompt_logprobs=1,
                         logprobs=0) for n in (150, 150)] + [Request((1, 2, 3), max_tokens=40, logprobs=0)]
-    alone = [Engine(model, EngineSettings(window=512, lanes=1)).generate([r])[0] for r in requests]
+    alone_runs = alone(model, requests)
     for bound, within in ((24, True), (0, False)):
-        engine = Engine(model, EngineSettings(window=512, lanes=3, prefill_chunk=128, logits_rows=bound or 10_000))
-        seen = forwards_logits_rows(engine)
-        together = engine.generate(requests)
+        e = engine(model, lanes=3, prefill_chunk=128, logits_rows=bound or 10_000)
+        seen = forwards_logits_rows(e)
+        together = e.generate(requests)
         assert (max(seen) <= 24) is within, (bound, max(seen))
-        assert [r.digests for r in together] == [r.digests for r in alone]
-        assert scores(together[:2]) == scores(alone[:2])
+        assert [r.digests for r in together] == [r.digests for r in alone_runs]
+        assert scores(together[:2]) == scores(alone_runs[:2])
 
 
 def test_logits_rows_below_every_lane_drawing_is_refused(model):
     from tfq.errors import TfqError
 
     with pytest.raises(TfqError, match=r"logits_rows 3 is fewer than the rows every lane draws from at once \(4 lanes"):
-        Engine(model, EngineSettings(window=512, lanes=4, logits_rows=3))
+        engine(model, lanes=4, logits_rows=3)
 
 
 def test_the_stop_that_begins_first_in_the_text_wins(tiny_models):
     """With several stop strings the reply ends before the earliest in its text, whatever the list's order."""
-    engine, prompt, free = free_reply(tiny_models)
+    e, prompt, free = free_reply(tiny_models)
     early, late = free.text[2:5], free.text[9:13]
     assert early not in free.text[:2] and late not in free.text[:9]
-    stopped = engine.generate([Request(prompt, max_tokens=24, stop=(late, early))])[0]
+    stopped = e.generate([Request(prompt, max_tokens=24, stop=(late, early))])[0]
     assert stopped.finish == "stop" and stopped.text == free.text[:2]

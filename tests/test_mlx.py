@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from tfq.engine.core import Engine, EngineSettings
 from tfq.errors import TfqError
 from tfq.model.config import ModelConfig
 from tfq.model.load import load_model
 from tfq.model.mlx import dequantize, folder_quantization, load_mlx_state
 from tfq.engine.stream import Request
-from engines import one_forward
+import engines
+from engines import one_forward, run
 from tiny import tiny_model_dir, write_mlx_checkpoint
 
 KINDS = ("linear_attention", "linear_attention", "linear_attention", "full_attention")
@@ -160,11 +160,8 @@ def test_mlx_checkpoint_streams_equal_their_runs_alone(pair, weights):
     _, _, folder = pair
     loaded = load_model(str(folder), progress=False, weights=weights)
     requests = [Request(tuple(range(5 + 40 * i, 5 + 40 * i + 17 * (i + 1))), max_tokens=12) for i in range(4)]
-    settings = EngineSettings(window=512, lanes=4, prefill_chunk=23)
-    together = Engine(loaded.model, settings, eos_ids=()).generate(requests)
-    for r, got in zip(requests, together):
-        alone = Engine(loaded.model, EngineSettings(window=512, lanes=1), eos_ids=()).generate([r])[0]
-        assert got.ids == alone.ids and got.digests == alone.digests
+    together = run(loaded.model, requests, lanes=4, prefill_chunk=23)
+    assert engines.bits(together) == engines.bits(engines.alone(loaded.model, requests))
 
 
 def test_bad_quantization_is_one_line(pair, tmp_path):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tfq.engine.core import Engine, EngineSettings
+from tfq.engine.core import EngineSettings
 from tfq.errors import TfqError
 from tfq.model import moe
 from tfq.model.config import ModelConfig
@@ -20,6 +20,7 @@ from tfq.model.moe import Routes, combine, combine_by_load, filled_routes, route
 from tfq.engine.stream import Request
 
 from cli import tfq
+from engines import engine, run
 from test_forward import hf_model
 from test_hybrid import shipped_hybrid_suite
 from test_bench import TINY_PLAN
@@ -83,7 +84,7 @@ def test_logits_match_transformers(tmp_path_factory, family, normalized):
     g = torch.Generator().manual_seed(5)
     prompt = tuple(torch.randint(0, loaded.config.vocab_size, (150,), generator=g).tolist())
     settings = EngineSettings(window=512, lanes=2, prefill_chunk=50, page_rows=64, paged_all=True, pool_pages=8)
-    got = Engine(loaded.model, settings, eos_ids=(), keep_logits=True).generate([Request(prompt, max_tokens=32)])[0]
+    got = run(loaded.model, [Request(prompt, max_tokens=32)], settings, keep_logits=True)[0]
     with torch.no_grad():
         ref = hf_model(folder)(torch.tensor([prompt + tuple(got.ids[:-1])])).logits[0, len(prompt) - 1:]
     ours = torch.stack(got.logits)
@@ -247,11 +248,11 @@ def test_the_guard_refuses_a_combine_that_follows_the_batch(moe_dir, monkeypatch
 
     monkeypatch.setattr(moe, "combine", flawed)
     with pytest.raises(TfqError) as e:
-        Engine(loaded.model, EngineSettings(window=256, lanes=4, prefill_chunk=64), eos_ids=())
+        engine(loaded.model, window=256, lanes=4, prefill_chunk=64)
     assert "combine" in str(e.value) and "\n" not in str(e.value)
     monkeypatch.undo()  # the control's control: the same guard passes the plain combine (on a fresh model: the
     fresh = load_model(str(moe_dir), progress=False).model  # first keeps what its guard found)
-    Engine(fresh, EngineSettings(window=256, lanes=4, prefill_chunk=64), eos_ids=())
+    engine(fresh, window=256, lanes=4, prefill_chunk=64)
     # what the engine runs, the C++ experts and combine (kernels/cpu/moe.cpp), flawed the same way: the guard
     # finds the layer in one call apart from the ops
     model = load_model(str(moe_dir), progress=False).model
@@ -260,7 +261,7 @@ def test_the_guard_refuses_a_combine_that_follows_the_batch(moe_dir, monkeypatch
         model.backend = dataclasses.replace(model.backend, moe_mixture=lambda h, *a: op(h, *a) * (
             1 + 2 ** -8 if h.shape[0] > 1 else 1))
         with pytest.raises(TfqError, match="layer in one call"):
-            Engine(model, EngineSettings(window=256, lanes=4, prefill_chunk=64), eos_ids=())
+            engine(model, window=256, lanes=4, prefill_chunk=64)
 
 
 def test_tensor_parallelism_refuses_a_mixture_in_one_line(moe_dir):

@@ -7,12 +7,13 @@ import dataclasses
 import pytest
 import torch
 
-from tfq.engine.core import Engine, EngineSettings
+from tfq.engine.core import EngineSettings
 from tfq.kernels.contract import KEY_TILE
 from tfq.engine.layer_guard import ONE_CALL, ONE_CALL_STORE, LayerProof
 from tfq.engine.stream import Request
 from test_hybrid import Oracle, hybrid, hybrid_dir  # noqa: F401 (fixtures)
-from test_hybrid import requests as hybrid_requests, run as hybrid_run
+from test_hybrid import requests as hybrid_requests
+from engines import alone, bits, run
 
 SETTINGS = {
     "fp32, whole": EngineSettings(window=256, lanes=3, prefill_chunk=512),
@@ -25,7 +26,7 @@ SETTINGS = {
 def replies(model, settings: EngineSettings) -> list[tuple[list[int], list[str]]]:
     g = torch.Generator().manual_seed(4)
     requests = [Request(tuple(torch.randint(3, 500, (n,), generator=g).tolist()), max_tokens=8) for n in (2, 40, 300)]
-    return [(r.ids, r.digests) for r in Engine(model, settings, eos_ids=()).generate(requests)]
+    return bits(run(model, requests, settings))
 
 
 @pytest.mark.parametrize("name", SETTINGS)
@@ -71,17 +72,16 @@ def test_a_hybrid_runs_both_kinds_of_layer_in_one_call_with_the_bits_of_the_ops(
 
     monkeypatch.setattr(model, "backend", dataclasses.replace(model.backend, layer=counted("layer"),
                                                               delta_layer=counted("delta_layer")))
-    alone = [hybrid_run(model, [r])[0] for r in hybrid_requests()]
-    oracle = lambda: Oracle({r.prompt: a.ids for r, a in zip(hybrid_requests(), alone)})  # noqa: E731
+    alone_runs = alone(model, hybrid_requests())
+    oracle = lambda: Oracle({r.prompt: a.ids for r, a in zip(hybrid_requests(), alone_runs)})  # noqa: E731
     arms = [dict(lanes=5, prefill_chunk=13), dict(lanes=5, drafter=oracle())]
-    fused = [hybrid_run(model, hybrid_requests(), **arm) for arm in arms]
+    fused = [run(model, hybrid_requests(), **arm) for arm in arms]
     assert calls["layer"] > 0 and calls["delta_layer"] > 0
     monkeypatch.setattr(type(model), "runs_in_one_call", lambda self, layer: False)
-    assert [(r.ids, r.digests) for r in hybrid_run(model, hybrid_requests())] == [(a.ids, a.digests) for a in alone]
+    assert bits(run(model, hybrid_requests())) == bits(alone_runs)
     arms[1]["drafter"] = oracle()
     for arm, got in zip(arms, fused):
-        assert [(r.ids, r.digests) for r in hybrid_run(model, hybrid_requests(), **arm)] == \
-            [(r.ids, r.digests) for r in got]
+        assert bits(run(model, hybrid_requests(), **arm)) == bits(got)
 
 
 @pytest.mark.parametrize("harm", ["output", "state"])

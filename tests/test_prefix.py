@@ -9,12 +9,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tfq.engine.core import Controls, Engine, EngineSettings
+from tfq.engine.core import Engine, EngineSettings
 from tfq.kernels.contract import KEY_TILE
 from tfq.engine.runner import ColdPartial
 from tfq.engine.stream import Request
-
-WINDOW = 512
+from engines import WINDOW, alone_once, engine as make_engine
 
 
 @pytest.fixture(scope="module", params=["qwen2", "qwen3"])
@@ -22,16 +21,10 @@ def model(request, tiny_models):
     return tiny_models[request.param].model
 
 
-_cold: dict = {}
-
-
 def cold(model, request: Request) -> tuple[list[int], list[str]]:
     """The request alone, on a whole plan without pages or a prefix cache."""
-    key = (id(model), request)
-    if key not in _cold:
-        r = Engine(model, EngineSettings(window=WINDOW, lanes=1)).generate([request])[0]
-        _cold[key] = (r.ids, r.digests)
-    return _cold[key]
+    r = alone_once(model, request)
+    return r.ids, r.digests
 
 
 def drive(engine: Engine, requests: list[Request], arrivals: list[int]):
@@ -62,8 +55,7 @@ def test_a_warm_stream_maps_the_pages_and_equals_its_cold_run(model):
     vocab = model.config.vocab_size
     system = tokens(200, 1, vocab)
     first, second = (Request(tuple(system + tokens(30, s, vocab)), max_tokens=8) for s in (2, 3))
-    engine = Engine(model, EngineSettings(window=WINDOW, lanes=2, page_rows=KEY_TILE, paged_all=True,
-                                          pool_pages=16, prefix_cache=True))
+    engine = make_engine(model, lanes=2, page_rows=KEY_TILE, paged_all=True, pool_pages=16, prefix_cache=True)
     a = engine.generate([first])[0]
     b = engine.generate([second])[0]
     assert a.reused == 0 and b.reused == 3 * KEY_TILE  # 200 shared tokens: three full 64-row pages
@@ -99,7 +91,7 @@ def test_prompt_trees_warm_equal_cold(model, data):
                          page_rows=page_rows, paged_all=data.draw(st.booleans()),
                          pool_pages=data.draw(st.one_of(st.integers(need, need + 1),  # tight: evict, preempt
                                                         st.integers(need, need * lanes + 2))), prefix_cache=True)
-    engine = Engine(model, cfg, controls=Controls(page_order_seed=data.draw(st.integers(0, 9))))
+    engine = make_engine(model, cfg, page_order_seed=data.draw(st.integers(0, 9)))
     arrivals = [data.draw(st.integers(0, 30)) for _ in requests]
     for request, got in zip(requests, drive(engine, requests, arrivals)):
         assert got.error is None
@@ -113,8 +105,7 @@ def test_a_preempted_stream_finds_its_own_pages(model):
     vocab = model.config.vocab_size
     older = Request(tuple(tokens(100, 41, vocab)), max_tokens=100)  # grows to 4 pages of 64 rows
     newer = Request(tuple(tokens(200, 42, vocab)), max_tokens=100)  # 5 pages: 9 > the pool's 7
-    engine = Engine(model, EngineSettings(window=WINDOW, lanes=2, page_rows=KEY_TILE, paged_all=True, pool_pages=7,
-                                          prefix_cache=True))
+    engine = make_engine(model, lanes=2, page_rows=KEY_TILE, paged_all=True, pool_pages=7, prefix_cache=True)
     a, b = engine.generate([older, newer])
     assert b.preempted > 0 and b.reused >= 3 * KEY_TILE  # at least its first three pages came back
     for request, got in ((older, a), (newer, b)):
@@ -128,8 +119,8 @@ def test_drafted_streams_share_only_verified_rows(model):
     vocab = model.config.vocab_size
     loop = tokens(40, 5, vocab) * 4  # repeats: the n-gram drafter guesses, some guesses are rejected
     requests = [Request(tuple(loop + tokens(5, s, vocab)), max_tokens=30) for s in range(3)]
-    engine = Engine(model, EngineSettings(window=WINDOW, lanes=2, page_rows=KEY_TILE, paged_all=True, pool_pages=12,
-                                          prefix_cache=True), drafter=NgramDrafter(4))
+    engine = make_engine(model, lanes=2, page_rows=KEY_TILE, paged_all=True, pool_pages=12, prefix_cache=True,
+                         drafter=NgramDrafter(4))
     results = engine.generate(requests[:1]) + engine.generate(requests[1:])
     assert sum(r.proposed for r in results) > sum(r.accepted for r in results) > 0
     assert sum(r.reused for r in results) > 0
@@ -145,8 +136,8 @@ def test_control_pages_computed_under_partial_reused_by_rows_streams_come_out_re
     system = tokens(420, 8, vocab)  # rows past the first 256 keys, where partial and rows differ, in full pages
     first, second = (Request(tuple(system + tokens(20, s, vocab)), max_tokens=6) for s in (1, 2))
     switch = ColdPartial()  # `partial` for the cold run, `rows` after
-    engine = Engine(model, EngineSettings(window=WINDOW, lanes=1, page_rows=KEY_TILE, paged_all=True, pool_pages=8,
-                                          prefix_cache=True), controls=Controls(arithmetic=switch))
+    engine = make_engine(model, lanes=1, page_rows=KEY_TILE, paged_all=True, pool_pages=8, prefix_cache=True,
+                         arithmetic=switch)
     engine.generate([first])
     switch.warm()
     warm = engine.generate([second])[0]
@@ -160,8 +151,7 @@ def test_the_n_choices_of_one_request_share_their_prompt(model):
 
     vocab = model.config.vocab_size
     requests = choices([tokens(200, 12, vocab)], 3, seed=4, max_tokens=6, temperature=0.9)
-    engine = Engine(model, EngineSettings(window=WINDOW, lanes=3, page_rows=KEY_TILE, paged_all=True, pool_pages=24,
-                                          prefix_cache=True))
+    engine = make_engine(model, lanes=3, page_rows=KEY_TILE, paged_all=True, pool_pages=24, prefix_cache=True)
     results = engine.generate(requests)
     assert [r.reused for r in results] == [0, 3 * KEY_TILE, 3 * KEY_TILE]
     for request, got in zip(requests, results):

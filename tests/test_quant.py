@@ -18,6 +18,7 @@ from tfq.kernels.rowwise import FixedOrderLinear
 from tfq.proofs.kernel_check_rowwise import dequantized, linear_bound
 from tfq.proofs.kernel_check_rowwise import random_blocks as check_blocks
 from tfq.model.gguf_kept import BlockRows
+from engines import alone, bits, run, run_on
 from tiny import held_bytes, write_tiny_gguf
 
 pytestmark = pytest.mark.skipif(not cpu_build.load()[0], reason="tfq's CPU kernels do not build here")
@@ -194,15 +195,7 @@ def mixed_requests(vocab: int, seed: int) -> list:
             enumerate([(120, 20, 0.0), (121, 20, 0.8), (125, 16, 0.0), (5, 9, 0.0), (300, 4, 0.0)])]
 
 
-def run_engine(model, requests, **kw) -> tuple[list, int]:
-    """(each stream's (ids, digests), the preemptions) of an engine of 4 lanes on `requests`."""
-    from engines import engine as make_engine
-
-    engine = make_engine(model, lanes=4, **kw)
-    return [(r.ids, r.digests) for r in engine.generate(requests)], engine.scheduler.preemptions
-
-
-CROWDED = dict(prefill_chunk=64, page_rows=64, pool_pages=6)  # chunked prompts on 6 pages: preempted streams
+CROWDED = dict(lanes=4, prefill_chunk=64, page_rows=64, pool_pages=6)  # chunked prompts on 6 pages: preempted
 
 
 def test_engine_streams_on_gguf_weights_equal_fp32_and_their_runs_alone(loaded):
@@ -210,11 +203,10 @@ def test_engine_streams_on_gguf_weights_equal_fp32_and_their_runs_alone(loaded):
     logits digests equal its run alone and equal the fp32 weights' run (the same file, dequantized)."""
     requests = mixed_requests(loaded["gguf"].config.vocab_size, seed=0)
     gguf, fp32 = loaded["gguf"].model, loaded["fp32"].model
-    together, preempted = run_engine(gguf, requests, **CROWDED)
-    assert preempted > 0  # the 6-page pool cannot hold them all: streams were preempted and recomputed
-    assert together == run_engine(fp32, requests, **CROWDED)[0]
-    for r, got in zip(requests, together):
-        assert got == run_engine(gguf, [r])[0][0]
+    together, engine = run_on(gguf, requests, **CROWDED)
+    assert engine.scheduler.preemptions > 0  # the 6-page pool cannot hold them all: streams were preempted
+    assert bits(together) == bits(run(fp32, requests, **CROWDED))
+    assert bits(together) == bits(alone(gguf, requests, lanes=4))
 
 
 def test_the_one_call_layer_runs_quantized_layers(loaded):
@@ -252,7 +244,6 @@ def test_cli_bad_weights_value_exits_2(tiny_file):
 def test_default_model_gguf_equals_fp32(default_model):
     """The default model on its own blocks (the shared fixture, weights: auto) against the same file dequantized
     to fp32: every prompt row's logits equal, bit for bit, for three chats prefilled together."""
-    from tfq.engine.core import Engine, EngineSettings
     from tfq.model.load import load_model
     from tfq.engine.stream import Request
 
@@ -263,9 +254,9 @@ def test_default_model_gguf_equals_fp32(default_model):
                ("Write a Python function that checks whether a number is prime.", "What is 17 * 23?",
                 "Explain what a mutex is in two sentences.")]
 
-    def run(loaded):
-        engine = Engine(loaded.model, EngineSettings(window=256, lanes=3), eos_ids=())
+    def scored(loaded):
+        requests = [Request(prompt=tuple(p), max_tokens=12, prompt_logprobs=0) for p in prompts]
         return [(r.ids, r.digests, [p.logprob for p in r.prompt_logprobs[1:]]) for r in
-                engine.generate([Request(prompt=tuple(p), max_tokens=12, prompt_logprobs=0) for p in prompts])]
+                run(loaded.model, requests, window=256, lanes=3)]
 
-    assert run(default_model) == run(fp32)
+    assert scored(default_model) == scored(fp32)

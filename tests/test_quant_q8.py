@@ -10,7 +10,8 @@ from tfq.kernels import cpu_build
 from tfq.kernels.quant import FORMATS, QuantLinear, format_bytes, from_blocks, join
 from tfq.kernels.quant_q8 import reference, round_activations
 from cli import tfq
-from test_quant import CROWDED, ROWS, mixed_requests, random_blocks, run_engine, tiny_file  # noqa: F401
+from engines import alone, bits, run, run_on
+from test_quant import CROWDED, ROWS, mixed_requests, random_blocks, tiny_file  # noqa: F401
 from tiny import held_bytes
 
 pytestmark = pytest.mark.skipif(not cpu_build.load()[0], reason="tfq's CPU kernels do not build here")
@@ -125,11 +126,10 @@ def test_engine_streams_on_q8_equal_their_runs_alone(loaded):
     gguf-q8 equal its run alone. The control: the same requests on gguf give other digests."""
     requests = mixed_requests(loaded["gguf"].config.vocab_size, seed=1)
     q8 = loaded["gguf-q8"].model
-    together, preempted = run_engine(q8, requests, **CROWDED)
-    assert preempted > 0
-    for r, got in zip(requests, together):
-        assert got == run_engine(q8, [r])[0][0]
-    assert [d for _, d in together] != [d for _, d in run_engine(loaded["gguf"].model, requests)[0]]
+    together, engine = run_on(q8, requests, **CROWDED)
+    assert engine.scheduler.preemptions > 0
+    assert bits(together) == bits(alone(q8, requests, lanes=4))
+    assert [r.digests for r in together] != [r.digests for r in run(loaded["gguf"].model, requests, lanes=4)]
 
 
 def test_plan_says_what_gguf_q8_computes(tiny_file, monkeypatch, capsys):  # noqa: F811

@@ -18,7 +18,7 @@ import pytest
 from serve_load import calls, differences, fire
 from tfq.engine.core import Controls, Engine
 from tfq.engine.runner import paged_partial
-from served import NAME, POOL, TINY_PLAN, idle, raw, server, tiny_served, until
+from served import NAME, POOL, TINY_PLAN, idle, raw, replies_alone, server, tiny_served, until
 from tfq.serve.background import ServeOptions, build_served, serving
 
 @pytest.fixture(scope="module")
@@ -34,11 +34,7 @@ def load():
 @pytest.fixture(scope="module")
 def alone(tiny, load):
     """Each call sent alone to a fresh server."""
-    out = []
-    for call in load:
-        with serving(server(tiny)) as base:
-            out.append(asyncio.run(fire(base, NAME, [call.__class__(**{**call.__dict__, "delay": 0.0})]))[0])
-    return out
+    return replies_alone(lambda: server(tiny), NAME, load)
 
 
 def test_the_load_is_what_the_issue_asks(tiny, load):
@@ -70,10 +66,7 @@ def test_under_load_with_the_prefix_cache(tiny):
     load = calls(seed=5, shared=True, echo=True)
     assert any(c.body.get("echo") and c.body["n"] == 2 for c in load)
     on = plan.set("kv.prefix_cache", "on", "test")
-    alone = []
-    for call in load:
-        with serving(server(tiny)) as base:
-            alone.append(asyncio.run(fire(base, NAME, [call.__class__(**{**call.__dict__, "delay": 0.0})]))[0])
+    alone = replies_alone(lambda: server(tiny), NAME, load)
     served = build_served(on, layout, loaded, NAME)
     with serving(served) as base:
         under = asyncio.run(fire(base, NAME, load))

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from serve_load import calls, differences, fire, tally
+from served import replies_alone
 from tfq.plan.resolve import resolve_plan
 from tfq.engine.core import Controls
 from tfq.engine.runner import paged_partial
@@ -30,10 +31,7 @@ def test_default_model_under_load_equals_alone_and_the_control_is_red(default_mo
 
     rows = []
     t0 = time.perf_counter()
-    alone = []
-    for call in load:
-        with serving(fresh()) as base:
-            alone.append(asyncio.run(fire(base, "default", [call.__class__(**{**call.__dict__, "delay": 0.0})]))[0])
+    alone = replies_alone(fresh, "default", load)
     rows.append(("each call alone, a fresh server each", tally(alone, alone), 0, time.perf_counter() - t0))
     for name, kw in (("32 calls together (rows)", {}), ("control: paged streams partial", {"controls": Controls(arithmetic=paged_partial)})):
         t0 = time.perf_counter()

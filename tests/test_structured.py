@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from engines import engine, same
+from engines import engine, one_by_one, same
 from test_draft import RandomDrafter
-from tfq.engine.core import Controls
 from tfq.errors import TfqError
 from tfq.decode.grammar import Constraint, SharedMask, constraint_of
 from tfq.decode.penalties import Penalties
@@ -47,14 +46,13 @@ def tiny(tiny_models):
 
 @pytest.fixture(scope="module")
 def alone(tiny):
-    one = tiny_engine(tiny)
-    return [one.generate([r])[0] for r in shaped_requests(tiny.tokenizer)]
+    return one_by_one(tiny_engine(tiny), shaped_requests(tiny.tokenizer))
 
 
 def test_constrained_and_penalized_replies_equal_alone_together_paged_preempted_and_drafted(tiny, alone):
     requests = shaped_requests(tiny.tokenizer)
     busy = tiny_engine(tiny, lanes=4, prefill_chunk=16, page_rows=64, paged_all=True, pool_pages=5,
-                       controls=Controls(page_order_seed=2))
+                       page_order_seed=2)
     together = busy.generate(requests)
     assert sum(r.preempted for r in together) > 0  # the case is preemption, by construction
     drafted = tiny_engine(tiny, lanes=3, drafter=RandomDrafter(3, tiny.config.vocab_size, 1)).generate(requests)
@@ -69,7 +67,7 @@ def test_control_one_mask_buffer_for_the_batch_comes_out_red(tiny, alone):
     """The control: every row's mask or-ed into one buffer never cleared (a batch's mask shared across rows);
     then some row may draw what only another row's grammar allows, and a reply parts from its run alone."""
     requests = shaped_requests(tiny.tokenizer)
-    control = tiny_engine(tiny, lanes=4, controls=Controls(mask=SharedMask())).generate(requests)
+    control = tiny_engine(tiny, lanes=4, mask=SharedMask()).generate(requests)
     assert any(not same(a, c) for a, c in zip(alone, control))
 
 
@@ -134,14 +132,13 @@ def test_every_schema_of_the_suite_gives_a_valid_reply_the_same_alone_and_eight_
                         temperature=0.7 if i % 3 == 2 else 0.0, seed=i, label=s["name"],
                         constraint=Constraint.json_schema(s["schema"])) for i, s in enumerate(SCHEMAS)]
     assert len(requests) >= 30
-    one = tiny_engine(default_model)
-    alone = [one.generate([r])[0] for r in requests]
+    alone = one_by_one(tiny_engine(default_model), requests)
     together = tiny_engine(default_model, lanes=8).generate(requests)
     for s, a, b in zip(SCHEMAS, alone, together):
         assert a.finish is Finish.EOS, (s["name"], a.finish, a.text)
         jsonschema.validate(json.loads(a.text), s["schema"])
         assert same(a, b), s["name"]
-    control = tiny_engine(default_model, lanes=8, controls=Controls(mask=SharedMask())).generate(requests)
+    control = tiny_engine(default_model, lanes=8, mask=SharedMask()).generate(requests)
     assert sum(not same(a, c) for a, c in zip(alone, control)) > len(requests) // 2
 
 

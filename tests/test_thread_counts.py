@@ -13,14 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from tfq.engine.draft import NgramDrafter
-from tfq.engine.core import Controls, Engine, EngineSettings
+from tfq.engine.core import EngineSettings
 from tfq.errors import TfqError
 from tfq.engine.layer_guard import LayerProof
 from tfq.engine.stream import Request
 from tfq.kernels.contract import KEY_TILE
 
-import engines
-from engines import same
+from engines import alone, all_same, engine, one_by_one, run, same
 from tiny import write_tiny_checkpoint
 
 COUNTS = (1, 2, 3, 4, 5, 8, 16)
@@ -53,26 +52,15 @@ def requests() -> list[Request]:
     return [Request(tuple(p), max_tokens=10) for p in prompts]
 
 
-ARMS = {
+ARMS = {  # engine()'s arguments (NgramDrafter keeps nothing between runs: one serves every run)
     "whole": dict(settings=EngineSettings(window=256, lanes=4, prefill_chunk=512)),
     "paged, chunked": dict(settings=EngineSettings(window=256, lanes=4, prefill_chunk=13, page_rows=KEY_TILE,
-                                                   paged_all=True, pool_pages=16), controls=Controls(page_order_seed=3)),
+                                                   paged_all=True, pool_pages=16), page_order_seed=3),
     "preempted": dict(settings=EngineSettings(window=256, lanes=4, prefill_chunk=32, page_rows=KEY_TILE,
                                               paged_all=True, pool_pages=4)),
     "drafted": dict(settings=EngineSettings(window=256, lanes=4, prefill_chunk=64, page_rows=KEY_TILE,
-                                            pool_pages=16), drafter="ngram"),
+                                            pool_pages=16), drafter=NgramDrafter(4)),
 }
-
-
-def run(model, arm: dict, reqs: list[Request]):
-    kw = {k: v for k, v in arm.items() if k not in ("settings", "drafter")}
-    if arm.get("drafter"):
-        kw["drafter"] = NgramDrafter(4)
-    return engines.run(model, reqs, arm["settings"], keep_logits=True, **kw)
-
-
-def alone_runs(model, reqs: list[Request]):
-    return [engines.run(model, [r], window=256, keep_logits=True)[0] for r in reqs]
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +68,7 @@ def reference(wide):
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return alone_runs(wide, requests())
+        return alone(wide, requests(), window=256, keep_logits=True)
     finally:
         torch.set_num_threads(before)
 
@@ -90,7 +78,7 @@ def test_every_arm_equals_the_run_alone_on_one_thread(wide, reference, threads, 
     threads(count)
     reqs = requests()
     for name, arm in ARMS.items():
-        results = run(wide, arm, reqs)
+        results = run(wide, reqs, keep_logits=True, **arm)
         for r, ref, got in zip(reqs, reference, results):
             assert got.error is None
             assert same(ref, got), f"{name} at {count} threads: a {len(r.prompt)}-token prompt's reply changed"
@@ -98,7 +86,7 @@ def test_every_arm_equals_the_run_alone_on_one_thread(wide, reference, threads, 
             assert sum(r.preempted for r in results) > 0
         if name == "drafted":
             assert sum(r.accepted for r in results) > 0
-    assert all(same(a, b) for a, b in zip(reference, alone_runs(wide, reqs)))
+    assert all_same(reference, alone(wide, reqs, window=256, keep_logits=True))
 
 
 def chunk_flaw(act):
@@ -126,14 +114,14 @@ def test_control_an_activation_with_the_chunk_flaw_changes_replies_at_3_threads(
     act = wide.act
     wide.act = chunk_flaw(act)
     try:
-        engine = Engine(wide, ARMS["whole"]["settings"], eos_ids=(), keep_logits=True)
+        e = engine(wide, ARMS["whole"]["settings"], keep_logits=True)
         threads(3)
-        together = engine.generate(requests())
-        alone = [engine.generate([r])[0] for r in requests()]
+        together = e.generate(requests())
+        each = one_by_one(e, requests())
     finally:
         wide.act = act
-    assert not all(same(a, b) for a, b in zip(alone, together))  # RED: together differs from alone
-    assert not all(same(a, b) for a, b in zip(reference, alone))  # RED: 3 threads differ from 1
+    assert not all(same(a, b) for a, b in zip(each, together))  # RED: together differs from alone
+    assert not all(same(a, b) for a, b in zip(reference, each))  # RED: 3 threads differ from 1
 
 
 def test_the_guard_refuses_the_flawed_activation_naming_op_and_count(wide, threads):
@@ -142,7 +130,7 @@ def test_the_guard_refuses_the_flawed_activation_naming_op_and_count(wide, threa
     wide.act = chunk_flaw(act)
     try:
         with pytest.raises(TfqError) as e:
-            Engine(wide, EngineSettings(window=256, lanes=4, prefill_chunk=64, kv_dtype="bf16"), eos_ids=())
+            engine(wide, window=256, lanes=4, prefill_chunk=64, kv_dtype="bf16")
     finally:
         wide.act = act
     message = str(e.value)
@@ -182,7 +170,7 @@ def test_the_guard_refuses_a_penalty_that_follows_the_thread_count(wide, threads
     arithmetic follows the thread count (the control: the count picks which token it lifts) is refused at the
     second count, naming the sampler."""
     from tfq.decode.penalties import Penalties
-    from tfq.proofs import startup
+    from tfq.engine import layer_guard
 
     class Drifting(Penalties):
         def apply(self, row, prompt, reply):
@@ -193,8 +181,8 @@ def test_the_guard_refuses_a_penalty_that_follows_the_thread_count(wide, threads
     proof = LayerProof(wide, "fp32", False)
     threads(1)
     assert proof.holds(1, 100, 50) is None
-    monkeypatch.setattr(startup, "PENALIZED", Drifting(**{f: getattr(startup.PENALIZED, f) for f in
-                                                          ("presence", "frequency", "repetition", "bias")}))
+    monkeypatch.setattr(layer_guard, "PENALIZED", Drifting(**{f: getattr(layer_guard.PENALIZED, f) for f in
+                                                              ("presence", "frequency", "repetition", "bias")}))
     threads(3)
     failure = proof.holds(3, 100, 50)
     assert failure is not None and failure.op == "sampler"

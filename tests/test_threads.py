@@ -9,11 +9,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from tfq.engine.core import Engine, EngineSettings
+from tfq.engine.core import EngineSettings
 from tfq.errors import TfqError
 from tfq.engine.stream import Request
 from tfq.engine.threads import CpuSample, Threads, fix_threads, ladder, read_sample, release_workers
 
+from engines import run
 from served import eventually, server, tiny_served
 
 
@@ -192,9 +193,9 @@ def test_changing_threads_between_steps_keeps_every_bit(tiny_models):
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        fixed = Engine(model, settings, keep_logits=True).generate(requests)
+        fixed = run(model, requests, settings, keep_logits=True)
         flip = Flip()
-        flipped = Engine(model, settings, keep_logits=True, threads=flip).generate(requests)
+        flipped = run(model, requests, settings, keep_logits=True, threads=flip)
     finally:
         torch.set_num_threads(before)
     assert flip.steps > 5

@@ -24,6 +24,8 @@ import torch
 import yaml
 
 from cli import tfq
+import engines
+from engines import all_same
 from test_together import check_for, random_suite
 from tfq.errors import TfqError, Unservable
 from tfq.model.load import load_model
@@ -85,16 +87,14 @@ def test_every_arm_equals_one_process_alone_and_all_reduce_is_red(family, world,
 def test_ranks_run_the_same_forward_as_one_process(tiny_models):
     """Below the check: one forward's logits at 3 ranks equal one process's bit for bit, and the all-reduce
     split's differ (the control fails by construction: a sum cut in two and added)."""
-    from tfq.engine.core import Engine, EngineSettings
     from tfq.engine.stream import Request
 
     folder = str(tiny_models["qwen3"].folder)
-    settings = EngineSettings(window=256, lanes=3)
     requests = [Request(prompt=tuple(range(5 + 3 * i, 40 + 7 * i)), max_tokens=5) for i in range(4)]
     runs = {}
     for name, loaded in (("one", tiny_models["qwen3"]), ("tp3", load_model(folder, progress=False, tp=3)),
                          ("reduce", load_model(folder, progress=False, tp=2, reduce=True))):
-        runs[name] = Engine(loaded.model, settings, keep_logits=True).generate(requests)
+        runs[name] = engines.run(loaded.model, requests, window=256, lanes=3, keep_logits=True)
     for one, tp3, reduce in zip(runs["one"], runs["tp3"], runs["reduce"]):
         assert one.ids == tp3.ids and all(torch.equal(a, b) for a, b in zip(one.logits, tp3.logits))
         assert not torch.equal(one.logits[0], reduce.logits[0])
@@ -220,12 +220,11 @@ def test_every_rank_proves_its_own_shard(tiny_dirs):
 def test_a_rank_that_dies_is_one_line_not_a_hang(tiny_dirs):
     """A rank killed mid-run: rank 0's next forward says so in one line (a TfqError), instead of waiting on a
     collective for ever or printing a traceback."""
-    from tfq.engine.core import Engine, EngineSettings
     from tfq.parallel.ranks import ranks
     from tfq.engine.stream import Request
 
     loaded = load_model(str(tiny_dirs["qwen2"]), progress=False, tp=4)  # a group of its own: no other test's
-    engine = Engine(loaded.model, EngineSettings(window=128, lanes=2))
+    engine = engines.engine(loaded.model, window=128, lanes=2)
     assert engine.generate([Request(prompt=(1, 2, 3), max_tokens=2)])[0].finish == "length"
     group = ranks(4, torch.device("cpu"))
     group.processes[1].kill()
@@ -375,16 +374,12 @@ def pair(tiny_dirs):
     group.stop()
 
 
-def _run(model):
-    from tfq.engine.core import Engine, EngineSettings
+def two_streams(model):
+    """Two short streams together on `model`, logits kept: what a rank group's forwards are compared by."""
     from tfq.engine.stream import Request
 
     requests = [Request(prompt=tuple(range(7, 30)), max_tokens=4), Request(prompt=(5, 3, 9), max_tokens=4)]
-    return Engine(model, EngineSettings(window=128, lanes=2), keep_logits=True).generate(requests)
-
-
-def _same(a, b) -> bool:
-    return all(x.ids == y.ids and all(torch.equal(p, q) for p, q in zip(x.logits, y.logits)) for x, y in zip(a, b))
+    return engines.run(model, requests, window=128, lanes=2, keep_logits=True)
 
 
 def test_ranks_ignore_sigint_in_their_own_session(pair, tiny_models):
@@ -396,7 +391,7 @@ def test_ranks_ignore_sigint_in_their_own_session(pair, tiny_models):
     assert int(rank.args[-2]) == group.group.store.port  # the port of the store rank 0 already listens on
     os.killpg(rank.pid, signal.SIGINT)
     os.kill(rank.pid, signal.SIGINT)
-    assert _same(_run(model), _run(tiny_models["qwen3"].model))
+    assert all_same(two_streams(model), two_streams(tiny_models["qwen3"].model))
     assert rank.poll() is None
     # the control: a Python process started the same way that does not ignore SIGINT dies of the same signal
     other = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE,
@@ -423,10 +418,10 @@ def test_ctrl_c_in_a_forward_lands_after_it_and_the_group_stays_in_step(pair, ti
 
     monkeypatch.setattr(group.group, "gather", gather)
     with pytest.raises(KeyboardInterrupt):
-        _run(model)
+        two_streams(model)
     after = calls[calls.index("Ctrl-C") + 1:]
     assert after[-1] == model.widths["head"] and "Ctrl-C" not in after
-    assert _same(_run(model), _run(tiny_models["qwen3"].model))
+    assert all_same(two_streams(model), two_streams(tiny_models["qwen3"].model))
     assert group.processes[0].poll() is None
 
 
@@ -664,14 +659,14 @@ def test_a_fault_on_rank_0_between_collectives_tears_the_group_down(tiny_dirs, t
         monkeypatch.setattr(model.group, "gather", gather)
         with pytest.raises(Unservable, match="tore the tensor-parallel group down .RuntimeError: a fault on rank 0 "
                                              "between two gathers"):
-            _run(model)
+            two_streams(model)
         monkeypatch.setattr(model.group, "gather", real)
-        after = _within(30, lambda: _run(model))
+        after = _within(30, lambda: two_streams(model))
         assert isinstance(after, Unservable) and "torn down" in str(after) and "\n" not in str(after), after
         assert all(p.poll() is not None for p in group.processes)  # no rank left waiting in a gather
         again = load_model(folder, progress=False, tp=2).model
         assert again.group is not model.group
-        assert _same(_run(again), _run(tiny_models["qwen3"].model))
+        assert all_same(two_streams(again), two_streams(tiny_models["qwen3"].model))
     finally:
         for p in group.processes:  # a forward left hanging (without the fix) ends when its peers do
             p.kill()

@@ -16,14 +16,14 @@ from tfq.kernels.backend import torch_backend, triton_backend  # noqa: E402
 from tfq.proofs.case import same_bits  # noqa: E402
 from tfq.kernels.rowwise import rms_norm as torch_rms_norm  # noqa: E402
 from tfq.model.kernel_guard import check_rows  # noqa: E402
-from tfq.engine.core import Controls  # noqa: E402
+from tfq.engine.core import EngineSettings  # noqa: E402
 from tfq.engine.runner import paged_partial  # noqa: E402
 from tfq.errors import TfqError  # noqa: E402
 from tfq.model.config import ModelConfig  # noqa: E402
 from tfq.model.qwen import Qwen  # noqa: E402
 from tfq.model.weights import load_state_dict  # noqa: E402
 from tfq.engine.stream import Request  # noqa: E402
-from engines import run, same  # noqa: E402
+from engines import alone, run, same  # noqa: E402
 from tiny import write_tiny_checkpoint  # noqa: E402
 
 BACKEND, WHY = triton_backend()
@@ -100,9 +100,7 @@ def _requests(lengths, seed=0, tokens=5):
                     label=f"r{i}") for i, n in enumerate(lengths)]
 
 
-def _run(model, requests, drafter=None, seed=None, arithmetic=None, **settings):
-    return run(model, requests, **{"window": 384, **settings}, keep_logits=True, drafter=drafter,
-               controls=Controls(arithmetic, seed))
+SMALL = dict(settings=EngineSettings(window=384, lanes=1), keep_logits=True)  # engine()'s: rows cost here
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
@@ -111,19 +109,20 @@ def test_a_stream_is_the_same_alone_together_paged_chunked_and_drafted(models, f
 
     triton_model, torch_model = models[family]
     requests = _requests((5, 70, 20), seed=len(family))
-    alone = [_run(triton_model, [r])[0] for r in requests]
+    alone_runs = alone(triton_model, requests, **SMALL)
     arms = {  # few arms, each covering several ways: the interpreter pays per program
         "together, stream 0 in a lane and the others paged, chunked by 16, drafted":
-            _run(triton_model, requests, lanes=3, page_rows=64, pool_pages=12, prefill_chunk=16,
-                 drafter=NgramDrafter(3)),
-        "all paged, shuffled pages, chunked by 7": _run(triton_model, requests, lanes=3, page_rows=64,
-                                                        pool_pages=12, paged_all=True, prefill_chunk=7, seed=3),
+            run(triton_model, requests, **SMALL, lanes=3, page_rows=64, pool_pages=12, prefill_chunk=16,
+                drafter=NgramDrafter(3)),
+        "all paged, shuffled pages, chunked by 7": run(triton_model, requests, **SMALL, lanes=3, page_rows=64,
+                                                       pool_pages=12, paged_all=True, prefill_chunk=7,
+                                                       page_order_seed=3),
     }
     for name, results in arms.items():
-        for a, b in zip(alone, results):
+        for a, b in zip(alone_runs, results):
             assert same(a, b), f"{name}: {a.label} differs from its run alone"
     # not exactness but sanity: the Triton arithmetic computes the same model as the torch one
-    for a, ref in zip(alone, _run(torch_model, requests, lanes=3)):
+    for a, ref in zip(alone_runs, run(torch_model, requests, **SMALL, lanes=3)):
         worst = max((x - y).abs().max().item() for x, y in zip(a.logits, ref.logits))
         assert worst < 1e-4, worst
 
@@ -140,7 +139,7 @@ def test_controls_are_red(tmp_path):
                                                          rms_norm=cpu.rms_norm)
     model = Qwen(ModelConfig.from_folder(folder), load_state_dict(folder), backend)
     long, short = _requests((262, 9), seed=7, tokens=2)
-    rows = _run(model, [long])[0]
-    assert not same(rows, _run(model, [long], partial=True)[0])
-    split = _run(model, [long, short], lanes=2, page_rows=64, pool_pages=8, arithmetic=paged_partial)[0]
+    rows = run(model, [long], **SMALL)[0]
+    assert not same(rows, run(model, [long], **SMALL, partial=True)[0])
+    split = run(model, [long, short], **SMALL, lanes=2, page_rows=64, pool_pages=8, arithmetic=paged_partial)[0]
     assert not same(rows, split)
