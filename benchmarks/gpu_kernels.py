@@ -38,9 +38,9 @@ def timed(fn, reps: int = 10) -> float:
 def bench_shape(b: int, n: int, a: argparse.Namespace, g: torch.Generator) -> None:
     """One row of the table: b streams of n cached rows each."""
     from tfq.kernels.attention import AttentionBatch, Chunk, DecodeGroup
-    from tfq.kernels.triton_attention import attend, write
     from tfq.kernels.contract import CACHE_DTYPES as DTYPES
     from tfq.kernels.contract import KEY_TILE
+    from tfq.kernels.triton_attention import attend, write
 
     dev, h, hkv, d = torch.device("cuda"), a.heads, a.kv_heads, a.head_dim
     scale = 1 / math.sqrt(d)

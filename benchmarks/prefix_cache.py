@@ -25,10 +25,10 @@ def main() -> None:
     ap.add_argument("--questions", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=8)
     a = ap.parse_args()
-    from tfq.plan.resolve import resolve_plan
     from tfq.engine.core import Engine
-    from tfq.model.load import load_model
     from tfq.engine.stream import Request
+    from tfq.model.load import load_model
+    from tfq.plan.resolve import resolve_plan
     from tfq.suite import load_prompts
 
     chats = load_prompts(str(ROOT / "examples" / "shared-prefix.yaml"))

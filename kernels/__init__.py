@@ -9,7 +9,8 @@ if __name__ == "kernels":  # this folder imported by its own name (the repositor
     # sys.modules while it is imported; the import returns the replacement)
     from importlib.machinery import PathFinder as _PathFinder
     from importlib.util import module_from_spec as _module_from_spec
-    from os.path import abspath as _abspath, dirname as _dirname
+    from os.path import abspath as _abspath
+    from os.path import dirname as _dirname
 
     _root = _dirname(_dirname(_abspath(__file__)))
     _spec = _PathFinder.find_spec("kernels", [p for p in _sys.path if _abspath(p or ".") != _root])

@@ -8,7 +8,6 @@ import torch
 
 from tiny import write_tiny_checkpoint
 
-
 # The most one process of the suite holds at once, with room (8.2-8.9 GB peak in full runs): a worker that holds the
 # default model (session-scoped, for every slow test) reaching test_plan.py's budget test, which holds 4 GiB and must
 # (its docstring says why). Peaks with -n 0 on 2026-12-05 (Zen 4, two cores, other jobs beside): test_plan.py

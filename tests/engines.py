@@ -10,8 +10,8 @@ import torch
 from tfq.engine.batch import Feed, forward
 from tfq.engine.cache import CacheSpec, KVCache
 from tfq.engine.core import Controls, Engine, EngineSettings
-from tfq.proofs.case import same_bits
 from tfq.engine.stream import Request, Result
+from tfq.proofs.case import same_bits
 
 WINDOW = 512
 SETTINGS = frozenset(f.name for f in fields(EngineSettings))

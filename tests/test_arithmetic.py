@@ -5,11 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tfq.errors import TfqError
 from tfq.kernels.backend import torch_backend
 from tfq.kernels.rowwise import FixedOrderLinear, OneDnnLinear
 from tfq.model.kernel_guard import check_linear, check_rows
-from tfq.errors import TfqError
-
 
 # The default model's layers (qkv, o, gate_up, down) and the sizes the engine runs them at: every row count
 # from 1 to 64, then steps across the powers of two up to the default plan's largest forward (8 lanes x
@@ -227,8 +226,9 @@ def test_the_row_wise_kernels_give_a_row_its_bits_anywhere():
 
 def _round32(exact):
     """A rational rounded once to fp32, to nearest, ties to even (float() then fp32 can round twice)."""
-    import numpy as np
     from fractions import Fraction
+
+    import numpy as np
 
     f = np.float32(float(exact))
     best = f
@@ -276,6 +276,7 @@ def test_the_activation_is_its_recipe_bit_for_bit():
     here one rounding a step in exact arithmetic, over random and edge arguments, the kernel's bits. A control
     that skips the second half of ln 2 (`r` loses n * 2e-4) must part."""
     import numpy as np
+
     from tfq.kernels.rowwise import silu_fixed
 
     g = torch.Generator().manual_seed(11)

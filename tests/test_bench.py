@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from cli import tfq
 from tfq.bench import arm_plan, kv_read_bytes, mean_context, weights_read_bytes
 from tfq.model.config import ModelConfig
 from tfq.plan import Plan, row_bytes
-from cli import tfq
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_PLAN = str(ROOT / "plans" / "tiny.yaml")

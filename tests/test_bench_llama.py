@@ -12,17 +12,16 @@ import subprocess
 import sys
 
 import pytest
-
-from tfq.bench import weights_read_bytes
-from tfq.bench.peers import choice, parent_end
-from tfq.bench.peers.choice import peer_order
-from tfq.model.config import ModelConfig
 import torch
 from safetensors.torch import load_file
 
 from cli import tfq
-from tiny import tiny_gguf
 from test_bench import SMALL, TINY_PLAN, rows_by
+from tfq.bench import weights_read_bytes
+from tfq.bench.peers import choice, parent_end
+from tfq.bench.peers.choice import peer_order
+from tfq.model.config import ModelConfig
+from tiny import tiny_gguf
 
 
 @pytest.fixture(autouse=True)

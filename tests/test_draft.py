@@ -8,11 +8,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tfq.engine.draft import ModelDrafter, NgramDrafter, lookup
+from engines import WINDOW, run, run_on
 from tfq.engine.core import EngineSettings
+from tfq.engine.draft import ModelDrafter, NgramDrafter, lookup
 from tfq.engine.stream import Request
 from tfq.kernels.contract import KEY_TILE
-from engines import WINDOW, run, run_on
 
 
 class RandomDrafter:

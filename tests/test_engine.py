@@ -7,12 +7,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engines import WINDOW, alone, alone_once, engine, run
 from tfq.engine.core import Engine, EngineSettings
 from tfq.engine.runner import paged_partial
-from tfq.errors import TfqError
 from tfq.engine.stream import Request
+from tfq.errors import TfqError
 from tfq.kernels.contract import KEY_TILE
-from engines import WINDOW, alone, alone_once, engine, run
+
 DTYPES = ["fp32", "bf16", "fp16", "fp8"]
 
 

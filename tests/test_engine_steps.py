@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from engines import run, same
 from tfq.engine.core import Controls, Engine, EngineSettings
 from tfq.engine.stream import Request, Status
 from tfq.kernels.contract import KEY_TILE
-from engines import run, same
 
 WINDOW = 512
 

@@ -21,9 +21,9 @@ import tfq.engine.core
 import tfq.engine.stream
 from served import NAME, POOL, TINY_PLAN, eventually, idle, raw, server, tiny_served
 from test_draft import RandomDrafter
+from tfq.decode.grammar import OwnCompile
 from tfq.engine.core import Controls
 from tfq.errors import Unservable
-from tfq.decode.grammar import OwnCompile
 from tfq.serve.background import serving
 
 POISON = 666  # the seed of the request a fault is put in

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from engines import engine, run
 from tfq.engine.core import EngineSettings
 from tfq.engine.stream import Request
-from engines import engine, run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -97,8 +97,8 @@ def test_scaled_rotary_matches_transformers(tmp_path, scaling):
     """A config with rope scaling runs scaled (it used to run as if it had none): logits as HF computes them."""
     import json
 
-    from tiny import write_tiny_checkpoint
     from tfq.model.load import load_model
+    from tiny import write_tiny_checkpoint
 
     folder = write_tiny_checkpoint(tmp_path / "yarn", family="qwen2", seed=3)
     config = json.loads((folder / "config.json").read_text())

@@ -8,13 +8,13 @@ import json
 
 import pytest
 
+from engines import alone, bits, run
+from test_hybrid import requests, shipped_hybrid_suite
 from tfq.kernels import cpu_build
 from tfq.model import gguf_kept, gguf_tensors
 from tfq.model.gguf_header import read_header
 from tfq.model.gguf_kept import kept_summary
 from tfq.model.load import load_model
-from engines import alone, bits, run
-from test_hybrid import requests, shipped_hybrid_suite
 from tiny import held_bytes, llama_converted, llama_converter, tiny_model_dir
 
 pytestmark = pytest.mark.skipif(not cpu_build.load()[0], reason="tfq's CPU kernels do not build here")

@@ -8,14 +8,14 @@ import json
 
 import pytest
 
-from tfq.kernels import cpu_build
-from tfq.model.gguf_header import read_header
-from tfq.model.load import load_model
 from cli import tfq
 from engines import bits, run
 from test_gguf_hybrid import converter, kept_blocks_have_their_values_bits  # noqa: F401 - converter: a fixture
 from test_hybrid import requests, shipped_hybrid_suite
 from test_moe import HYBRID_RATIOS, REAL_RATIOS
+from tfq.kernels import cpu_build
+from tfq.model.gguf_header import read_header
+from tfq.model.load import load_model
 from tiny import llama_converted, tiny_model_dir
 
 pytestmark = pytest.mark.skipif(not cpu_build.load()[0], reason="tfq's CPU kernels do not build here")

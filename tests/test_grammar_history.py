@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from served import NAME, idle, raw, server, tiny_served
-from tfq.engine.core import Controls
 from tfq.decode.grammar import LIMITS, OwnCompile, SharedCompile
+from tfq.engine.core import Controls
 from tfq.serve.background import serving
 
 # every walk through this regex builds lexer states of its own (the last 17 letters' a's): hundreds of walks of a

@@ -9,12 +9,11 @@ import pytest
 import torch
 
 from cli import tfq
-from tfq.suite import requests_for
 from tfq.errors import TfqError
 from tfq.model import gguf_file
 from tfq.model.config import ModelConfig, RopeScaling
 from tfq.model.rope import inv_freq_and_scale, rope_tables
-from tfq.suite import Chat, load_prompts, load_suite, parse_suite
+from tfq.suite import Chat, load_prompts, load_suite, parse_suite, requests_for
 
 LATIN1 = "- messages: [{role: user, content: caf\xe9}]\n".encode("latin-1")  # 0xe9 at offset 38
 

@@ -12,18 +12,18 @@ import json
 import pytest
 import torch
 
+import engines
+from engines import WINDOW, engine, one_forward, run
 from tfq.engine.batch import Arithmetic, Feed, forward
 from tfq.engine.cache import CacheSpec, KVCache
-from tfq.engine.draft import ModelDrafter, NgramDrafter
 from tfq.engine.core import Engine, EngineSettings
-from tfq.errors import TfqError
+from tfq.engine.draft import ModelDrafter, NgramDrafter
 from tfq.engine.runner import chunked_deltanet
+from tfq.engine.stream import Request
+from tfq.errors import TfqError
 from tfq.kernels.contract import KEY_TILE
 from tfq.model.config import ModelConfig
 from tfq.model.load import load_model
-from tfq.engine.stream import Request
-import engines
-from engines import WINDOW, engine, one_forward, run
 from tiny import tiny_model_dir, write_tiny_checkpoint
 
 KINDS = ("linear_attention", "linear_attention", "linear_attention", "full_attention",

@@ -12,14 +12,15 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before kernels.triton_attention is imported anywhere
 
-from tfq.kernels.attention import AttentionBatch, DecodeGroup  # noqa: E402
 import tfq.kernels.backend as backends  # noqa: E402
-from tfq.kernels.attention import attend as torch_attend, write as torch_write  # noqa: E402
-from tfq.kernels.backend import torch_backend  # noqa: E402
-from tfq.proofs.kernel_check import CheckConfig, passed, run_check  # noqa: E402
-from tfq.kernels.quant import FORMATS  # noqa: E402
-from tfq.proofs.kernel_check_rowwise import MLX_CASES  # noqa: E402
 from cli import tfq
+from tfq.kernels.attention import AttentionBatch, DecodeGroup  # noqa: E402
+from tfq.kernels.attention import attend as torch_attend  # noqa: E402
+from tfq.kernels.attention import write as torch_write
+from tfq.kernels.backend import torch_backend  # noqa: E402
+from tfq.kernels.quant import FORMATS  # noqa: E402
+from tfq.proofs.kernel_check import CheckConfig, passed, run_check  # noqa: E402
+from tfq.proofs.kernel_check_rowwise import MLX_CASES  # noqa: E402
 
 SMALL = CheckConfig(dtypes=("fp32",), repeats=2)
 

@@ -7,10 +7,10 @@ import logging
 
 import pytest
 
-from served import NAME, raw, server, tiny_served
 from engines import engine as make_engine
-from tfq.serve.background import serving
+from served import NAME, raw, server, tiny_served
 from tfq.engine.stream import Request
+from tfq.serve.background import serving
 
 CANARY = "zebra canary 41"
 

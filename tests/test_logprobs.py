@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from engines import alone, engine, run
 from tfq.engine.core import Engine
 from tfq.engine.stream import Request
-from engines import alone, engine, run
 
 TINY_PLAN = str(Path(__file__).parent.parent / "plans" / "tiny.yaml")
 

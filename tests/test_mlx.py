@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
+import engines
+from engines import one_forward, run
+from tfq.engine.stream import Request
 from tfq.errors import TfqError
 from tfq.model.config import ModelConfig
 from tfq.model.load import load_model
 from tfq.model.mlx import dequantize, folder_quantization, load_mlx_state
-from tfq.engine.stream import Request
-import engines
-from engines import one_forward, run
 from tiny import tiny_model_dir, write_mlx_checkpoint
 
 KINDS = ("linear_attention", "linear_attention", "linear_attention", "full_attention")

@@ -12,18 +12,17 @@ import numpy as np
 import pytest
 import torch
 
+from cli import tfq
+from engines import engine, run
+from test_bench import TINY_PLAN
+from test_forward import hf_model
+from test_hybrid import shipped_hybrid_suite
 from tfq.engine.core import EngineSettings
+from tfq.engine.stream import Request
 from tfq.errors import TfqError
 from tfq.model import moe
 from tfq.model.config import ModelConfig
 from tfq.model.moe import Routes, combine, combine_by_load, filled_routes, route
-from tfq.engine.stream import Request
-
-from cli import tfq
-from engines import engine, run
-from test_forward import hf_model
-from test_hybrid import shipped_hybrid_suite
-from test_bench import TINY_PLAN
 from tiny import tiny_model_dir
 
 # the real models' ratios (Qwen3-30B-A3B: 128 experts, 8 chosen, normalized), small sizes
@@ -94,8 +93,8 @@ def test_logits_match_transformers(tmp_path_factory, family, normalized):
 
 
 def test_routing_is_transformers_routing_one_row_at_a_time():
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
     from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
     g = torch.Generator().manual_seed(0)
     logits = 3 * torch.randn(64, 128, generator=g)
@@ -212,12 +211,12 @@ def test_the_mixture_on_kept_blocks_is_the_loops_bits(activations):
     ones (`gguf-q8`): the one-call mixture runs all their products in one parallel region (quant.cpp's and
     quant_q8.cpp's linear_many); against each expert's layers called one by one in Python, at 1 to 24 rows; the
     control hands the call each expert's neighbour."""
+    from test_quant import random_blocks
     from tfq.kernels import cpu_build
     from tfq.kernels.moe import mixture_fixed
     from tfq.kernels.quant import QuantLinear, from_blocks, join
     from tfq.kernels.rowwise import silu_fixed
-    from tfq.model.moe import MoE, Expert, expert_outputs
-    from test_quant import random_blocks
+    from tfq.model.moe import Expert, MoE, expert_outputs
 
     if not cpu_build.load()[0]:
         pytest.skip("tfq's CPU kernels did not build here")

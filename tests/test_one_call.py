@@ -7,13 +7,13 @@ import dataclasses
 import pytest
 import torch
 
-from tfq.engine.core import EngineSettings
-from tfq.kernels.contract import KEY_TILE
-from tfq.engine.layer_guard import ONE_CALL, ONE_CALL_STORE, LayerProof
-from tfq.engine.stream import Request
+from engines import alone, bits, run
 from test_hybrid import Oracle, hybrid, hybrid_dir  # noqa: F401 (fixtures)
 from test_hybrid import requests as hybrid_requests
-from engines import alone, bits, run
+from tfq.engine.core import EngineSettings
+from tfq.engine.layer_guard import ONE_CALL, ONE_CALL_STORE, LayerProof
+from tfq.engine.stream import Request
+from tfq.kernels.contract import KEY_TILE
 
 SETTINGS = {
     "fp32, whole": EngineSettings(window=256, lanes=3, prefill_chunk=512),
@@ -58,7 +58,7 @@ def test_control_the_guard_refuses_a_one_call_layer_one_ulp_off(tiny_models, mon
     assert LayerProof(model, "fp32", False).holds(torch.get_num_threads(), 64, 64) is None
 
 
-def test_a_hybrid_runs_both_kinds_of_layer_in_one_call_with_the_bits_of_the_ops(hybrid, monkeypatch):
+def test_a_hybrid_runs_both_kinds_of_layer_in_one_call_with_the_bits_of_the_ops(hybrid, monkeypatch):  # noqa: F811 (the fixture)
     """A Qwen3.5 hybrid's DeltaNet layers and gated attention layers in one call each (kernels/cpu/delta_layer.cpp,
     layer.cpp with its gate and partial rotary): streams together, chunked, drafted with rejected guesses (the
     verify's inputs kept from the one call, rolled back) give the ids and logits bits of the layers run op by op."""
@@ -85,7 +85,7 @@ def test_a_hybrid_runs_both_kinds_of_layer_in_one_call_with_the_bits_of_the_ops(
 
 
 @pytest.mark.parametrize("harm", ["output", "state"])
-def test_control_the_guard_refuses_a_deltanet_layer_one_ulp_off(hybrid, monkeypatch, harm):
+def test_control_the_guard_refuses_a_deltanet_layer_one_ulp_off(hybrid, monkeypatch, harm):  # noqa: F811 (the fixture)
     """A DeltaNet layer in one call whose output, or whose streams' states, are one ulp from the ops' is refused,
     named."""
     model = hybrid.model

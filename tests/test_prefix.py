@@ -9,11 +9,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engines import WINDOW, alone_once
+from engines import engine as make_engine
 from tfq.engine.core import Engine, EngineSettings
-from tfq.kernels.contract import KEY_TILE
 from tfq.engine.runner import ColdPartial
 from tfq.engine.stream import Request
-from engines import WINDOW, alone_once, engine as make_engine
+from tfq.kernels.contract import KEY_TILE
 
 
 @pytest.fixture(scope="module", params=["qwen2", "qwen3"])

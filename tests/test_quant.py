@@ -11,14 +11,15 @@ import sys
 import numpy as np
 import pytest
 import torch
+
+from engines import alone, bits, run, run_on
 from tfq.errors import TfqError
 from tfq.kernels import cpu_build
-from tfq.kernels.quant import FORMATS, KEPT, QuantLinear, format_bytes, Stacked, from_blocks, join
+from tfq.kernels.quant import FORMATS, KEPT, QuantLinear, Stacked, format_bytes, from_blocks, join
 from tfq.kernels.rowwise import FixedOrderLinear
+from tfq.model.gguf_kept import BlockRows
 from tfq.proofs.kernel_check_rowwise import dequantized, linear_bound
 from tfq.proofs.kernel_check_rowwise import random_blocks as check_blocks
-from tfq.model.gguf_kept import BlockRows
-from engines import alone, bits, run, run_on
 from tiny import held_bytes, write_tiny_gguf
 
 pytestmark = pytest.mark.skipif(not cpu_build.load()[0], reason="tfq's CPU kernels do not build here")
@@ -244,8 +245,8 @@ def test_cli_bad_weights_value_exits_2(tiny_file):
 def test_default_model_gguf_equals_fp32(default_model):
     """The default model on its own blocks (the shared fixture, weights: auto) against the same file dequantized
     to fp32: every prompt row's logits equal, bit for bit, for three chats prefilled together."""
-    from tfq.model.load import load_model
     from tfq.engine.stream import Request
+    from tfq.model.load import load_model
 
     assert default_model.weights == "gguf"
     fp32 = load_model("default", progress=False, weights="fp32")

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tfq.kernels import cpu_build
-from tfq.kernels.quant import FORMATS, QuantLinear, format_bytes, from_blocks, join
-from tfq.kernels.quant_q8 import reference, round_activations
+
 from cli import tfq
 from engines import alone, bits, run, run_on
 from test_quant import CROWDED, ROWS, mixed_requests, random_blocks, tiny_file  # noqa: F401
+from tfq.kernels import cpu_build
+from tfq.kernels.quant import FORMATS, QuantLinear, format_bytes, from_blocks, join
+from tfq.kernels.quant_q8 import reference, round_activations
 from tiny import held_bytes
 
 pytestmark = pytest.mark.skipif(not cpu_build.load()[0], reason="tfq's CPU kernels do not build here")

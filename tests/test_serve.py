@@ -16,10 +16,11 @@ import threading
 import pytest
 
 from serve_load import calls, differences, fire
+from served import NAME, POOL, TINY_PLAN, idle, raw, replies_alone, server, tiny_served, until
 from tfq.engine.core import Controls, Engine
 from tfq.engine.runner import paged_partial
-from served import NAME, POOL, TINY_PLAN, idle, raw, replies_alone, server, tiny_served, until
 from tfq.serve.background import ServeOptions, build_served, serving
+
 
 @pytest.fixture(scope="module")
 def tiny(tiny_dirs, tiny_models):

@@ -12,9 +12,9 @@ from rich.table import Table
 
 from serve_load import calls, differences, fire, tally
 from served import replies_alone
-from tfq.plan.resolve import resolve_plan
 from tfq.engine.core import Controls
 from tfq.engine.runner import paged_partial
+from tfq.plan.resolve import resolve_plan
 from tfq.serve.background import build_served, serving
 
 PAGED_PLAN = str(Path(__file__).parent.parent / "plans" / "paged.yaml")

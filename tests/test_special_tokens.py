@@ -56,8 +56,8 @@ def test_text_prompts_read_special_tokens_only_when_asked(tiny):
 
 
 def test_the_llm_api_reads_a_chat_as_the_server_does(tiny_dirs):
-    from tfq.llm import LLM, SamplingParams
     from served import TINY_PLAN
+    from tfq.llm import LLM, SamplingParams
 
     llm = LLM(model=str(tiny_dirs["qwen2"]), plan=TINY_PLAN)
     tok = llm.tokenizer

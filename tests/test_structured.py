@@ -12,11 +12,11 @@ import torch
 
 from engines import engine, one_by_one, same
 from test_draft import RandomDrafter
-from tfq.errors import TfqError
 from tfq.decode.grammar import Constraint, SharedMask, constraint_of
 from tfq.decode.penalties import Penalties
 from tfq.decode.sampling import log_softmax, logprob
 from tfq.engine.stream import Finish, Request
+from tfq.errors import TfqError
 from unit.test_structured import PENALIZED
 
 SCHEMAS = json.loads((Path(__file__).parent.parent / "examples" / "schemas.json").read_text())["schemas"]

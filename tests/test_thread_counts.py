@@ -12,14 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tfq.engine.draft import NgramDrafter
+from engines import all_same, alone, engine, one_by_one, run, same
 from tfq.engine.core import EngineSettings
-from tfq.errors import TfqError
+from tfq.engine.draft import NgramDrafter
 from tfq.engine.layer_guard import LayerProof
 from tfq.engine.stream import Request
+from tfq.errors import TfqError
 from tfq.kernels.contract import KEY_TILE
-
-from engines import alone, all_same, engine, one_by_one, run, same
 from tiny import write_tiny_checkpoint
 
 COUNTS = (1, 2, 3, 4, 5, 8, 16)

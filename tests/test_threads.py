@@ -9,13 +9,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from tfq.engine.core import EngineSettings
-from tfq.errors import TfqError
-from tfq.engine.stream import Request
-from tfq.engine.threads import CpuSample, Threads, fix_threads, ladder, read_sample, release_workers
-
 from engines import run
 from served import eventually, server, tiny_served
+from tfq.engine.core import EngineSettings
+from tfq.engine.stream import Request
+from tfq.engine.threads import CpuSample, Threads, fix_threads, ladder, read_sample, release_workers
+from tfq.errors import TfqError
 
 
 class FakeCpu:

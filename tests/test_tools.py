@@ -10,8 +10,8 @@ import jsonschema
 import pytest
 
 from served import NAME, server, tiny_served
-from tfq.serve.background import ServeOptions, build_served, serving
 from tfq.decode.tools import CLOSE, OPEN, CallStream, parse
+from tfq.serve.background import ServeOptions, build_served, serving
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city today.",

@@ -23,15 +23,15 @@ import pytest
 import torch
 import yaml
 
-from cli import tfq
 import engines
+from cli import tfq
 from engines import all_same
 from test_together import check_for, random_suite
 from tfq.errors import TfqError, Unservable
+from tfq.model.kernel_guard import check_columns
 from tfq.model.load import load_model
 from tfq.parallel.shard import Shard, part, sizes
 from tfq.plan import load_plan
-from tfq.model.kernel_guard import check_columns
 from tfq.proofs.together import EXACT, RED
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,8 +103,8 @@ def test_ranks_run_the_same_forward_as_one_process(tiny_models):
 def test_column_check_refuses_a_kernel_whose_columns_depend_on_their_neighbours(tiny_models):
     """The guard's column proof passes tfq's kernel on the model's own matrices and refuses, by construction,
     a linear layer whose outputs depend on how many columns it computes."""
-    from tfq.parallel.model import _first_layer
     from tfq.model.weights import load_state_dict
+    from tfq.parallel.model import _first_layer
 
     loaded = tiny_models["qwen2"]
     model = loaded.model
@@ -220,8 +220,8 @@ def test_every_rank_proves_its_own_shard(tiny_dirs):
 def test_a_rank_that_dies_is_one_line_not_a_hang(tiny_dirs):
     """A rank killed mid-run: rank 0's next forward says so in one line (a TfqError), instead of waiting on a
     collective for ever or printing a traceback."""
-    from tfq.parallel.ranks import ranks
     from tfq.engine.stream import Request
+    from tfq.parallel.ranks import ranks
 
     loaded = load_model(str(tiny_dirs["qwen2"]), progress=False, tp=4)  # a group of its own: no other test's
     engine = engines.engine(loaded.model, window=128, lanes=2)

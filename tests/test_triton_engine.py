@@ -12,18 +12,18 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' import (read when they are decorated)
 
-from tfq.kernels.backend import torch_backend, triton_backend  # noqa: E402
-from tfq.proofs.case import same_bits  # noqa: E402
-from tfq.kernels.rowwise import rms_norm as torch_rms_norm  # noqa: E402
-from tfq.model.kernel_guard import check_rows  # noqa: E402
+from engines import alone, run, same  # noqa: E402
 from tfq.engine.core import EngineSettings  # noqa: E402
 from tfq.engine.runner import paged_partial  # noqa: E402
+from tfq.engine.stream import Request  # noqa: E402
 from tfq.errors import TfqError  # noqa: E402
+from tfq.kernels.backend import torch_backend, triton_backend  # noqa: E402
+from tfq.kernels.rowwise import rms_norm as torch_rms_norm  # noqa: E402
 from tfq.model.config import ModelConfig  # noqa: E402
+from tfq.model.kernel_guard import check_rows  # noqa: E402
 from tfq.model.qwen import Qwen  # noqa: E402
 from tfq.model.weights import load_state_dict  # noqa: E402
-from tfq.engine.stream import Request  # noqa: E402
-from engines import alone, run, same  # noqa: E402
+from tfq.proofs.case import same_bits  # noqa: E402
 from tiny import write_tiny_checkpoint  # noqa: E402
 
 BACKEND, WHY = triton_backend()

@@ -15,16 +15,16 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' import (read when they are decorated)
 pytest.importorskip("triton")
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+import triton
+import triton.language as tl
 
-from tfq.kernels import triton_attention as ta  # noqa: E402
-from tfq.kernels.attention import AttentionBatch, Chunk, DecodeGroup, tile_count  # noqa: E402
-from tfq.kernels.attention import attend as torch_attend  # noqa: E402
-from tfq.proofs.case import same_bits  # noqa: E402
-from tfq.proofs.kernel_check_bounds import attention_bound, edge_values, reference  # noqa: E402
-from tfq.kernels.contract import CACHE_DTYPES as DTYPES, SATURATE  # noqa: E402
-from tfq.kernels.contract import KEY_TILE  # noqa: E402
+from tfq.kernels import triton_attention as ta
+from tfq.kernels.attention import AttentionBatch, Chunk, DecodeGroup, tile_count
+from tfq.kernels.attention import attend as torch_attend
+from tfq.kernels.contract import CACHE_DTYPES as DTYPES
+from tfq.kernels.contract import KEY_TILE, SATURATE
+from tfq.proofs.case import same_bits
+from tfq.proofs.kernel_check_bounds import attention_bound, edge_values, reference
 
 DEV = torch.device("cuda" if CUDA else "cpu")
 H, HKV, D = 8, 2, 64
@@ -191,10 +191,10 @@ def plan_32k_scratch():
 
     import triton
 
+    from tfq.kernels.contract import SPLIT_ROWS
     from tfq.model.config import ModelConfig
     from tfq.model.source import SHIPPED_DEFAULT_CONFIG
     from tfq.plan import Plan
-    from tfq.kernels.contract import SPLIT_ROWS
 
     cfg = ModelConfig.from_dict(json.loads(SHIPPED_DEFAULT_CONFIG.read_text()))
     plan = Plan(window=32768, lanes=64)
@@ -263,8 +263,8 @@ def test_store_reads_strided_inputs():
 def test_the_triton_backend_serves_the_cache_and_attention(store):
     """The one interface: a cache built with the Triton backend stores through the Triton kernel, and the
     backend's attend is the Triton one (bits equal to calling it directly)."""
-    from tfq.kernels.backend import triton_backend
     from tfq.engine.cache import CacheSpec, KVCache
+    from tfq.kernels.backend import triton_backend
     from tfq.model.config import ModelConfig
 
     backend, why = triton_backend()

@@ -60,7 +60,17 @@ while True:
 
 def _train_tokenizer(vocab: int):
     """A byte-level BPE with exactly `vocab` ids: bytes, trained merges, unreachable fillers, then the specials."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     from tfq.model.gguf_tokenizer import QWEN2_SPLIT
 

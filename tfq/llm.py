@@ -9,12 +9,12 @@ from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from tfq.decode import tools as calls
-from tfq.errors import TfqError
 from tfq.decode.grammar import constraint_of
 from tfq.decode.penalties import Penalties
 from tfq.decode.sampling import TokenLogprob
-from tfq.engine.stream import Request, choices
 from tfq.decode.tools import ToolCall
+from tfq.engine.stream import Request, choices
+from tfq.errors import TfqError
 
 
 @dataclass(frozen=True)
@@ -76,9 +76,9 @@ class LLM:
 
     def __init__(self, model: str | None = None, plan: str | None = None, sets: Sequence[str] = (),
                  quiet: bool = True):
-        from tfq.plan.resolve import resolve_plan
         from tfq.engine.core import Engine
         from tfq.model.load import load_model
+        from tfq.plan.resolve import resolve_plan
 
         self.plan, self.config, self.layout = resolve_plan(plan, model, sets, quiet, None)
         self.loaded = load_model(self.plan.model, progress=not quiet, device=self.layout.device,

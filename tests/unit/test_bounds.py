@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import tfq.decode.penalties as penalties
-from tfq.errors import TfqError
 from tfq.decode.penalties import Penalties
 from tfq.decode.sampling import sample
+from tfq.errors import TfqError
 
 VOCAB = 512
 

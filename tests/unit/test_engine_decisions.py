@@ -9,12 +9,12 @@ import random
 import pytest
 import torch
 
+from stub_model import VOCAB, Guesser, StubModel
 from tfq.engine.batch import Arithmetic, Feed
 from tfq.engine.core import Controls, Engine, EngineSettings
 from tfq.engine.draft import accepted
 from tfq.engine.stream import Request
 from tfq.kernels.contract import KEY_TILE
-from stub_model import VOCAB, Guesser, StubModel
 
 WINDOW = 256
 MOST_STEPS = 1000  # the runs here take at most a few hundred

@@ -10,14 +10,23 @@ from pathlib import Path
 
 import pytest
 import yaml
-from tfq.model.footprint import activation_row_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tfq.errors import TfqError
 from tfq.model.config import ModelConfig
+from tfq.model.footprint import activation_row_bytes
 from tfq.plan import (
-    ENV_FLAGS, ENV_VALUES, SCHEMA, KVPlan, Plan, load_plan, parse_bytes, parse_plan_text, plan_json, plan_lines,
+    ENV_FLAGS,
+    ENV_VALUES,
+    SCHEMA,
+    KVPlan,
+    Plan,
+    load_plan,
+    parse_bytes,
+    parse_plan_text,
+    plan_json,
+    plan_lines,
 )
 
 ROOT = Path(__file__).resolve().parents[2]

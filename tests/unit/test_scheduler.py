@@ -3,9 +3,10 @@ advance as the engine advances them (`advance`: a stream at the end of its rows 
 from __future__ import annotations
 
 import pytest
+
+from tfq.engine.draft import accepted
 from tfq.engine.pages import PagePool
 from tfq.engine.prefix import PrefixCache, root_key
-from tfq.engine.draft import accepted
 from tfq.engine.scheduler import Scheduler
 from tfq.engine.settings import EngineSettings
 from tfq.engine.step_cost import StepCost, Work, chunk_work

@@ -7,7 +7,8 @@ import unicodedata
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tfq.errors import TfqError
 from tfq.model.source import resolve_model

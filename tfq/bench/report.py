@@ -10,8 +10,8 @@ import torch
 
 from tfq.bench.measure import kv_read_bytes, mean_context, weights_read_bytes
 from tfq.bench.memory import MemoryProbe
-from tfq.bench.rounds import Bench
 from tfq.bench.record import Run
+from tfq.bench.rounds import Bench
 from tfq.bench.settings import bench_window
 from tfq.model.footprint import KEPT_GGUF
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from tfq.bench.peers.parent_end import ChildPeer, PeerFailed
 from tfq.bench.memory import MemoryProbe
 from tfq.bench.peers.choice import PeerSide
+from tfq.bench.peers.parent_end import ChildPeer, PeerFailed
 from tfq.bench.record import Run
 from tfq.bench.runs import TfqArm, ordinary_vocab, random_prompts
 from tfq.bench.settings import BenchSettings, arm_plan, bench_window, skipped_arm

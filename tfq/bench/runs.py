@@ -5,10 +5,10 @@ import torch
 
 from tfq.bench.memory import MemoryProbe
 from tfq.bench.record import Run
+from tfq.engine.stream import Request
 from tfq.errors import TfqError
 from tfq.model.config import ModelConfig
 from tfq.plan import Layout, Plan
-from tfq.engine.stream import Request
 
 NO_EOS = (-1,)  # an id no vocabulary holds: a bench reply always runs to its full length
 

@@ -57,12 +57,21 @@ def bench_command(
     if ctx.invoked_subcommand is not None:
         _no_options_before(ctx)
         return
-    from tfq.bench import (Bench, BenchSettings, bench_window, build_report, check_against_plan, check_settings,
-                           measure_bandwidth, parse_arms, parse_lanes)
+    from tfq.bench import (
+        Bench,
+        BenchSettings,
+        bench_window,
+        build_report,
+        check_against_plan,
+        check_settings,
+        measure_bandwidth,
+        parse_arms,
+        parse_lanes,
+    )
     from tfq.bench.peers.choice import start_peer
     from tfq.bench.rounds import apart_run_count, run_apart
-    from tfq.plan.resolve import resolve_plan
     from tfq.model.load import load_model
+    from tfq.plan.resolve import resolve_plan
 
     err = Console(stderr=True)
     settings = BenchSettings(lanes=parse_lanes(lanes), prompt_tokens=prompt_tokens, tokens=tokens, repeats=repeats,
@@ -262,15 +271,27 @@ def bench_serve_command(
     from tfq.bench.peers.llama import peer_gguf
     from tfq.bench.peers.llama_server import NAME as LLAMA_SERVER
     from tfq.bench.peers.llama_server import PeerDown, binary
-    from tfq.bench.serve import (Listener, ServeSettings, SuiteSent, Target, build_serve_report, check_serve_settings,
-                                 fitting_chats, level_figures, llama_server_level, parse_concurrency, run_levels,
-                                 tfq_level, total_requests)
-    from tfq.plan.resolve import resolve_plan
+    from tfq.bench.serve import (
+        Listener,
+        ServeSettings,
+        SuiteSent,
+        Target,
+        build_serve_report,
+        check_serve_settings,
+        fitting_chats,
+        level_figures,
+        llama_server_level,
+        parse_concurrency,
+        run_levels,
+        tfq_level,
+        total_requests,
+    )
     from tfq.cli.serve import served_name
     from tfq.cli.together import default_suite
-    from tfq.model.load import load_model
-    from tfq.suite import load_prompts
     from tfq.engine.threads import fix_threads
+    from tfq.model.load import load_model
+    from tfq.plan.resolve import resolve_plan
+    from tfq.suite import load_prompts
 
     err = Console(stderr=True)
     settings = ServeSettings(concurrency=parse_concurrency(concurrency), requests_per_level=requests_per_level,

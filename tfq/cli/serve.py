@@ -10,9 +10,9 @@ import typer
 from rich.console import Console
 
 from tfq.cli.app import app
+from tfq.engine.threads import fix_threads
 from tfq.errors import TfqError
 from tfq.serve.guard import Limits, allowed_hosts
-from tfq.engine.threads import fix_threads
 
 
 def served_name(spec: str) -> str:
@@ -55,8 +55,8 @@ def serve(
 ) -> None:
     """Serve the model over OpenAI's API (chat completions, completions, models) with /health and /metrics.
     Every reply is the one its request gets alone."""
-    from tfq.plan.resolve import resolve_plan
     from tfq.model.load import load_model
+    from tfq.plan.resolve import resolve_plan
     from tfq.serve.background import ServeOptions, build_served, uvicorn_server
     from tfq.serve.loop import STUCK_AFTER_S
 

@@ -14,10 +14,20 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.table import Table
 
 from tfq.cli.app import app, output_file
-from tfq.errors import TfqError
 from tfq.engine.threads import fix_threads
-from tfq.proofs.together import (EXACT, RED, ArmRun, Check, CheckSuite, Listener, arm_names, arms_for, check_options,
-                                 select_arms)
+from tfq.errors import TfqError
+from tfq.proofs.together import (
+    EXACT,
+    RED,
+    ArmRun,
+    Check,
+    CheckSuite,
+    Listener,
+    arm_names,
+    arms_for,
+    check_options,
+    select_arms,
+)
 
 # About eleven minutes for the whole default check (14 chats) on 2 CPU cores; `--tokens 300`, the field report's
 # length, took 1134 s (every arm EXACT 12/12 on the 12 chats of then, controls RED) on a quiet machine.
@@ -66,10 +76,9 @@ def together(
     quiet: bool = typer.Option(False, "--quiet", help="No progress and no plan lines: the table only."),
 ) -> None:
     """The exactness check: every arm must equal the chats alone, token ids and logits bits; controls must differ."""
-    from tfq.suite import requests_for
-    from tfq.plan.resolve import resolve_plan
     from tfq.model.load import load_model
-    from tfq.suite import load_suite
+    from tfq.plan.resolve import resolve_plan
+    from tfq.suite import load_suite, requests_for
 
     err = Console(stderr=True)
     if tokens < 1:

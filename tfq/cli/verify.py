@@ -11,8 +11,8 @@ from rich.console import Console
 from rich.table import Table
 
 from tfq.cli.app import app, output_file
-from tfq.errors import TfqError
 from tfq.engine.threads import fix_threads
+from tfq.errors import TfqError
 
 
 @app.command()
@@ -34,9 +34,9 @@ def verify(
 ) -> None:
     """The same bits on every CPU: run the suite here and compare ids, logits digests and log-probabilities with
     the record, chat by chat. Exit 0 only when every chat is equal (1 when one parts)."""
-    from tfq.plan.resolve import resolve_plan
     from tfq.cli.together import default_suite
     from tfq.model.load import load_model
+    from tfq.plan.resolve import resolve_plan
     from tfq.proofs import verify as v
     from tfq.proofs.facts import build_facts
     from tfq.suite import load_suite

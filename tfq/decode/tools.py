@@ -11,8 +11,8 @@ import json
 import uuid
 from dataclasses import dataclass
 
-from tfq.errors import TfqError
 from tfq.decode.grammar import JSON_STYLE, Constraint
+from tfq.errors import TfqError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 

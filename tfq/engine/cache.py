@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from tfq.kernels.attention import tile_count
-from tfq.kernels.delta import NONE
-from tfq.kernels.contract import CACHE_DTYPES, KEY_TILE
-from tfq.model.config import ModelConfig
 from tfq.engine.pages import PagePool, Placement
+from tfq.kernels.attention import tile_count
+from tfq.kernels.contract import CACHE_DTYPES, KEY_TILE
+from tfq.kernels.delta import NONE
+from tfq.model.config import ModelConfig
 
 
 @dataclass(frozen=True)

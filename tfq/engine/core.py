@@ -19,19 +19,19 @@ from typing import Callable, Sequence
 
 import torch
 
-from tfq.engine.cache import CacheSpec, KVCache
-from tfq.errors import TfqError, own_fault
 from tfq.decode.grammar import Grammars, Matcher, OwnMask
-from tfq.model.qwen import Qwen
-from tfq.engine.prefix import PrefixCache, root_key
-from tfq.plan.layout import PREFIX_ON_HYBRID, auto_logits_rows
+from tfq.decode.sampling import TokenLogprob, digest, logprob, sample
+from tfq.engine.cache import CacheSpec, KVCache
 from tfq.engine.draft import accepted
 from tfq.engine.layer_guard import prove
+from tfq.engine.prefix import PrefixCache, root_key
 from tfq.engine.runner import Policy, Runner, plan_arithmetic
-from tfq.decode.sampling import TokenLogprob, digest, logprob, sample
 from tfq.engine.scheduler import Scheduler
 from tfq.engine.settings import EngineSettings
 from tfq.engine.stream import Finish, Request, Result, Status, Stream
+from tfq.errors import TfqError, own_fault
+from tfq.model.qwen import Qwen
+from tfq.plan.layout import PREFIX_ON_HYBRID, auto_logits_rows
 
 log = logging.getLogger(__name__)
 

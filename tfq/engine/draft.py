@@ -9,8 +9,8 @@ from typing import Protocol
 
 from tfq.engine.batch import Feed, forward
 from tfq.engine.cache import CacheSpec, KVCache
-from tfq.errors import TfqError
 from tfq.engine.stream import Stream
+from tfq.errors import TfqError
 
 NGRAM_LONGEST = 3  # the longest suffix prompt lookup tries to match
 

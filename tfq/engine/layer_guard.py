@@ -29,12 +29,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from tfq.decode.penalties import Penalties
+from tfq.decode.sampling import logprob, sample
 from tfq.engine.batch import Arithmetic, Feed, step_rows
 from tfq.engine.cache import CacheSpec, KVCache
 from tfq.engine.pages import Placement, pages_for
 from tfq.errors import TfqError
-from tfq.decode.penalties import Penalties
-from tfq.decode.sampling import logprob, sample
 from tfq.kernels.contract import KEY_TILE
 from tfq.model.layers import DeltaLayer
 

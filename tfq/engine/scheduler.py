@@ -26,8 +26,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tfq.engine.batch import Feed
-from tfq.engine.pages import PagePool
 from tfq.engine.budget import Budget
+from tfq.engine.pages import PagePool
 from tfq.engine.settings import EngineSettings
 from tfq.engine.step_cost import StepCost, Work, chunk_work
 from tfq.engine.stream import Finish, Status, Stream

@@ -7,11 +7,11 @@ from enum import Enum, StrEnum
 
 import torch
 
-from tfq.errors import TfqError
 from tfq.decode.grammar import Constraint
-from tfq.engine.pages import Placement
 from tfq.decode.penalties import Penalties
 from tfq.decode.sampling import TokenLogprob, choice_seed
+from tfq.engine.pages import Placement
+from tfq.errors import TfqError
 
 MOST_TOP_LOGPROBS = 20  # as OpenAI's API
 
@@ -211,7 +211,8 @@ class Stream:
 
     def result(self, keep_logits: bool, total_s: float | None = None) -> Result:
         return Result(label=self.request.label, ids=self.reply, text=self.text, digests=self.digests,
-                      finish=self.finish or Finish.ERROR, error=self.error, fault=self.fault, prompt_tokens=len(self.request.prompt),
+                      finish=self.finish or Finish.ERROR, error=self.error, fault=self.fault,
+                      prompt_tokens=len(self.request.prompt),
                       first_token_s=self.first_token_s,
                       total_s=time.perf_counter() - self.added_s if total_s is None else total_s,
                       preempted=self.preempted, recomputed=self.recomputed, reused=self.reused,

@@ -11,8 +11,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from tfq.model.gguf_header import GgufHeader, TensorInfo
-from tfq.model.gguf_tensors import (EXPERT_MATRIX, FileBytes, dequantized, fp32_value, hf_layouts, matrices, model_name,
-                                    tensor_names)
+from tfq.model.gguf_tensors import (
+    EXPERT_MATRIX,
+    FileBytes,
+    dequantized,
+    fp32_value,
+    hf_layouts,
+    matrices,
+    model_name,
+    tensor_names,
+)
 
 
 class BlockRows:

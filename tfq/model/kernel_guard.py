@@ -14,8 +14,8 @@ import torch
 
 from tfq.errors import TfqError
 from tfq.kernels.attention import attend, tile_count
-from tfq.kernels.quant import Quantized
 from tfq.kernels.contract import KEY_TILE, SPLIT_ROWS, AttentionBatch, Chunk, DecodeGroup, LinearFn
+from tfq.kernels.quant import Quantized
 
 CHECK_ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 33, 48, 63)
 TORCH_FIX = "use tfq's own kernels (TFQ_CPU_KERNELS=tfq, which needs gcc) or a torch build with oneDNN"

@@ -70,7 +70,8 @@ class Qwen:
                            f"auto or tfq, and a C++ compiler")
         # Qwen3.5 stores norms as weight - 1 in transformers' layout; MLX's stores the weight itself (and the
         # convolution as [channels, taps, 1]), which its convolution's shape tells, as mlx-lm tells it
-        mlx_layout = c.hybrid and any(k.endswith("conv1d.weight") and weights[k].shape[-1] == 1 != c.deltanet.conv_kernel
+        taps = c.deltanet.conv_kernel if c.hybrid else None
+        mlx_layout = c.hybrid and any(k.endswith("conv1d.weight") and weights[k].shape[-1] == 1 != taps
                                       for k in weights)
         offset = c.hybrid and not mlx_layout and not getattr(weights, "norms_multiply", False)
         take = Taker(weights, c.family, backend.device, offset=offset, shard=shard)
@@ -164,8 +165,8 @@ class Qwen:
         # CPU, within an ulp of transformers' fp32 exp); a GGUF file stores A itself
         A = take(a + "A", (n.value_heads,)) if take.get(a + "A") is not None else \
             -torch.from_numpy(exp32(take(a + "A_log", (n.value_heads,)).numpy()))
-        mixer = DeltaWeights(conv=conv[:, 0].T.contiguous(), A=A,
-                             dt_bias=take(a + "dt_bias", (n.value_heads,)), norm=take(a + "norm.weight", (n.value_dim,)))
+        mixer = DeltaWeights(conv=conv[:, 0].T.contiguous(), A=A, dt_bias=take(a + "dt_bias", (n.value_heads,)),
+                             norm=take(a + "norm.weight", (n.value_dim,)))
         return DeltaLayer(in_proj=Linear(in_proj) if in_proj.shape[0] else None, mixer=mixer,  # None: a rank without
                           out_proj=Linear(take(a + "out_proj.weight", (h, v))),  # DeltaNet heads (tp)
                           **mlp)
@@ -251,7 +252,8 @@ class Qwen:
         the other ranks prove `proof` (prove's arguments) meanwhile. It yields the list their refusals land in."""
         return contextlib.nullcontext([])
 
-    def mlp(self, layer: Layer | DeltaLayer, x: torch.Tensor, tap: Tap, segments: Segments | None = None) -> torch.Tensor:
+    def mlp(self, layer: Layer | DeltaLayer, x: torch.Tensor, tap: Tap,
+            segments: Segments | None = None) -> torch.Tensor:
         """The second half of every layer: post norm, gate_up, SiLU * up, down, residual (or the mixture of
         experts, tfq/model/moe.py)."""
         c, norm = self.config, self.backend.rms_norm

@@ -23,11 +23,11 @@ import weakref
 import torch
 
 from tfq.kernels.quant import Quantized
+from tfq.model.kernel_guard import check_columns
 from tfq.model.qwen import Qwen
 from tfq.model.taker import text_name
 from tfq.parallel.ranks import sigint_deferred
 from tfq.parallel.shard import Shard, sizes
-from tfq.model.kernel_guard import check_columns
 
 _serials = itertools.count(1)
 

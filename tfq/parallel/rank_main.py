@@ -14,8 +14,7 @@ import torch
 
 from tfq.errors import TfqError
 from tfq.model.load import load_shard
-from tfq.parallel.ranks import (SECRET_BYTES, TIMEOUT, Group, ModelSpec, exit_with_parent, joined_key, proof,
-                                rank_device)
+from tfq.parallel.ranks import SECRET_BYTES, TIMEOUT, Group, ModelSpec, exit_with_parent, joined_key, proof, rank_device
 
 
 def rank_main(rank: int, world: int, port: int, device: str) -> None:
@@ -83,8 +82,8 @@ def _refuse(line: str) -> NoReturn:
 
 def _proved(model, kv_dtype: str, partial: bool, rows: int, chunk: int, draws: int) -> str:
     """"" when this rank's shard is proved row-invariant at its thread count, else the guard's one line."""
-    from tfq.errors import TfqError
     from tfq.engine.layer_guard import prove
+    from tfq.errors import TfqError
 
     try:
         prove(model, kv_dtype, partial, torch.get_num_threads(), rows, chunk, draws)

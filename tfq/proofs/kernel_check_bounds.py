@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from tfq.kernels.attention import tile_count
-from tfq.kernels.contract import CACHE_DTYPES as DTYPES, SATURATE
-from tfq.kernels.contract import KEY_TILE, SPLIT_ROWS
+from tfq.kernels.contract import CACHE_DTYPES as DTYPES
+from tfq.kernels.contract import KEY_TILE, SATURATE, SPLIT_ROWS
 
 U32 = 2.0 ** -24  # fp32 unit roundoff
 EXP_ULPS = 4  # error of one exp (GPU ex2.approx: 2 ulp) plus the rounding of its argument's scaling

@@ -18,14 +18,31 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from tfq.engine.stream import Request, Result
 from tfq.errors import TfqError
 from tfq.plan import Layout, Plan, plan_json, plan_lines
 from tfq.proofs.together_arms import (
-    ARMS, EXACT, FAIL, RED, REFERENCE, Arm, ChatComparison, Context, arm_names, arm_plan, arms_for, check_options,
-    compare, context_for, judge, reach, scored_chats, scores_tally, select_arms,
+    ARMS,
+    EXACT,
+    FAIL,
+    RED,
+    REFERENCE,
+    Arm,
+    ChatComparison,
+    Context,
+    arm_names,
+    arm_plan,
+    arms_for,
+    check_options,
+    compare,
+    context_for,
+    judge,
+    reach,
+    scored_chats,
+    scores_tally,
+    select_arms,
 )
 from tfq.proofs.together_evidence import chat_record, suite_facts, versions, write_json
-from tfq.engine.stream import Request, Result
 
 INTERRUPTED_EXIT = 130
 

@@ -12,12 +12,12 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from tfq.decode.sampling import TokenLogprob
+from tfq.engine.runner import ColdPartial, Policy, chunked_deltanet, experts_by_load, paged_partial
+from tfq.engine.stream import Request, Result
 from tfq.errors import TfqError
 from tfq.kernels.contract import KEY_TILE, SPLIT_ROWS
-from tfq.engine.runner import ColdPartial, Policy, chunked_deltanet, experts_by_load, paged_partial
 from tfq.plan import Plan, derive, pages_for
-from tfq.decode.sampling import TokenLogprob
-from tfq.engine.stream import Request, Result
 
 EXACT, RED, FAIL = "EXACT", "RED", "FAIL"
 CHUNK_ROWS = 61  # odd and prime: chunk boundaries fall inside key tiles and pages, never on them

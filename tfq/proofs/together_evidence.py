@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tfq.proofs.together_arms import ChatComparison, score_digests
 from tfq.engine.stream import Request, Result
+from tfq.proofs.together_arms import ChatComparison, score_digests
 
 _HASH_LIMIT = 256 << 20  # hash weight files up to this size; the default model is named by its GGUF's sha
 
@@ -52,7 +52,6 @@ def versions(loaded) -> dict:
     import torch
 
     import tfq
-
     from tfq.proofs.facts import build_facts
 
     return {"tfq": tfq.__version__, "torch": torch.__version__, "python": platform.python_version(),

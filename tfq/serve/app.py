@@ -10,27 +10,44 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from dataclasses import replace
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import AsyncIterator
 
-from fastapi import APIRouter, FastAPI, Request as HttpRequest
+from fastapi import APIRouter, FastAPI
+from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from tfq.decode import tools
-from tfq.errors import TfqError
 from tfq.decode.grammar import Constraint, Matcher
+from tfq.engine.stream import Finish, Request, Result
+from tfq.errors import TfqError
 from tfq.serve.compiles import Compiles, Crowded, TooSlow
 from tfq.serve.guard import Guard
-from tfq.serve.intake import (ApiError, Served, chat_prompt, check_model, check_stops, error_body, text_prompts,
-                              validation_message)
+from tfq.serve.intake import (
+    ApiError,
+    Served,
+    chat_prompt,
+    check_model,
+    check_stops,
+    error_body,
+    text_prompts,
+    validation_message,
+)
 from tfq.serve.loop import Busy, Dead, Done, Ticket, Token
 from tfq.serve.protocol import ChatBody, CompletionBody
-from tfq.serve.replies import (Shape, chat_choice, chat_logprobs, extensions, finish_reason, text_choice,
-                               text_logprobs, usage)
-from tfq.engine.stream import Finish, Request, Result
+from tfq.serve.replies import (
+    Shape,
+    chat_choice,
+    chat_logprobs,
+    extensions,
+    finish_reason,
+    text_choice,
+    text_logprobs,
+    usage,
+)
 
 log = logging.getLogger(__name__)
 

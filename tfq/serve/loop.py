@@ -18,11 +18,11 @@ from typing import Callable
 
 import torch
 
-from tfq.engine.core import Engine, ForwardFault, Output
-from tfq.errors import TfqError, Unservable, own_fault
 from tfq.decode.grammar import Matcher
+from tfq.engine.core import Engine, ForwardFault, Output
 from tfq.engine.stream import Finish, Request, Result
 from tfq.engine.threads import release_workers
+from tfq.errors import TfqError, Unservable, own_fault
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ import uuid
 from dataclasses import dataclass
 
 from tfq.decode.sampling import TokenLogprob
-from tfq.engine.stream import Finish, Result
 from tfq.decode.tools import parse
+from tfq.engine.stream import Finish, Result
 
 FINISH = {Finish.EOS: "stop", Finish.STOP: "stop", Finish.LENGTH: "length", Finish.WINDOW: "length",
           Finish.ABORT: "abort", Finish.ERROR: "error"}  # tfq's finish -> OpenAI's finish_reason
