@@ -57,7 +57,8 @@ def _choice_record(chat: bool, choice: dict) -> dict:
     if chat:
         scores = [(c["logprob"], tuple(t["logprob"] for t in c["top_logprobs"])) for c in lp.get("content") or []]
     else:
-        scores = list(zip(lp.get("token_logprobs") or [], [tuple((d or {}).values()) for d in lp.get("top_logprobs") or []]))
+        scores = list(zip(lp.get("token_logprobs") or [],
+                          [tuple((d or {}).values()) for d in lp.get("top_logprobs") or []]))
     return {"ids": list(choice["token_ids"]), "logprobs": scores, "digests": list(choice["digests"]),
             "finish": choice["finish_reason"]}
 

@@ -48,7 +48,8 @@ def test_the_head_row_bits_hold_at_every_size_it_runs(make):
 
 
 def test_the_engine_linear_is_tfqs_kernel_unless_told():
-    assert isinstance(torch_backend().linear(torch.ones(4, 16)), FixedOrderLinear)  # this machine has gcc: the kernel builds
+    # this machine has gcc: the kernel builds
+    assert isinstance(torch_backend().linear(torch.ones(4, 16)), FixedOrderLinear)
 
 
 def test_torch_kernels_on_request(monkeypatch):

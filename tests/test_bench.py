@@ -71,7 +71,8 @@ def test_bench_beside_the_peer_writes_the_report(tiny_dirs, tmp_path, monkeypatc
     assert any(t["target"].startswith("decode at 1 lane vs the peer") for t in report["targets"])
     probes = report["machine"]["bandwidth_start"]
     assert {"linear 1 row", "linear 2 rows", "sum"} <= {k.split(",")[0] for k in probes}
-    assert report["machine"]["bandwidth_bytes_per_s"] == max(*probes.values(), *report["machine"]["bandwidth_end"].values())
+    assert report["machine"]["bandwidth_bytes_per_s"] == max(
+        *probes.values(), *report["machine"]["bandwidth_end"].values())
     for lanes in (1, 2):  # the whole arm's step, split by op kind
         b = rows[lanes, "whole"]["breakdown_ms"]
         assert b["linear_ms"] > 0 and b["attention_ms"] > 0

@@ -176,8 +176,8 @@ def test_the_child_does_not_import_torch():
 
 
 @pytest.mark.parametrize("peer,weights,order", [
-    ("llama.cpp", "fp32", "interleaved"), ("llama.cpp", "gguf", "interleaved"), ("llama.cpp-gguf", "gguf", "interleaved"),
-    ("llama.cpp", "gguf", "apart"),
+    ("llama.cpp", "fp32", "interleaved"), ("llama.cpp", "gguf", "interleaved"),
+    ("llama.cpp-gguf", "gguf", "interleaved"), ("llama.cpp", "gguf", "apart"),
 ])
 def test_bench_beside_llama_cpp(tmp_path_factory, tmp_path, monkeypatch, capsys, peer, weights, order):
     """--peer llama.cpp runs the weights tfq computes with: the F32 twin beside weights: fp32, the file as shipped
@@ -261,7 +261,8 @@ note("exits")
 
 def fake_child(tmp_path, monkeypatch, mode: str):
     """The peer's child command made a fake llama.cpp child speaking the same protocol (no llama-cpp-python
-    needed): `ok`; `refuse` its load; `mute`, no answer to its load; `die:SIGNAL:N`, killed by SIGNAL at its Nth run; `noise:N`, a line that is
+    needed): `ok`; `refuse` its load; `mute`, no answer to its load; `die:SIGNAL:N`, killed by SIGNAL at its \
+Nth run; `noise:N`, a line that is
     not JSON before its Nth run's answer. Returns the log it writes: "run" a run, "exits" at its end."""
     script, log = tmp_path / "fake_child.py", tmp_path / "fake_child.log"
     script.write_text(FAKE_CHILD)

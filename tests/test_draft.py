@@ -66,7 +66,8 @@ def test_drafted_equals_undrafted(model, data):
                               min_size=1, max_size=5))
     requests = make_requests(vocab, spec)
     paged = data.draw(st.booleans())
-    cfg = EngineSettings(window=WINDOW, lanes=data.draw(st.integers(1, 5)), prefill_chunk=data.draw(st.integers(8, 200)),
+    cfg = EngineSettings(window=WINDOW, lanes=data.draw(st.integers(1, 5)),
+                         prefill_chunk=data.draw(st.integers(8, 200)),
                          page_rows=KEY_TILE if paged else 0, pool_pages=40 if paged else 0)
     plain = run(model, requests, lanes=len(requests))
     k = data.draw(st.integers(1, 8))

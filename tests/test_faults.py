@@ -393,8 +393,9 @@ main()
 
 @pytest.mark.parametrize("fault", ["RuntimeError", "Panic"])
 def test_tfq_serve_exits_non_zero_when_its_engine_dies(tiny_dirs, fault):
-    proc = subprocess.Popen([sys.executable, "-c", SERVE_WITH_A_DEAD_ENGINE.format(fault=fault), "--model", str(tiny_dirs["qwen2"]),
-                             "--plan", TINY_PLAN, "--port", "0", "--quiet", "--name", NAME, "--log-level", "error"],
+    proc = subprocess.Popen([sys.executable, "-c", SERVE_WITH_A_DEAD_ENGINE.format(fault=fault),
+                             "--model", str(tiny_dirs["qwen2"]), "--plan", TINY_PLAN, "--port", "0", "--quiet",
+                             "--name", NAME, "--log-level", "error"],
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         line = ""

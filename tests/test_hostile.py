@@ -58,7 +58,8 @@ def cases() -> list[Case]:
     big = 70 * 1024  # over the 64 KiB limit
     out = [
         # -- sizes: refused before the body is read or parsed
-        Case("body over the limit, declared", 413, head_only=b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        Case("body over the limit, declared", 413,
+             head_only=b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
              b"Content-Type: application/json\r\nContent-Length: 200000000\r\n" + AUTH + b"\r\n"),
         Case("a GB body without the key is 401 before reading", 401, head_only=b"POST /v1/completions HTTP/1.1\r\n"
              b"Host: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 4000000000\r\n\r\n"),
@@ -81,8 +82,10 @@ def cases() -> list[Case]:
         Case("a wrong key of other bytes", 401, body=js(CHAT), headers={**JSON, "Authorization": "Bearer s\u00e9same"}),
         Case("no Content-Type", 415, body=js(CHAT), headers={"Authorization": JSON["Authorization"]}),
         Case("Content-Type text/plain", 415, body=js(CHAT), headers={**JSON, "Content-Type": "text/plain"}),
-        Case("Content-Type form", 415, body=b"a=1", headers={**JSON, "Content-Type": "application/x-www-form-urlencoded"}),
-        Case("Content-Type multipart", 415, body=b"--x--", headers={**JSON, "Content-Type": "multipart/form-data; boundary=x"}),
+        Case("Content-Type form", 415, body=b"a=1",
+             headers={**JSON, "Content-Type": "application/x-www-form-urlencoded"}),
+        Case("Content-Type multipart", 415, body=b"--x--",
+             headers={**JSON, "Content-Type": "multipart/form-data; boundary=x"}),
         Case("Content-Type json with charset", 200, body=js(CHAT),
              headers={**JSON, "Content-Type": "application/json; charset=utf-8"}),
         Case("a rebound DNS name", 421, body=js(CHAT), headers={**JSON, "Host": "evil.example"}),
@@ -98,14 +101,17 @@ def cases() -> list[Case]:
         Case("one of four stops over the limit", 400, body=js({**CHAT, "stop": ["a", "b", "c", "y" * 200]})),
         Case("four stops at the limit", 200, body=js({**CHAT, "stop": ["q" * 64, "w" * 64, "e" * 64, "r" * 64],
                                                       "max_tokens": 8})),
-        Case("a prompt over the token limit (ids)", 400, path="/v1/completions", body=js({**TEXT, "prompt": [5] * 301})),
+        Case("a prompt over the token limit (ids)", 400, path="/v1/completions",
+             body=js({**TEXT, "prompt": [5] * 301})),
         Case("a prompt at the token limit (ids)", 200, path="/v1/completions", body=js({**TEXT, "prompt": [5] * 300})),
         Case("one of two prompts over the limit", 400, path="/v1/completions",
              body=js({**TEXT, "prompt": [[5] * 10, [6] * 400]})),
-        Case("a text prompt over the token limit", 400, path="/v1/completions", body=js({**TEXT, "prompt": "a b " * 400})),
+        Case("a text prompt over the token limit", 400, path="/v1/completions",
+             body=js({**TEXT, "prompt": "a b " * 400})),
         Case("60 KB of prompt is refused by its length, untokenized", 400, path="/v1/completions",
              body=js({**TEXT, "prompt": "x" * 60_000})),
-        Case("a chat over the token limit", 400, body=js({**CHAT, "messages": [{"role": "user", "content": "a b " * 400}]})),
+        Case("a chat over the token limit", 400,
+             body=js({**CHAT, "messages": [{"role": "user", "content": "a b " * 400}]})),
         Case("a thousand tiny messages", 400, body=js({**CHAT, "messages": [{"role": "user", "content": "a"}] * 1000})),
         Case("a prompt as long as the window", 400, path="/v1/completions", body=js({**TEXT, "prompt": [5] * 512})),
         # -- depths
@@ -116,10 +122,12 @@ def cases() -> list[Case]:
         Case("logit_bias nested deep", 400, body=b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], '
              b'"logit_bias": ' + ("{\"a\":" * 5_000 + "1" + "}" * 5_000).encode() + b"}"),
         Case("a top-level array nested deep", 400, body=nested(30_000).encode()),
-        Case("a content part's extra field 500 deep is ignored", 200, body=js({**CHAT, "messages": [{"role": "user", "content": [
-            {"type": "text", "text": "x", "extra": json.loads(nested(500))}]}]})),
+        Case("a content part's extra field 500 deep is ignored", 200,
+             body=js({**CHAT, "messages": [{"role": "user", "content": [
+                 {"type": "text", "text": "x", "extra": json.loads(nested(500))}]}]})),
         # -- numbers at their limits
-        Case("max_tokens 10**100 ends at the window", 200, path="/v1/completions", body=js({**TEXT, "max_tokens": 10 ** 100})),
+        Case("max_tokens 10**100 ends at the window", 200, path="/v1/completions",
+             body=js({**TEXT, "max_tokens": 10 ** 100})),
         Case("seed 2**64", 400, body=js({**CHAT, "seed": 2 ** 64})),
         Case("seed -2**63 - 1", 400, body=js({**CHAT, "seed": -(2 ** 63) - 1})),
         Case("seed 2**64 - 1", 200, body=js({**CHAT, "seed": 2 ** 64 - 1})),

@@ -354,7 +354,8 @@ def test_plan_counts_the_state_the_engine_allocates(hybrid_dir, hybrid, sets):
     assert layout.state_bytes == engine.cache.state.nbytes > 0
     lines = "\n".join(plan_lines(plan, hybrid.config, layout))
     assert "state: 4 DeltaNet layers x (recurrence 4 x 32 x 32 + convolution window 3 x 256) x 4 bytes" in lines
-    assert ("drafting keeps a second copy, from before each verify" in lines) == any(s.startswith("draft") for s in sets)
+    assert ("drafting keeps a second copy, from before each verify" in lines) == any(
+        s.startswith("draft") for s in sets)
     assert "4 DeltaNet + 2 gated attention" not in lines and "4 Gated DeltaNet + 2 gated attention" in lines
 
 

@@ -30,8 +30,8 @@ else:
     from tfq.kernels.cpu_build import SOURCES, clear_stale_lock
     clear_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)))
     cpp_extension.load(name=name, sources=[f"{src}/{s}" for s in SOURCES],
-                       extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"] + flags.split(), extra_ldflags=["-fopenmp"],
-                       is_python_module=False, verbose=False)
+                       extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"] + flags.split(),
+                       extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     ops = torch.ops.tfq_cpu
 g = torch.Generator().manual_seed(5)
 res = {}
@@ -69,7 +69,8 @@ for bits, group, zero, offsets in ((4, 32, 8, False), (5, 32, 16, False), (6, 16
     x8 = torch.cat([ties[None], nan[None], xs]).contiguous()
     blob8 = ops.qpack_q8(qi, s, o, bits, group, zero)
     for m in (1, 5, 11):
-        res[f"q8 linear, {bits} bits, {'offsets, ' if offsets else ''}{m} rows"] = ops.qlinear(x8[:m].contiguous(), blob8, None, 200)
+        res[f"q8 linear, {bits} bits, {'offsets, ' if offsets else ''}{m} rows"] = ops.qlinear(
+            x8[:m].contiguous(), blob8, None, 200)
 for bits, rounding in ((4, 1), (4, 2), (6, 2), (8, 2)):  # MLX's groups of 64: the product and the sum rounded
     top = 2 ** bits
     qi = torch.randint(0, top, (200, 896), generator=g).to(torch.uint8)
@@ -80,13 +81,15 @@ for bits, rounding in ((4, 1), (4, 2), (6, 2), (8, 2)):  # MLX's groups of 64: t
     o = (torch.randn(200, 14, generator=g) * 0.05).bfloat16().float()
     blob = ops.qpack(qi, s, o, bits, 64, zero, rounding)
     for m in (1, 5, 9):
-        res[f"MLX groups, {bits} bits, rounding {rounding}, {m} rows"] = ops.qlinear(xs[:m].contiguous(), blob, None, 200)
+        res[f"MLX groups, {bits} bits, rounding {rounding}, {m} rows"] = ops.qlinear(
+            xs[:m].contiguous(), blob, None, 200)
 # a hybrid's DeltaNet: head dims with and without a tail past the 16 lanes, fresh and carried state, a save
 for kh, kd, vh, vd in ((2, 32, 6, 32), (1, 24, 3, 40)):
     C = 2 * kh * kd + vh * vd
     xd = torch.randn(23, C, generator=g)
     a, b = torch.randn(23, vh, generator=g), torch.randn(23, vh, generator=g)
-    conv_w, A, dt = torch.randn(4, C, generator=g) * 0.5, -torch.randn(vh, generator=g).exp(), torch.randn(vh, generator=g)
+    conv_w, A, dt = (torch.randn(4, C, generator=g) * 0.5, -torch.randn(vh, generator=g).exp(),
+                     torch.randn(vh, generator=g))
     cs, rs = torch.randn(3, 3, C, generator=g), torch.randn(3, vh, kd, vd, generator=g) * 0.1
     sc, sr = torch.zeros(3, 3, C), torch.zeros(3, vh, kd, vd)
     seg = torch.tensor([[0, 13, 0, 1, 0], [13, 5, 1, 0, 1], [18, 5, 2, 0, 0]])

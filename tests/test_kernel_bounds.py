@@ -220,8 +220,9 @@ def delta_args(n: int = 3, slots: int = 2) -> dict:
     c = 2 * kh * kd + vh * vd
     g = torch.Generator().manual_seed(9)
     return dict(x=torch.randn(n, c, generator=g), a=torch.randn(n, vh, generator=g), b=torch.randn(n, vh, generator=g),
-                conv_w=torch.randn(kernel, c, generator=g), A=-torch.rand(vh, generator=g), dt_bias=torch.rand(vh, generator=g),
-                conv_state=torch.zeros(slots, kernel - 1, c), rec_state=torch.zeros(slots, vh, kd, vd),
+                conv_w=torch.randn(kernel, c, generator=g), A=-torch.rand(vh, generator=g),
+                dt_bias=torch.rand(vh, generator=g), conv_state=torch.zeros(slots, kernel - 1, c),
+                rec_state=torch.zeros(slots, vh, kd, vd),
                 segments=torch.tensor([[0, n, 1, 1, 0]]), save_conv=torch.empty(0), save_rec=torch.empty(0),
                 key_heads=kh, key_dim=kd, value_heads=vh, value_dim=vd)
 
@@ -269,7 +270,8 @@ def test_delta_layer_refuses_a_slot_past_the_states_and_a_norm_of_another_size()
 def bank():
     from tfq.kernels.moe import expert_bank
 
-    return expert_bank([pack(2 * INTER, HIDDEN, 20 + e) for e in range(3)], [pack(HIDDEN, INTER, 30 + e) for e in range(3)])
+    return expert_bank([pack(2 * INTER, HIDDEN, 20 + e) for e in range(3)],
+                       [pack(HIDDEN, INTER, 30 + e) for e in range(3)])
 
 
 def test_moe_mixture_refuses_rows_with_no_expert_and_a_clock_too_short():

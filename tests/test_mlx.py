@@ -32,7 +32,8 @@ def pair(request, tmp_path_factory):
     # mlx-lm's qwen2 takes head_dim as hidden / heads
     extra = {"qwen2": dict(heads=2, kv_heads=1), "qwen3_5": dict(layers=4, layer_types=KINDS, vision=True),
              "qwen3_moe": dict(experts=(8, 2, 64)),
-             "qwen3_5_moe": dict(layers=4, layer_types=KINDS, vision=True, experts=(8, 2, 64), intermediate=128)}[family]
+             "qwen3_5_moe": dict(layers=4, layer_types=KINDS, vision=True, experts=(8, 2, 64),
+                                 intermediate=128)}[family]
     hf = tiny_model_dir(tmp_path_factory, family, seed=6, **extra)
     return family, hf, write_mlx_checkpoint(hf, tmp_path_factory.mktemp(f"mlx-{family}") / "mlx")
 
@@ -57,9 +58,11 @@ def test_dequantized_weights_equal_mlx_s_own(pair):
     assert len(modules) > 10
     for m in modules:
         w, s, b = (raw[f"{m}.{part}"] for part in ("weight", "scales", "biases"))
-        theirs = mx.dequantize(mx.array(w.view(torch.int32).numpy().view(np.uint32)), mx.array(s.float().numpy()).astype(
-            mx.bfloat16 if s.dtype == torch.bfloat16 else mx.float32), mx.array(b.float().numpy()).astype(
-            mx.bfloat16 if b.dtype == torch.bfloat16 else mx.float32), *quant.of(m))  # a router: 8 bits
+        theirs = mx.dequantize(
+            mx.array(w.view(torch.int32).numpy().view(np.uint32)),
+            mx.array(s.float().numpy()).astype(mx.bfloat16 if s.dtype == torch.bfloat16 else mx.float32),
+            mx.array(b.float().numpy()).astype(mx.bfloat16 if b.dtype == torch.bfloat16 else mx.float32),
+            *quant.of(m))  # a router: 8 bits
         want = torch.from_numpy(np.array(theirs.astype(mx.float32)))
         got = ours.get(m + ".weight")
         if got is None:  # a mixture's stacked experts (switch_mlp): tfq's one matrix an expert

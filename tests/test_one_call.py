@@ -39,7 +39,8 @@ def test_the_engine_runs_each_layer_in_one_call_with_the_bits_of_the_ops(tiny_mo
     assert model.runs_in_one_call(model.layers[0])
     calls = []
     one = model.backend.layer
-    monkeypatch.setattr(model, "backend", dataclasses.replace(model.backend, layer=lambda *a: calls.append(1) or one(*a)))
+    monkeypatch.setattr(model, "backend",
+                        dataclasses.replace(model.backend, layer=lambda *a: calls.append(1) or one(*a)))
     fused = replies(model, SETTINGS[name])
     assert len(calls) > 0
     monkeypatch.setattr(type(model), "runs_in_one_call", lambda self, layer: False)

@@ -33,7 +33,8 @@ def test_default_model_under_load_equals_alone_and_the_control_is_red(default_mo
     t0 = time.perf_counter()
     alone = replies_alone(fresh, "default", load)
     rows.append(("each call alone, a fresh server each", tally(alone, alone), 0, time.perf_counter() - t0))
-    for name, kw in (("32 calls together (rows)", {}), ("control: paged streams partial", {"controls": Controls(arithmetic=paged_partial)})):
+    for name, kw in (("32 calls together (rows)", {}),
+                     ("control: paged streams partial", {"controls": Controls(arithmetic=paged_partial)})):
         t0 = time.perf_counter()
         served = fresh(**kw)
         with serving(served) as base:

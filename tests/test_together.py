@@ -467,6 +467,7 @@ def test_default_model_at_3_and_4_threads(four_chats, tmp_path, monkeypatch, cap
                               "--threads", str(count), "--evidence", str(ev), "--quiet"], monkeypatch, capsys)
         assert code == 0, out + err
         summary = json.loads((ev / "summary.json").read_text())
-        assert [a["verdict"] for a in summary["arms"]] == [EXACT] * 5 and summary["versions"]["build"]["threads"] == count
+        assert ([a["verdict"] for a in summary["arms"]] == [EXACT] * 5
+                and summary["versions"]["build"]["threads"] == count)
         runs[count] = digests(ev)
     assert runs[2] == runs[3] == runs[4]

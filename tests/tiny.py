@@ -274,7 +274,8 @@ def write_tiny_checkpoint(
         text = json.loads((folder / "config.json").read_text())
         outer_type = family  # qwen3_5 or qwen3_5_moe
         outer = {"model_type": outer_type, "architectures": [
-                     "Qwen3_5MoeForConditionalGeneration" if family == "qwen3_5_moe" else "Qwen3_5ForConditionalGeneration"],
+                     "Qwen3_5MoeForConditionalGeneration" if family == "qwen3_5_moe"
+                     else "Qwen3_5ForConditionalGeneration"],
                  "text_config": text, "vision_config": {"model_type": f"{outer_type}_vision", "depth": 2},
                  "tie_word_embeddings": tie}
         (folder / "config.json").write_text(json.dumps(outer, indent=2))
@@ -429,7 +430,8 @@ def write_tiny_gguf(path: Path, family: str = "qwen2", tie: bool = False, seed: 
             data = random_blocks(q.name, *arr.shape, np.random.default_rng(seed + len(name)))
         else:
             data = gguf.quants.quantize(arr, q)
-        w.add_tensor(name, data, raw_dtype=None if q in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) else q)
+        w.add_tensor(name, data,
+                     raw_dtype=None if q in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) else q)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -494,7 +496,8 @@ def _write_mlx_by_format(hf: Path, out: Path, bits: int, group: int, dtype: str)
             scale = ((hi - lo) / (2 ** bits - 1)).clamp_min(1e-8).to(dt)
             bias = lo.to(dt)
             q = ((g - bias.float()[..., None]) / scale.float()[..., None]).round().clamp(0, 2 ** bits - 1)
-            bitstream = ((q.to(torch.int64).reshape(w.shape[0], -1, 1) >> torch.arange(bits)) & 1).reshape(w.shape[0], -1)
+            bitstream = ((q.to(torch.int64).reshape(w.shape[0], -1, 1) >> torch.arange(bits)) & 1).reshape(
+                w.shape[0], -1)
             words = (bitstream.reshape(w.shape[0], -1, 32).to(torch.int64) << torch.arange(32)).sum(-1)
             state[name] = torch.from_numpy(words.numpy().astype(np.uint32).view(np.int32)).view(torch.uint32)
             state[module + ".scales"], state[module + ".biases"] = scale, bias

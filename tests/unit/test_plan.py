@@ -177,7 +177,8 @@ def test_every_stream_on_pages_names_its_variables(tiny_dir, monkeypatch, capsys
     code, out, err = tfq(["plan", str(PLANS / "default.yaml"), "--model", str(tiny_dir)], env, monkeypatch, capsys)
     assert code == 0, err
     lines = out.splitlines()
-    assert "stream 0: paged, on 256-row pages (set by TFQ_KV_PAGES) like every stream (set by TFQ_KV_PAGES_ALL)" in lines
+    assert ("stream 0: paged, on 256-row pages (set by TFQ_KV_PAGES) like every stream (set by TFQ_KV_PAGES_ALL)"
+            in lines)
     assert any(line.startswith("7 more taking pages: 256-row pages (set by TFQ_KV_PAGES)") for line in lines)
     assert any(line.startswith("pool: 128 pages, 32768 rows") for line in lines)  # 8 streams x 16 pages
     assert any(line.startswith(f"model: {tiny_dir} (set by --model)") for line in lines)
@@ -213,7 +214,8 @@ def test_json_has_the_same_facts(tiny_dir, monkeypatch, capsys):
                         "--set", "budget=1GiB"], {"TFQ_LANES": "4"}, monkeypatch, capsys)
     assert code == 0
     data = json.loads(out)
-    assert data["plan"]["lanes"] == 4 and data["sources"] == {"lanes": "TFQ_LANES", "budget": "--set", "model": "--model"}
+    assert (data["plan"]["lanes"] == 4
+            and data["sources"] == {"lanes": "TFQ_LANES", "budget": "--set", "model": "--model"})
     assert data["layout"]["pool_pages"] == 48 and data["layout"]["cache_bytes"] == (4096 + 48 * 256) * TINY_ROW
     assert data["layout"]["budget_bytes"] == GiB and data["layout"]["fits"] is True
     assert "3 more taking pages" in " ".join(data["lines"])
@@ -228,8 +230,10 @@ def test_device_line_says_where_and_which_kernels(tiny):
     plan = load_plan(None, env={"TFQ_DEVICE": "CPU"})
     lay = plan.layout(tiny)
     assert lay.device == "cpu"
-    assert "device: cpu (set by TFQ_DEVICE): tfq's C++ kernels: linear layers and attention" in "\n".join(plan_lines(plan, tiny, lay))
-    assert plan_json(plan, tiny, lay)["plan"]["device"] == "cpu" and plan_json(plan, tiny, lay)["layout"]["device"] == "cpu"
+    assert ("device: cpu (set by TFQ_DEVICE): tfq's C++ kernels: linear layers and attention"
+            in "\n".join(plan_lines(plan, tiny, lay)))
+    assert (plan_json(plan, tiny, lay)["plan"]["device"] == "cpu"
+            and plan_json(plan, tiny, lay)["layout"]["device"] == "cpu")
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
@@ -311,7 +315,8 @@ def test_bad_overrides_name_their_source(env, sets, message, tiny_dir, monkeypat
 
 def test_missing_plan_file(tiny_dir, monkeypatch, capsys):
     code, _, err = tfq(["plan", "no/such/plan.yaml", "--model", str(tiny_dir)], {}, monkeypatch, capsys)
-    assert code == 2 and err == "tfq: plan file 'no/such/plan.yaml' not found; give a plan YAML (plans/ holds examples)\n"
+    assert code == 2 and err == ("tfq: plan file 'no/such/plan.yaml' not found; "
+                                 "give a plan YAML (plans/ holds examples)\n")
 
 
 def test_a_real_process_prints_no_traceback(tiny_dir):
@@ -330,8 +335,11 @@ _scalars = st.one_of(
     st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70), st.floats(),
     st.text(max_size=12), st.sampled_from(["auto", "4096", "64", "256", "all", "more", "bf16", "ngram:4", "1.5G"]),
 )
-_values = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3), max_leaves=6)
-_kv_docs = st.dictionaries(st.sampled_from(["dtype", "pages", "paged", "pool"]) | st.text(max_size=6), _values, max_size=4)
+_values = st.recursive(
+    _scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=6)
+_kv_docs = st.dictionaries(st.sampled_from(["dtype", "pages", "paged", "pool"]) | st.text(max_size=6), _values,
+                           max_size=4)
 _docs = st.one_of(
     st.dictionaries(st.sampled_from(_KEYS) | st.text(max_size=8), _values | _kv_docs, max_size=6),
     _values,
@@ -365,14 +373,15 @@ def test_random_documents_and_overrides_never_trace_back(doc, env, sets, tiny, t
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(text=st.text(alphabet=st.sampled_from(list("kv:window lanes pages\n-[]{}'\"&*!#0123456789.,|>%@`")), max_size=60),
+@given(text=st.text(alphabet=st.sampled_from(list("kv:window lanes pages\n-[]{}'\"&*!#0123456789.,|>%@`")),
+                    max_size=60),
        env=_envs)
 def test_random_yaml_text_never_traces_back(text, env, tiny, tmp_path):
     _only_tfq_errors(text, env, [], tiny, tmp_path)
 
 
-@pytest.mark.parametrize("sets,rows", [([], 512), (["prefill_chunk=16"], 16), (["prefill_chunk=16", "draft=ngram:3"], 32),
-                                       (["logits_rows=100"], 100)])
+@pytest.mark.parametrize("sets,rows", [([], 512), (["prefill_chunk=16"], 16),
+                                       (["prefill_chunk=16", "draft=ngram:3"], 32), (["logits_rows=100"], 100)])
 def test_logits_rows_are_counted_in_the_total(sets, rows, tiny):
     plan = Plan(window=4096, lanes=8, budget="1GiB")
     for s in sets:
