@@ -77,8 +77,8 @@ def test_transformers_runs_beside_tfqs_kernels_package(tiny_dirs):
 
 
 def test_the_kernels_folder_steps_aside_for_an_installed_kernels_package(tmp_path):
-    """By construction, in an isolated interpreter without site-packages: a package named kernels further down \
-sys.path (a stand-in for
+    """By construction, in an isolated interpreter without site-packages: a package named kernels further down
+    sys.path (a stand-in for
     HF's) is what `import kernels` gives from the repository's root; the control, without it, gets the folder."""
     import subprocess
     import sys

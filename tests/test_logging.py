@@ -1,4 +1,4 @@
-"""tfq's logs: a logger per layer (tfq.engine.scheduler, tfq.engine.core, tfq.serve.*), one line per event \
+"""tfq's logs: a logger per layer (tfq.engine.scheduler, tfq.engine.core, tfq.serve.*), one line per event
 (admit, preempt,
 finish, abort, refusal, fault), quiet unless asked, and never a prompt's text unless the operator asks."""
 from __future__ import annotations
