@@ -1,57 +1,106 @@
-"""The linear layers of one decode step of the default model, alone: 24 layers of qkv (896 -> 1152), o (896 ->
-896), gate_up (896 -> 9728) and down (4864 -> 896), then the head (896 -> 151936), on random weights through
-the engine's linear layer, at a few row counts.
+"""The linear layers of one decode step of the default model, alone: `--layers` layers (24 in the model) of qkv
+(896 -> 1152), o (896 -> 896), gate_up (896 -> 9728) and down (4864 -> 896), then the head (896 -> 151936), on
+random weights through the engine's linear layer, at a few row counts, in each arithmetic asked for.
 
-    python benchmarks/linear_shapes.py --rows 1,4,8
+    python benchmarks/linear_shapes.py --rows 1,4,8 --weights fp32,Q4_K,Q5_0,Q5_K,Q6_K,Q8_0,Q8_0-q8
 
-Each row count runs `--repeats` times; the fastest is printed, split by layer, with the weight bytes a step
-streams over its time. Only the weights' shapes matter here (2.0 GB of fp32), so no model is loaded. Speed is
-measured here, never asserted in tests.
+`fp32` is the fp32 panels; a GGUF type name (Q4_K, Q5_0, Q5_K, Q6_K, Q8_0, Q4_0, ...) is every matrix in that
+format with random blocks (tfq.proofs.kernel_check_rowwise.random_blocks), computed by the `gguf` recipe (the
+dequantized fp32 model's bits; a K format's rows of 896 inputs grow to 1,024, whole super blocks); a `-q8`
+suffix computes it by `gguf-q8` (activations rounded to 8 bits). Each row count runs `--repeats` times and the
+fastest is kept, split by layer, with the bytes the kernels read a step over its time, beside the machine's
+bandwidth measured by the bench's probes in the same run (the highest of them: the roofline `tfq bench` uses).
+`--json FILE` writes the same. Speed is measured here, never asserted in tests.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
+import numpy as np
 import torch
 
 SHAPES = {"qkv": (1152, 896), "o": (896, 896), "gate_up": (9728, 896), "down": (896, 4864)}
 HEAD = (151936, 896)
-LAYERS = 24
+
+
+def make_linear(weights: str, n: int, k: int, rng: np.random.Generator):
+    """One [n, k] linear layer in arithmetic `weights`, on random values."""
+    from tfq.kernels.backend import torch_backend
+
+    backend = torch_backend()
+    if weights == "fp32":
+        return backend.linear(torch.from_numpy(rng.standard_normal((n, k), dtype=np.float32) * 0.02))
+    from tfq.kernels.quant import BLOCKS, from_blocks
+    from tfq.proofs.kernel_check_rowwise import random_blocks
+
+    kind, _, activations = weights.partition("-")
+    per = BLOCKS[kind][1]
+    k = -(-k // per) * per  # a K format's super blocks are 256 inputs: 896 inputs become 1,024
+    step = max(1, (1 << 22) // k)  # blocks made a slice of rows at a time: bounded memory
+    raw = np.concatenate([random_blocks(kind, min(step, n - r), k, rng) for r in range(0, n, step)])
+    q = from_blocks(kind, raw, (n, k))
+    return backend.quant_linear(q.with_activations(activations) if activations else q)
+
+
+def step_bytes(layers: dict, head) -> int:
+    """Bytes the kernels read a step: fp32 panels, or the blobs' integers and scales."""
+    size = lambda f: getattr(f, "nbytes", None) or 4 * f.out_features * f.in_features  # noqa: E731
+    return sum(size(f) for fs in layers.values() for f in fs) + size(head)
+
+
+def time_rows(layers: dict, head, rows: int, repeats: int, rng: np.random.Generator) -> dict[str, float]:
+    """The fastest of `repeats` passes over every layer at `rows` rows: seconds by layer name."""
+    best: dict[str, float] | None = None
+    for _ in range(repeats):
+        times = {}
+        for name, fs in [*layers.items(), ("head", [head])]:
+            x = torch.from_numpy(rng.standard_normal((rows, fs[0].in_features), dtype=np.float32))
+            t0 = time.perf_counter()
+            for f in fs:
+                f(x)
+            times[name] = time.perf_counter() - t0
+        if best is None or sum(times.values()) < sum(best.values()):
+            best = times
+    return best
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,4,8")
+    ap.add_argument("--weights", default="fp32", help="comma-separated: fp32 or GGUF type names, -q8 for gguf-q8")
+    ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    from tfq.bench.measure import measure_bandwidth
     from tfq.kernels.backend import torch_backend
 
-    linear = torch_backend().linear
-    g = torch.Generator().manual_seed(0)
-    layers = {name: [linear(torch.randn(n, k, generator=g)) for _ in range(LAYERS)] for name, (n, k) in SHAPES.items()}
-    head = linear(torch.randn(*HEAD, generator=g))
-    nbytes = 4 * (LAYERS * sum(n * k for n, k in SHAPES.values()) + HEAD[0] * HEAD[1])
-    print(f"{torch_backend().where}; {torch.get_num_threads()} threads; {nbytes / 1e9:.2f} GB of weights a step")
-    for rows in (int(r) for r in a.rows.split(",")):
-        best: dict[str, float] | None = None
-        for _ in range(a.repeats):
-            times = {}
-            for name, (_, k) in SHAPES.items():
-                x = torch.randn(rows, k, generator=g)
-                t0 = time.perf_counter()
-                for f in layers[name]:
-                    f(x)
-                times[name] = time.perf_counter() - t0
-            x = torch.randn(rows, HEAD[1], generator=g)
-            t0 = time.perf_counter()
-            head(x)
-            times["head"] = time.perf_counter() - t0
-            if best is None or sum(times.values()) < sum(best.values()):
-                best = times
-        total = sum(best.values())
-        parts = "  ".join(f"{name} {s * 1e3:.1f}" for name, s in best.items())
-        print(f"{rows} rows: {total * 1e3:.1f} ms ({nbytes / total / 1e9:.1f} GB/s)  {parts}")
+    bandwidth = max(measure_bandwidth().values())
+    print(f"{torch_backend().where}; {torch.get_num_threads()} threads; bandwidth {bandwidth / 1e9:.1f} GB/s "
+          f"(the bench's best probe)")
+    rng = np.random.default_rng(0)
+    results = []
+    for weights in a.weights.split(","):
+        layers = {name: [make_linear(weights, n, k, rng) for _ in range(a.layers)] for name, (n, k) in SHAPES.items()}
+        head = make_linear(weights, *HEAD, rng)
+        nbytes = step_bytes(layers, head)
+        for rows in (int(r) for r in a.rows.split(",")):
+            best = time_rows(layers, head, rows, a.repeats, rng)
+            total = sum(best.values())
+            results.append({"weights": weights, "rows": rows, "ms": total * 1e3, "bytes": nbytes,
+                            "gb_s": nbytes / total / 1e9, "of_bandwidth": nbytes / total / bandwidth,
+                            "by_layer_ms": {name: s * 1e3 for name, s in best.items()}})
+            parts = "  ".join(f"{name} {s * 1e3:.1f}" for name, s in best.items())
+            print(f"{weights:>8} {rows} rows: {total * 1e3:6.1f} ms  {nbytes / 1e9:.2f} GB  "
+                  f"{nbytes / total / 1e9:5.1f} GB/s ({nbytes / total / bandwidth:4.0%} of the probe)  {parts}",
+                  flush=True)
+        del layers, head
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"threads": torch.get_num_threads(), "bandwidth": bandwidth, "layers": a.layers,
+                       "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":
