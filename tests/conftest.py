@@ -62,8 +62,8 @@ def tiny_models(tiny_dirs):
 
 @pytest.fixture(scope="session")
 def default_model():
-    """The real default model as a plan loads it (weights: auto, so its GGUF blocks on tfq's CPU kernels), loaded
-    once for every slow test (its start-up proofs are kept on it too)."""
+    """The real default model as a plan loads it (weights: auto, so its GGUF blocks on tfq's CPU kernels, with
+    activations in 8 bits: gguf-q8), loaded once for every slow test (its start-up proofs are kept on it too)."""
     from tfq.model.load import load_model
 
     return load_model("default", progress=False, weights="auto")

@@ -169,9 +169,10 @@ def test_a_record_of_another_suite_or_kind_is_refused_in_one_line(recorded_qwen2
 
 @pytest.mark.slow
 def test_the_default_model_gives_the_shipped_record_here():
-    """`tfq verify` as the README runs it: the shipped suite on the default model, gguf and fp32, against the
-    bits recorded in the repository."""
+    """`tfq verify` as the README runs it: the shipped suite on the default model, in each of its arithmetics
+    (gguf-q8, the default; gguf; fp32), against the bits recorded in the repository."""
     done = tfq_run(["verify", "--quiet"])
     assert done.returncode == 0, done.stdout + done.stderr
     recorded = sum(len(chats) for chats in v.read(v.REFERENCE)["weights"].values())
-    assert recorded >= 28 and f"EQUAL: {recorded}/{recorded} chats equal the record" in done.stdout
+    assert set(v.read(v.REFERENCE)["weights"]) == set(v.WEIGHTS)
+    assert recorded >= 42 and f"EQUAL: {recorded}/{recorded} chats equal the record" in done.stdout

@@ -23,8 +23,8 @@ def verify(
                                           "for the default model)."),
     record: Optional[str] = typer.Option(None, "--record", help="Write this machine's bits as a record to FILE "
                                          "instead of comparing."),
-    weights: str = typer.Option("gguf,fp32", "--weights", help="Weights kinds to run, comma-separated (a GGUF's: "
-                                "gguf, fp32; a folder's: fp32)."),
+    weights: Optional[str] = typer.Option(None, "--weights", help="Weights kinds to run, comma-separated (a GGUF's: "
+                                          "gguf-q8, gguf, fp32; a folder's: fp32). Default: gguf-q8,gguf,fp32."),
     suite: Optional[str] = typer.Option(None, "--suite", help="Suite YAML (default examples/chats.yaml)."),
     sets: List[str] = typer.Option([], "--set", help="Plan override key=value (the bits must not change)."),
     threads: Optional[int] = typer.Option(None, "--threads",
@@ -41,9 +41,9 @@ def verify(
     from tfq.proofs.facts import build_facts
     from tfq.suite import load_suite
 
-    kinds = [w.strip() for w in weights.split(",") if w.strip()]
+    kinds = list(v.WEIGHTS) if weights is None else [w.strip() for w in weights.split(",") if w.strip()]
     if not kinds:
-        raise TfqError("--weights names no weights kind; give gguf, fp32 or both (gguf,fp32)")
+        raise TfqError("--weights names no weights kind; give gguf-q8, gguf or fp32, or several (gguf-q8,fp32)")
     output_file(json_file)
     output_file(record, "--record")
     fix_threads(threads)

@@ -13,6 +13,7 @@ from tfq.model.config import ModelConfig
 # here: 220 MiB for torch and the kernels, the default model's tokenizer 70 MiB more; a 250k-token vocabulary more)
 FIXED_OVERHEAD = 500 * 2**20
 KEPT_GGUF = ("gguf", "gguf-q8")  # weights that keep a GGUF file's blocks (activations fp32, or q8)
+DEFAULT_GGUF = "gguf-q8"  # what weights: auto computes a GGUF file with (weights_kind says why)
 
 
 def weight_bytes(spec: str, choice: str, config: ModelConfig, device: str = "cpu") -> int:
@@ -62,13 +63,17 @@ def activation_row_bytes(config: ModelConfig) -> int:
 
 
 def weights_kind(choice: str, spec: str, device: str | torch.device = "cpu") -> tuple[str, str]:
-    """(fp32 | gguf | mlx, why) for the plan's `weights` choice: auto is gguf for a GGUF model (the default one,
-    or a .gguf file) and mlx for an MLX-quantized folder whose groups the kernel computes with, on tfq's CPU
-    kernels, else fp32; a choice other than auto is taken as it is (its own checks come when the model
-    loads)."""
+    """(fp32 | gguf-q8 | mlx, why) for the plan's `weights` choice: auto is gguf-q8 for a GGUF model (the default
+    one, or a .gguf file) and mlx for an MLX-quantized folder whose groups the kernel computes with, on tfq's CPU
+    kernels, else fp32; a choice other than auto is taken as it is (its own checks come when the model loads).
+
+    Why gguf-q8 and not gguf for a GGUF file: both are exact by tfq's rule (the same bits alone or together, at any
+    thread count, on every CPU), and gguf-q8 is the faster at one lane by a wide margin (docs/quantized.md, "The
+    default arithmetic"): gguf's fp32 sums, the dequantized model's bits, cost two fused multiply-adds a weight,
+    while gguf-q8 sums 8-bit integers as llama.cpp does. `weights: gguf` is one key away."""
     if choice != "auto":
         return choice, "as the plan says"
-    kind, why = "gguf", "the model is a GGUF file"
+    kind, why = DEFAULT_GGUF, "the model is a GGUF file"
     if spec != "default" and not (Path(spec).expanduser().is_file() and spec.endswith(".gguf")):
         from tfq.model.mlx import folder_quantization, keepable
 

@@ -225,9 +225,9 @@ def _weights_lines(plan: Plan, config: ModelConfig, lay: Layout) -> list[str]:
     if kind == "mlx":
         return _mlx_lines(plan, config, lay, said)
     if kind == "gguf-q8":
-        first = (f"weights: gguf-q8{tag(plan, 'weights')}: the file's quantized blocks are kept and computed with; "
-                 f"activations are rounded to 8 bits per block of 32 and summed in integers (llama.cpp's kind of "
-                 f"arithmetic: exact alone or together, but not weights: fp32's bits)")
+        first = (f"weights: gguf-q8{tag(plan, 'weights')}{said}: the file's quantized blocks are kept and computed "
+                 f"with; activations are rounded to 8 bits per block of 32 and summed in integers (llama.cpp's kind of "
+                 f"arithmetic: exact alone or together, but not weights: fp32's bits; weights: gguf gives those)")
     else:
         first = (f"weights: gguf{tag(plan, 'weights')}{said}: the file's quantized blocks are kept and computed "
                  f"with; activations stay fp32 and each weight is unpacked exactly, so the bits are weights: fp32's")

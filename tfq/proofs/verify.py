@@ -21,7 +21,8 @@ from tfq.engine.stream import Request, Result
 REFERENCE = Path(__file__).resolve().parent.parent / "reference" / "default.json"
 TOKENS = 32  # reply tokens a chat
 TOP = 3  # top log-probabilities each token
-WEIGHTS = ("gguf", "fp32")  # the default model's two arithmetics: its GGUF blocks, and their fp32 values
+WEIGHTS = ("gguf-q8", "gguf", "fp32")  # the default model's arithmetics: the default (its blocks, activations in 8
+# bits), its blocks with fp32 sums, and their fp32 values
 SAMPLED = {"temperature": 1.0, "top_p": 0.9, "seed": 7}  # a second sampled chat: the suite's first, drawn
 FORMAT = 1
 
