@@ -148,3 +148,17 @@ def test_chat_with_ngram_draft_prints_acceptance_and_same_reply(tiny_dirs):
     assert plain.returncode == 0 and drafted.returncode == 0, drafted.stderr
     assert drafted.stdout == plain.stdout
     assert "proposed" in drafted.stderr and "tokens per verify forward" in drafted.stderr
+
+
+@pytest.mark.parametrize("args,line", [
+    (["hi"], "lanes: 1 stream in one forward at most (sized to 1 prompt; --set lanes=N to change)"),
+    (["-p", "hi", "-p", "there"], "lanes: 2 streams in one forward at most (sized to 2 prompts; --set lanes=N to "
+                                  "change)"),
+    (["hi", "--set", "lanes=3"], "lanes: 3 streams in one forward at most (set by --set)"),
+])
+def test_chat_sizes_its_lanes_to_its_prompts(tiny_dirs, args, line):
+    """The default plan (no --plan: its 8 lanes are a server's) sized to the prompts given, unless --set names lanes;
+    the last case is the control, where the same check must see the user's 3."""
+    r = tfq("chat", *args, "--model", str(tiny_dirs["qwen2"]), "--max-tokens", "2", "--set", "budget=2GiB")
+    assert r.returncode == 0, r.stderr
+    assert line in r.stderr.splitlines()

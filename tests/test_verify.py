@@ -116,6 +116,7 @@ def test_the_record_holds_every_chat_with_its_logits_and_log_probabilities(recor
     doc = v.read(path)
     chats = v.recorded(doc, "fp32")
     assert list(chats) == ["short", "turns", "drawn", "short, sampled"]
+    assert v.streams(CHATS) == len(chats)  # the streams tfq verify sizes its lanes to are the requests it makes
     for bits in chats.values():
         assert len(bits.ids) == len(bits.digests) == len(bits.logprobs) > 0
         assert all(len(top) == v.TOP for _, _, top in bits.logprobs)

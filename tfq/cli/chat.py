@@ -15,6 +15,7 @@ from tfq.decode.penalties import Penalties
 from tfq.engine.stream import Request
 from tfq.engine.threads import fix_threads
 from tfq.errors import TfqError
+from tfq.plan.streams import Streams
 from tfq.suite import Chat, chat_from_prompt, load_prompts, requests_for
 
 
@@ -100,7 +101,7 @@ def chat(
     if draft is not None:
         sets = [*sets, f"draft={draft}"]
     fix_threads(threads)
-    the_plan, _, layout = resolve_plan(plan, model, sets, quiet, err)
+    the_plan, _, layout = resolve_plan(plan, model, sets, quiet, err, chat_streams(len(chats)))
     with err.status("loading the model"):
         loaded = load_model(the_plan.model, device=layout.device, weights=the_plan.weights, tp=the_plan.tp)
     engine = Engine.from_plan(the_plan, layout, loaded)
@@ -114,6 +115,12 @@ def chat(
         _stream_one(engine, requests_for(chats, tok, **settings)[0], err, bool(tools))
     else:
         _together(engine, requests_for(chats, tok, **settings), err, bool(tools))
+
+
+def chat_streams(prompts: int) -> Streams:
+    """The streams a chat runs at once: its prompts, all together; an interactive chat one reply at a time (each
+    turn waits for the one before), whatever the window its history grows to."""
+    return Streams.of(prompts, "prompt") if prompts else Streams(1, "an interactive chat, one reply at a time")
 
 
 def _stream_one(engine, request: Request, err: Console, tools: bool = False) -> str:

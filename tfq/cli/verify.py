@@ -36,6 +36,7 @@ def verify(
     the record, chat by chat. Exit 0 only when every chat is equal (1 when one parts)."""
     from tfq.cli.together import default_suite
     from tfq.model.load import load_model
+    from tfq.plan import Streams
     from tfq.plan.resolve import resolve_plan
     from tfq.proofs import verify as v
     from tfq.proofs.facts import build_facts
@@ -64,7 +65,8 @@ def verify(
     runs: dict[str, list] = {}
     t0 = time.perf_counter()
     for kind in kinds:
-        plan, _, layout = resolve_plan(None, model, [*sets, f"weights={kind}"], True, None)
+        plan, _, layout = resolve_plan(None, model, [*sets, f"weights={kind}"], True, None,
+                                       Streams.of(v.streams(chats), "request"))
         with err.status(f"loading the model ({kind})"):
             loaded = load_model(plan.model, progress=not quiet, device=layout.device, weights=plan.weights)
         reqs = v.requests(chats, loaded.tokenizer)

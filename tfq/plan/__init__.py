@@ -2,7 +2,8 @@
 
 By job: words (one-line errors, sizes, "set by"), fields (what each key accepts), schema (the keys, the
 TFQ_* variables, Plan and KVPlan, derived plans), load (file, environment, --set), layout (the bytes the
-engine allocates, the device), lines (plan lines and JSON). `from tfq.plan import X` reaches all of them.
+engine allocates, the device), lines (plan lines and JSON), streams (lanes sized to the streams a command
+knows). `from tfq.plan import X` reaches all of them.
 """
 from tfq.plan.fields import (
     ATTENTION,
@@ -35,6 +36,7 @@ from tfq.plan.schema import (
     Plan,
     derive,
 )
+from tfq.plan.streams import Streams, size_lanes
 from tfq.plan.words import human_bytes, one_line
 
 __all__ = [
@@ -42,5 +44,5 @@ __all__ = [
     "ENV_FLAGS", "ENV_VALUES", "KVPlan", "Layout", "NGRAM_MAX", "PAGED", "Plan", "SCHEMA", "apply_env",
     "apply_sets", "available_memory", "compute_layout", "derive", "human_bytes", "lane_split", "load_plan",
     "one_line", "pages_for", "parse_bytes", "parse_draft", "parse_plan_text", "plan_json", "plan_lines",
-    "resolve_device", "row_bytes",
+    "resolve_device", "row_bytes", "Streams", "size_lanes",
 ]

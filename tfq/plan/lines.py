@@ -92,7 +92,7 @@ def plan_lines(plan: Plan, config: ModelConfig, layout: Layout) -> list[str]:
     spare = lay.budget_bytes - lay.total_bytes
     verdict = f"fits, {human_bytes(spare)} to spare" if lay.fits else f"does not fit, over by {human_bytes(-spare)}"
     lines.append(f"activations: {human_bytes(lay.activation_bytes)} at most, the largest forward's {lay.forward_rows} "
-                 f"rows ({plan.lanes} lanes x a {plan.prefill_chunk}-row prompt chunk) in fp32")
+                 f"rows ({plan.lanes} lane{'s' * (plan.lanes > 1)} x a {plan.prefill_chunk}-row prompt chunk) in fp32")
     lines.append(
         f"total: {human_bytes(lay.total_bytes)} (weights {human_bytes(lay.weights_bytes)} + cache "
         f"{human_bytes(lay.cache_bytes)} + logits {human_bytes(lay.logits_bytes)} + activations "

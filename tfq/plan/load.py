@@ -59,9 +59,11 @@ def parse_plan_text(text: str, where: str = "plan") -> Plan:
         raise fail(f"{where}: not valid YAML: nested too deeply") from None
     kv: dict[str, Any] = {}
     top: dict[str, Any] = {}
+    named: list[str] = []
     for key, value in _flatten(doc, where).items():
         if value is None:  # `window:` with no value keeps the default
             continue
+        named.append(key)
         try:
             checked = SCHEMA[key](value)
         except Bad as e:
@@ -70,7 +72,7 @@ def parse_plan_text(text: str, where: str = "plan") -> Plan:
             kv[key[3:]] = checked
         else:
             top[key] = checked
-    return Plan(**top, kv=KVPlan(**kv))
+    return Plan(**top, kv=KVPlan(**kv), named=tuple(named))
 
 
 def load_plan(path: str | Path | None, env: Mapping[str, str] = os.environ, sets: Sequence[str] = ()) -> Plan:

@@ -1,5 +1,5 @@
-"""The plan every command runs under: the file, then TFQ_* variables, then --set, then --model; checked against the
-model's config and printed as plan lines."""
+"""The plan every command runs under: the file, then TFQ_* variables, then --set, then --model, then lanes sized to
+the streams the command knows (tfq/plan/streams.py); checked against the model's config and printed as plan lines."""
 from __future__ import annotations
 
 import os
@@ -9,7 +9,7 @@ from typing import Sequence
 from rich.console import Console
 
 from tfq.model.config import ModelConfig
-from tfq.plan import Layout, Plan, load_plan, plan_lines
+from tfq.plan import Layout, Plan, Streams, load_plan, plan_lines, size_lanes
 
 
 def resolve_plan(
@@ -18,8 +18,10 @@ def resolve_plan(
     sets: Sequence[str],
     quiet: bool,
     console: Console | None,
+    streams: Streams | None = None,
 ) -> tuple[Plan, ModelConfig, Layout]:
-    """Load the plan (file, TFQ_* variables, --set, then --model), check it against the model, print its lines."""
+    """Load the plan (file, TFQ_* variables, --set, then --model), size its lanes to `streams` (None: not known, as
+    a server's; the plan's lanes stay), check it against the model, print its lines."""
     from tfq.model.source import (
         model_config,  # reads configs only; imported late to keep start-up light
     )
@@ -27,6 +29,7 @@ def resolve_plan(
     plan = load_plan(path, os.environ, sets or ())
     if model is not None:
         plan = plan.set("model", model, "--model")
+    plan = size_lanes(plan, streams)
     config = model_config(plan.model)
     layout = plan.layout(config)
     if not quiet:

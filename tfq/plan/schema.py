@@ -113,6 +113,9 @@ class Plan:
     device: str = "auto"  # auto: a CUDA GPU when torch sees one (Triton kernels), else the CPU (torch kernels)
     tp: int = 1  # ranks the model is split over (tfq/parallel), each a process tfq starts
     sources: tuple[tuple[str, str], ...] = ()  # (dotted key, what set it: "TFQ_X", "--set", "--model")
+    # dotted keys the plan file wrote: a choice a command's sizing keeps (tfq/plan/streams.py); not part of equality,
+    # so plans/default.yaml equals Plan()
+    named: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         for name in ("model", "weights", "window", "lanes", "prefill_chunk", "logits_rows", "step_tokens", "attention",

@@ -31,8 +31,15 @@ def human_bytes(n: int) -> str:
     return f"{n} bytes"
 
 
+# A source that is no one's override but a command's sizing (tfq/plan/streams.py): said as it is, not "set by".
+SIZED = "sized to "
+
+
 def tag(plan: Sourced, *keys: str) -> str:
-    """` (set by TFQ_X, --set)` for the keys an override set, else nothing: a line names who changed it."""
+    """` (set by TFQ_X, --set)` for the keys an override set, else nothing: a line names who changed it. A key a
+    command sized says so: ` (sized to 1 prompt; --set lanes=N to change)`."""
     found = [plan.source(k) for k in keys]
     names = list(dict.fromkeys(s for s in found if s))
-    return f" (set by {', '.join(names)})" if names else ""
+    by = [n for n in names if not n.startswith(SIZED)]
+    said = ([f"set by {', '.join(by)}"] if by else []) + [n for n in names if n.startswith(SIZED)]
+    return f" ({'; '.join(said)})" if said else ""

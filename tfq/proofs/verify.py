@@ -97,6 +97,11 @@ def requests(chats, tokenizer) -> list[Request]:
     return out
 
 
+def streams(chats) -> int:
+    """How many requests `requests` makes of `chats`: every chat, and the first again sampled."""
+    return len(chats) + 1
+
+
 def run(plan, layout, loaded, reqs: list[Request], on_token: Callable | None = None) -> list[ChatBits]:
     """The requests through one engine of the plan, as a user's run would go."""
     from tfq.engine.core import Engine
