@@ -41,6 +41,8 @@ class Refused(TfqError):
     """The peer cannot run this model (an architecture or tensor type its build does not know): one line, and the
     bench's rows stand without the peer's."""
 
+    refused = True
+
 
 def main() -> None:
     # A crash must not write a core of a model's size.
@@ -63,10 +65,8 @@ def main() -> None:
             break
         try:
             _say(answers, child.answer(request))
-        except Refused as e:
-            _say(answers, {"error": str(e), "refused": True})
-        except TfqError as e:
-            _say(answers, {"error": str(e)})
+        except TfqError as e:  # Refused by its mark: run as __main__, this module's class is not the one peers raise
+            _say(answers, {"error": str(e), "refused": True} if getattr(e, "refused", False) else {"error": str(e)})
         except Exception as e:  # noqa: BLE001 - tfq needs the line, not this process's traceback
             _say(answers, {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"})
     if child.peer is not None:

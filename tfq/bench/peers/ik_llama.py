@@ -10,8 +10,11 @@ It runs like the llama.cpp peer (tfq.bench.peers.llama.LlamaPeer, whose batch lo
 stream, one llama_decode a step) in the bench's child process, so a crash never takes tfq down. Greedy draws are
 an argmax over the logits array in numpy, not the wrapper's sampler, which loops over the vocabulary in Python
 (tens of milliseconds a token on a 150k vocabulary): the peer's sampling costs what tfq's does. The context takes
-ik_llama.cpp's defaults beyond its size and threads (what a user of its API gets); run-time repacking is off, as
-it is by default (its load copies every repacked tensor out of the mapped file).
+ik_llama.cpp's defaults beyond its size and threads (what a user of its API gets), flash attention on, with one
+exception: a context of several sequences runs without flash attention, because ik_llama.cpp's own flash-attention
+kernels abort on it (GGML_ASSERT(S > 0) in iqk_fa_templates.h, 0.1.5's sources, as soon as n_seq_max > 1, even on
+one sequence's prompt). Run-time repacking is off, as it is by default (its load copies every repacked tensor out
+of the mapped file).
 
 A model ik_llama.cpp cannot load (an architecture or tensor type its build does not know) is refused as
 tfq.bench.peers.child_end.Refused: one line, and the bench carries on with tfq's rows alone.
@@ -91,6 +94,7 @@ class IkLlamaPeer(LlamaPeer):
         cp.n_batch = cp.n_ctx  # every stream's prompt in one llama_decode (it splits into ubatches itself)
         cp.n_seq_max = lanes
         cp.n_threads = cp.n_threads_batch = self.threads
+        cp.flash_attn = cp.flash_attn and lanes == 1  # its flash attention aborts with several sequences
         self.ctx = L.llama_init_from_model(self.model, cp)
         if not self.ctx:
             raise TfqError(f"{NAME} cannot make a context of {lanes} x {rows} rows for {self.path}")
