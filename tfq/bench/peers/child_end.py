@@ -14,11 +14,11 @@ exits. Then, a request a line:
     {"op": "run", "prompts": [[id, ...]], "tokens": N, "round": R} -> {"run": {Run's fields}}
     {"op": "close"}, or the end of stdin                 -> exits 0
 
-A request that fails is answered {"error": LINE}; a load the peer refuses as Refused (a model its build does not
-know) is answered {"error": LINE, "refused": true}, and the bench goes on with tfq's rows alone. A run's peak
-resident memory is this process's VmHWM, reset before each run through /proc/self/clear_refs
-(tfq.bench.memory.MemoryProbe); where that cannot be reset it is the process's lifetime peak, and the load reply's
-rss_peak_is_per_run says so.
+A request that fails is answered {"error": LINE}; a load the peer refuses (an error marked `refused`, as
+tfq.bench.peers.ik_llama.Refused is, for a model its build does not know) is answered {"error": LINE,
+"refused": true}, and the bench goes on with tfq's rows alone. A run's peak resident memory is this process's
+VmHWM, reset before each run through /proc/self/clear_refs (tfq.bench.memory.MemoryProbe); where that cannot be
+reset it is the process's lifetime peak, and the load reply's rss_peak_is_per_run says so.
 """
 from __future__ import annotations
 
@@ -35,13 +35,6 @@ from tfq.bench.memory import MemoryProbe
 from tfq.errors import TfqError
 
 ENGINES = ("llama.cpp", "ik_llama.cpp", "hf")
-
-
-class Refused(TfqError):
-    """The peer cannot run this model (an architecture or tensor type its build does not know): one line, and the
-    bench's rows stand without the peer's."""
-
-    refused = True
 
 
 def main() -> None:
@@ -65,7 +58,7 @@ def main() -> None:
             break
         try:
             _say(answers, child.answer(request))
-        except TfqError as e:  # Refused by its mark: run as __main__, this module's class is not the one peers raise
+        except TfqError as e:  # a refusal by its mark (tfq.bench.peers.ik_llama.Refused)
             _say(answers, {"error": str(e), "refused": True} if getattr(e, "refused", False) else {"error": str(e)})
         except Exception as e:  # noqa: BLE001 - tfq needs the line, not this process's traceback
             _say(answers, {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"})

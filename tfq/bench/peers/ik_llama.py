@@ -16,8 +16,8 @@ kernels abort on it (GGML_ASSERT(S > 0) in iqk_fa_templates.h, 0.1.5's sources, 
 one sequence's prompt). Run-time repacking is off, as it is by default (its load copies every repacked tensor out
 of the mapped file).
 
-A model ik_llama.cpp cannot load (an architecture or tensor type its build does not know) is refused as
-tfq.bench.peers.child_end.Refused: one line, and the bench carries on with tfq's rows alone.
+A model ik_llama.cpp cannot load (an architecture or tensor type its build does not know) is refused (Refused):
+one line, and the bench carries on with tfq's rows alone.
 """
 from __future__ import annotations
 
@@ -25,13 +25,19 @@ import os
 import sys
 from pathlib import Path
 
-from tfq.bench.peers.child_end import Refused
 from tfq.bench.peers.llama import LlamaPeer
 from tfq.errors import TfqError
 
 NAME = "ik_llama.cpp"
 BUILD = "nice -n 10 bash benchmarks/build_ik_llama.sh"  # 10-20 minutes on two cores
 _SILENT = None  # the log callback that drops ik_llama.cpp's messages (kept alive here: it holds a pointer)
+
+
+class Refused(TfqError):
+    """ik_llama.cpp cannot run this model (an architecture or tensor type its build does not know): the child
+    answers it marked `refused`, and the bench's rows stand without the peer's."""
+
+    refused = True
 
 
 def ik_folder() -> Path:
