@@ -38,7 +38,7 @@ cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=
   || { tail -30 "$work/cmake.log"; exit 1; }
 cmake --build "$work/build" --target llama ggml -j "$(nproc)" > "$work/build.log" 2>&1 \
   || { grep -m5 -B2 -A5 "error" "$work/build.log" || tail -30 "$work/build.log"; exit 1; }
-rm -rf "$dest"
+rm -rf "$dest/ik_llama_cpp"  # the previous build only: TFQ_IK_LLAMA may name a folder that holds more
 mkdir -p "$dest"
 cp -r "$pkg/ik_llama_cpp" "$dest/ik_llama_cpp"
 mkdir -p "$dest/ik_llama_cpp/lib"
