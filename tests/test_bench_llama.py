@@ -239,7 +239,9 @@ for line in sys.stdin:
         break
     if r["op"] == "load" and mode == "mute":
         continue
-    if r["op"] == "load":
+    if r["op"] == "load" and mode == "refused":  # as ik_llama.cpp refuses a model its build does not know
+        say({"error": "ik_llama.cpp cannot load it", "refused": True})
+    elif r["op"] == "load":
         say({"error": "llama.cpp cannot load it"} if mode == "refuse" else {"ok": True, "rss_peak_is_per_run": True})
     elif r["op"] == "prepare":
         say({"ok": True})
@@ -261,9 +263,9 @@ note("exits")
 
 def fake_child(tmp_path, monkeypatch, mode: str):
     """The peer's child command made a fake llama.cpp child speaking the same protocol (no llama-cpp-python
-    needed): `ok`; `refuse` its load; `mute`, no answer to its load; `die:SIGNAL:N`, killed by SIGNAL at its
-    Nth run; `noise:N`, a line that is
-    not JSON before its Nth run's answer. Returns the log it writes: "run" a run, "exits" at its end."""
+    needed): `ok`; `refuse` its load; `refused`, its load marked refused; `mute`, no answer to its load;
+    `die:SIGNAL:N`, killed by SIGNAL at its Nth run; `noise:N`, a line that is not JSON before its Nth run's
+    answer. Returns the log it writes: "run" a run, "exits" at its end."""
     script, log = tmp_path / "fake_child.py", tmp_path / "fake_child.log"
     script.write_text(FAKE_CHILD)
     log.write_text("")

@@ -122,7 +122,8 @@ def build_report(bench: Bench, bandwidths: tuple[dict, dict], loads: tuple, wall
 def targets(rows: list[dict], peer: str = "hf", weights: str = "fp32") -> list[dict]:
     """The targets set for this machine, where the run measured what they need: against HF transformers
     (1.5x at one lane, 3x at eight) and against llama.cpp on the same weights (at least even, decode at
-    every lane count and prefill; on the GGUF's own blocks, decode at one lane 1.3x as the goal beyond)."""
+    every lane count and prefill; on the GGUF's own blocks, decode at one lane 1.3x as the goal beyond), and
+    against ik_llama.cpp on the same file (the goal: ahead, decode and prefill at every lane count)."""
     by = {(r["lanes"], r["arm"]): r for r in rows}
     out = []
 
@@ -135,12 +136,12 @@ def targets(rows: list[dict], peer: str = "hf", weights: str = "fp32") -> list[d
 
     if (1, "whole") in by:
         add("decode at 1 lane, fraction of the bandwidth roofline", by[1, "whole"]["roofline_fraction"], 0.7)
-    if peer == "llama.cpp":
+    if peer in ("llama.cpp", "ik_llama.cpp"):
         on = "its GGUF file" if weights in KEPT_GGUF else "F32"
         for lanes in sorted({n for n, arm in by if arm == "whole"}):
-            add(f"decode at {lanes} lane{'s' * (lanes > 1)} vs llama.cpp on {on}", vs(lanes), 1.0)
-            add(f"prefill at {lanes} lane{'s' * (lanes > 1)} vs llama.cpp on {on}", vs(lanes, "prefill"), 1.0)
-        if weights in KEPT_GGUF:
+            add(f"decode at {lanes} lane{'s' * (lanes > 1)} vs {peer} on {on}", vs(lanes), 1.0)
+            add(f"prefill at {lanes} lane{'s' * (lanes > 1)} vs {peer} on {on}", vs(lanes, "prefill"), 1.0)
+        if weights in KEPT_GGUF and peer == "llama.cpp":
             add("decode at 1 lane vs llama.cpp on its GGUF file (goal)", vs(1), 1.3)
     elif peer == "hf":
         add("decode at 1 lane vs the peer", vs(1), 1.5)

@@ -14,7 +14,7 @@ ARM_ABOUT = {
     "partial": "partial attention arithmetic instead of rows",
     "drafted": "n-gram drafts verified in the batch",
 }
-PEERS = ("hf", "llama.cpp", "llama.cpp-gguf", "none")
+PEERS = ("hf", "llama.cpp", "llama.cpp-gguf", "ik_llama.cpp", "none")
 PAGE_ROWS = 256  # the paged arm's page rows when the plan has none
 DRAFT = "ngram:4"  # the drafted arm's drafter when the plan drafts nothing
 
@@ -74,7 +74,8 @@ def check_settings(s: BenchSettings) -> None:
         raise TfqError(f"--threads must be at least 1, got {s.threads}")
     if s.peer not in PEERS:
         raise TfqError(f"--peer {s.peer!r}: choose hf (HF transformers generate), llama.cpp (on the same weights "
-                       f"as an F32 GGUF), llama.cpp-gguf (the GGUF file as shipped) or none")
+                       f"as an F32 GGUF), llama.cpp-gguf (the GGUF file as shipped), ik_llama.cpp (the fork, on the "
+                       f"same file as llama.cpp) or none")
 
 
 def check_against_plan(s: BenchSettings, plan: Plan) -> None:

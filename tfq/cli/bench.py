@@ -39,7 +39,8 @@ def bench_command(
                              help="hf: HF transformers generate on the same weights (pip install -e \".[peer]\"); "
                                   "llama.cpp: llama.cpp on the weights tfq computes with (the GGUF as shipped for "
                                   "weights: gguf, an F32 GGUF of its values for fp32), llama.cpp-gguf: on the GGUF as "
-                                  "shipped (pip install -e \".[peer-llama]\"); none."),
+                                  "shipped (pip install -e \".[peer-llama]\"); ik_llama.cpp: the fork, on the same "
+                                  "file as llama.cpp (built by benchmarks/build_ik_llama.sh); none."),
     arms: str = typer.Option("whole,paged,partial,drafted", "--arms",
                              help="tfq arms: whole, paged (256-row pages beyond stream 0), partial, drafted (ngram)."),
     json_file: Optional[str] = typer.Option(None, "--json", metavar="FILE",

@@ -1,6 +1,6 @@
 """The bench peer's child process: `python -m tfq.bench.peers.child_end ENGINE`, one JSON object a line each way.
-ENGINE is `llama.cpp` (the default; llama.cpp on a GGUF file, through llama-cpp-python) or `hf` (HF
-transformers' `generate` on a checkpoint folder).
+ENGINE is `llama.cpp` (the default; llama.cpp on a GGUF file, through llama-cpp-python), `ik_llama.cpp` (the fork,
+built by benchmarks/build_ik_llama.sh, on the same file) or `hf` (HF transformers' `generate` on a checkpoint folder).
 
 A crash of the peer (SIGILL on a CPU llama.cpp's build does not suit, a segfault, memory) ends this process,
 never tfq's; and its resident memory is the peer's own, measured here (for llama.cpp torch is never
@@ -14,9 +14,11 @@ exits. Then, a request a line:
     {"op": "run", "prompts": [[id, ...]], "tokens": N, "round": R} -> {"run": {Run's fields}}
     {"op": "close"}, or the end of stdin                 -> exits 0
 
-A request that fails is answered {"error": LINE}. A run's peak resident memory is this process's VmHWM, reset
-before each run through /proc/self/clear_refs (tfq.bench.memory.MemoryProbe); where that cannot be reset it
-is the process's lifetime peak, and the load reply's rss_peak_is_per_run says so.
+A request that fails is answered {"error": LINE}; a load the peer refuses (an error marked `refused`, as
+tfq.bench.peers.ik_llama.Refused is, for a model its build does not know) is answered {"error": LINE,
+"refused": true}, and the bench goes on with tfq's rows alone. A run's peak resident memory is this process's
+VmHWM, reset before each run through /proc/self/clear_refs (tfq.bench.memory.MemoryProbe); where that cannot be
+reset it is the process's lifetime peak, and the load reply's rss_peak_is_per_run says so.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from typing import TextIO
 from tfq.bench.memory import MemoryProbe
 from tfq.errors import TfqError
 
-ENGINES = ("llama.cpp", "hf")
+ENGINES = ("llama.cpp", "ik_llama.cpp", "hf")
 
 
 def main() -> None:
@@ -56,8 +58,8 @@ def main() -> None:
             break
         try:
             _say(answers, child.answer(request))
-        except TfqError as e:
-            _say(answers, {"error": str(e)})
+        except TfqError as e:  # a refusal by its mark (tfq.bench.peers.ik_llama.Refused)
+            _say(answers, {"error": str(e), "refused": True} if getattr(e, "refused", False) else {"error": str(e)})
         except Exception as e:  # noqa: BLE001 - tfq needs the line, not this process's traceback
             _say(answers, {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"})
     if child.peer is not None:
@@ -70,6 +72,10 @@ def _require(engine: str) -> str:
         from tfq.bench.peers.llama import require_llama
 
         return require_llama()
+    if engine == "ik_llama.cpp":
+        from tfq.bench.peers.ik_llama import require_ik_llama
+
+        return require_ik_llama()
     if engine == "hf":
         try:
             import transformers
@@ -86,7 +92,7 @@ class Child:
 
     engine: str
     probe: MemoryProbe = field(default_factory=MemoryProbe)
-    peer: object | None = None  # LlamaPeer or HfPeer: prepare(lanes, rows), run(...), close()
+    peer: object | None = None  # LlamaPeer, IkLlamaPeer or HfPeer: prepare(lanes, rows), run(...), close()
 
     def answer(self, request: dict) -> dict:
         op = request["op"]
@@ -96,6 +102,10 @@ class Child:
                 from tfq.bench.peers.hf import HfPeer
 
                 self.peer = HfPeer(path, threads)
+            elif self.engine == "ik_llama.cpp":
+                from tfq.bench.peers.ik_llama import IkLlamaPeer
+
+                self.peer = IkLlamaPeer(path, threads, request["name"])
             else:
                 from tfq.bench.peers.llama import LlamaPeer
 

@@ -1,9 +1,9 @@
 """The bench's peer: which engine, in which process, and whether it runs beside tfq's arms or apart.
 
-Both peers, HF transformers and llama.cpp, run in a child process (tfq.bench.peers.parent_end), so a crash of one
-never takes tfq down: the bench prints one line and carries on with tfq's arms. HF runs beside the arms. When
-llama.cpp and tfq do not fit in memory together, llama.cpp runs apart: all its rounds, every lane count, before
-tfq loads its model (tfq.bench.rounds.run_apart), and its process has exited by then."""
+Every peer, HF transformers, llama.cpp and ik_llama.cpp, runs in a child process (tfq.bench.peers.parent_end), so a
+crash of one never takes tfq down: the bench prints one line and carries on with tfq's arms. HF runs beside the arms.
+When llama.cpp (or ik_llama.cpp) and tfq do not fit in memory together, it runs apart: all its rounds, every lane
+count, before tfq loads its model (tfq.bench.rounds.run_apart), and its process has exited by then."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -16,6 +16,7 @@ from tfq.bench.settings import BenchSettings
 from tfq.model.footprint import KEPT_GGUF
 from tfq.plan import Layout, Plan, available_memory, human_bytes
 
+ENGINES = {"hf": "hf", "llama.cpp": "llama.cpp", "llama.cpp-gguf": "llama.cpp", "ik_llama.cpp": "ik_llama.cpp"}
 Say = Callable[[str], None]  # prints one line
 Status = Callable[[str], ContextManager]  # shows what is under way while it lasts
 
@@ -101,12 +102,12 @@ class PeerSide:
 
 def start_peer(settings: BenchSettings, plan: Plan, layout: Layout, say: Say, progress: bool) -> PeerSide | None:
     """Before tfq loads its model: the peer's child starts (and says its engine's version, or the one line on
-    installing it). HF: the checkpoint folder with its fp32 weights. llama.cpp: its file is chosen (the F32 twin
-    written once) and the order decided."""
+    installing or building it). HF: the checkpoint folder with its fp32 weights. llama.cpp and ik_llama.cpp: the
+    file is chosen (the F32 twin written once) and the order decided."""
     if settings.peer == "none":
         return None
     side = PeerSide(settings.peer, plan.model, say)
-    side.engine = ChildPeer(settings.peer, "hf" if settings.peer == "hf" else "llama.cpp")
+    side.engine = ChildPeer(settings.peer, ENGINES[settings.peer])
     try:
         side.engine.start()
     except PeerFailed as e:
@@ -128,7 +129,7 @@ def start_peer(settings: BenchSettings, plan: Plan, layout: Layout, say: Say, pr
     quantized = (settings.peer == "llama.cpp-gguf"
                  or weights_kind(plan.weights, plan.model, layout.device)[0] in KEPT_GGUF)
     try:
-        side.path = peer_gguf(plan.model, quantized, progress)
+        side.path = peer_gguf(plan.model, quantized, progress, settings.peer)
     except BaseException:
         side.engine.close()
         raise

@@ -27,7 +27,7 @@ F32 = 0  # GGML_TYPE_F32; general.file_type ALL_F32
 _SILENT = None  # the log callback that drops llama.cpp's messages (kept alive here: llama.cpp holds a pointer)
 
 
-def peer_gguf(spec: str, quantized: bool, progress: bool = True) -> Path:
+def peer_gguf(spec: str, quantized: bool, progress: bool = True, peer: str = "llama.cpp") -> Path:
     """The GGUF file the peer runs for the model `spec`: the file as shipped (quantized=True), or its F32
     twin, written once into tfq's cache. An HF folder has no GGUF: one line saying so."""
     from tfq.model import default
@@ -36,7 +36,7 @@ def peer_gguf(spec: str, quantized: bool, progress: bool = True) -> Path:
     folder = cache_dir() / "peer"
     source = gguf_path(spec, progress)
     if source is None:
-        raise TfqError(f"--peer llama.cpp runs a GGUF file, and the model {spec} is not one; bench a .gguf "
+        raise TfqError(f"--peer {peer} runs a GGUF file, and the model {spec} is not one; bench a .gguf "
                        f"model (or the default one), or pass --peer hf")
     sha = default.SHA256 if spec == "default" else file_sha256(source, progress)
     if quantized:
@@ -86,6 +86,8 @@ def require_llama() -> str:
 class LlamaPeer:
     """llama.cpp on one GGUF file: one context sized for `lanes` streams of `rows` rows each, reused by every
     run (its cache cleared between runs)."""
+
+    ENGINE = "llama.cpp"  # the runs' engine (tfq.bench.peers.ik_llama's subclass names its own)
 
     def __init__(self, path: Path, threads: int, name: str):
         import llama_cpp as L
@@ -146,7 +148,7 @@ class LlamaPeer:
             b.seq_id[i][0] = seq
         rc = self.L.llama_decode(self.ctx, b)
         if rc != 0:
-            raise TfqError(f"llama.cpp's llama_decode returned {rc} "
+            raise TfqError(f"{self.ENGINE}'s llama_decode returned {rc} "
                            f"(its context of {self.lanes} streams is too small?)")
 
     def _greedy(self, rows: list[int]) -> list[int]:
@@ -159,9 +161,12 @@ class LlamaPeer:
             out.append(int(row.argmax()))
         return out
 
+    def _clear(self) -> None:
+        """Every stream's cache emptied, for the next run."""
+        self.L.llama_memory_clear(self.L.llama_get_memory(self.ctx), True)
+
     def run(self, prompts: list[list[int]], tokens: int, round_: int, probe: MemoryProbe) -> Run:
-        L = self.L
-        L.llama_memory_clear(L.llama_get_memory(self.ctx), True)
+        self._clear()
         n = len(prompts[0])
         probe.start()
         t0 = time.perf_counter()
@@ -175,5 +180,5 @@ class LlamaPeer:
                 r.append(t)
         total = time.perf_counter() - t0
         peak, grown = probe.stop()
-        return Run("llama.cpp", "peer", len(prompts), round_, first, total, tokens - 1, replies, peak, grown)
+        return Run(self.ENGINE, "peer", len(prompts), round_, first, total, tokens - 1, replies, peak, grown)
 

@@ -4,7 +4,8 @@
 A child that dies (a signal, an exit, the end of its output, a line that is not JSON, no answer in time)
 raises PeerFailed, whose message is the one line the bench prints before it carries on without the peer.
 An {"error": ...} answer to start or load is bad input (llama-cpp-python or transformers missing, a file the
-peer does not know): a TfqError, one line, as it was when the peers ran in tfq's process."""
+peer does not know): a TfqError, one line, as it was when the peers ran in tfq's process. A load the child marks
+"refused" (ik_llama.cpp on a model its build does not know) is a PeerFailed instead: tfq's rows stand without it."""
 from __future__ import annotations
 
 import json
@@ -31,6 +32,7 @@ EXIT_TIMEOUT_S = 30.0  # from the end of the child's output, or a close, to its 
 REBUILD = ('reinstall llama-cpp-python built for this CPU without -march=native: CMAKE_ARGS="-DGGML_NATIVE=OFF '
            '-DGGML_AVX512=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" pip install '
            '--force-reinstall --no-cache-dir llama-cpp-python (-DGGML_AVX512=OFF on a CPU without AVX-512)')
+IK_REBUILD = "rebuild ik_llama.cpp for this CPU with: nice -n 10 bash benchmarks/build_ik_llama.sh"
 STDERR_TAIL = 64 * 1024  # bytes of the child's stderr kept: drained always, so llama.cpp's noise never blocks it
 
 
@@ -73,6 +75,8 @@ class ChildPeer:
     def load(self, path: Path, threads: int) -> None:
         self.doing = "while loading"
         reply = self._ask({"op": "load", "path": str(path), "threads": threads, "name": self.name}, LOAD_TIMEOUT_S)
+        if reply.get("refused"):
+            raise self._failed(f"refused the model ({reply.get('error')})")
         self._refuse(reply)
         self._expect(reply, "ok")
         self.rss_peak_is_per_run = bool(reply.get("rss_peak_is_per_run"))
@@ -156,7 +160,7 @@ class ChildPeer:
             return "closed its output without exiting"
         if code < 0:
             if -code == signal.SIGILL:  # a build for another CPU: say how to build one for this
-                self.mend = f"; {REBUILD}"
+                self.mend = f"; {IK_REBUILD if self.engine == 'ik_llama.cpp' else REBUILD}"
             try:
                 return f"died with {signal.Signals(-code).name} ({(signal.strsignal(-code) or '?').lower()})"
             except ValueError:
