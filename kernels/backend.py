@@ -39,6 +39,9 @@ class Backend:
     # a mixture's routes (ids, weights, unsure rows), and its experts with their combine (kernels/moe.py)
     moe_route: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
     moe_mixture: Callable[..., torch.Tensor] | None = None
+    # a dense model's attention layers as one object, and a forward through them in one call (kernels/layer.py)
+    stack: Callable[..., object] | None = None
+    stack_forward: Callable[..., torch.Tensor] | None = None
 
     @property
     def interpreted(self) -> bool:
@@ -52,7 +55,7 @@ def torch_backend() -> Backend:
     from .rowwise import OneDnnLinear, onednn_available, rms_norm, silu
 
     if cpu_build.wanted():  # tfq's C++ kernels (kernels/cpu/): every output one fixed-order computation
-        from .layer import attention_layer_fixed, decoder_layer_fixed, delta_layer_fixed
+        from .layer import attention_layer_fixed, decoder_layer_fixed, delta_layer_fixed, layer_stack, stack_forward
         from .moe import mixture_fixed, route_fixed
         from .quant import QuantLinear
         from .rowwise import FixedOrderLinear, rms_norm_fixed, silu_fixed
@@ -60,7 +63,7 @@ def torch_backend() -> Backend:
         return Backend("torch", torch.device("cpu"), "CPU, tfq's fixed-order kernels (linear layers, attention, "
                        "RMS norm, SiLU)", FixedOrderLinear, rms_norm_fixed, attend_fixed, write, silu_fixed,
                        decoder_layer_fixed, QuantLinear, delta_layer_fixed, attention_layer_fixed, route_fixed,
-                       mixture_fixed)
+                       mixture_fixed, layer_stack, stack_forward)
     linear = "oneDNN (packed fp32)" if onednn_available() else "torch, one row at a time"
     return Backend("torch", torch.device("cpu"), f"CPU, linear layers by {linear}, attention as bmm items",
                    OneDnnLinear, rms_norm, attend, write, silu)

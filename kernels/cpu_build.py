@@ -20,13 +20,13 @@ import platform
 from pathlib import Path
 
 SOURCES = ("linear.cpp", "attention.cpp", "rowwise.cpp", "layer.cpp", "quant.cpp", "quant_q8.cpp", "delta.cpp",
-           "delta_layer.cpp", "moe.cpp", "workers.cpp")
+           "delta_layer.cpp", "moe.cpp", "stack.cpp", "workers.cpp")
 HEADERS = ("lanes.h", "panel.h", "layer_parts.h", "quant_blob.h", "checks.h")
 FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
 CHOICES = ("auto", "tfq", "torch")
 OPS = ("pack", "linear", "attend", "rms_norm", "silu", "layer", "qpack", "qcat", "qlinear", "deltanet",
        "gated_rms_norm", "sigmoid_gate", "delta_layer", "qpack_q8", "fma", "lanes", "moe_route",
-       "moe_mixture", "release_workers")
+       "moe_mixture", "stack_forward", "release_workers")
 EMULATED = "SSE2, fma emulated"  # lanes.h's path for x86-64 without FMA: the same bits, many times slower
 
 _state: dict[str, object] = {}  # once a process: "ok" -> bool, "why" -> str

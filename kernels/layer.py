@@ -101,6 +101,49 @@ def _attention_half(x: torch.Tensor, w: AttentionWeights, n: LayerSizes, at: Att
             SPLIT_ROWS if at.batch.partial else 0, w.o.panels, w.post_norm)
 
 
+@dataclass(frozen=True, eq=False)
+class StackInputs:
+    """What one forward brings a Stack: AttentionInputs with every layer's cache, in the stack's layer order."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    k_caches: list[torch.Tensor]
+    v_caches: list[torch.Tensor]
+    rows: torch.Tensor
+    cache_dtype: str
+    batch: AttentionBatch
+
+
+def layer_stack(layers: list[AttentionWeights], n: LayerSizes):
+    """A dense model's attention layers as one C++ object built once (kernels/cpu/stack.cpp), which runs them all
+    in one call (stack_forward); None where a layer is not what the one-call layer runs."""
+    if not layers or not all(w.gate_up is not None and fusable(w.qkv, w.o, w.gate_up, w.down) for w in layers):
+        return None
+    if len({w.gated for w in layers}) > 1:
+        return None
+
+    def each(values: list) -> list | None:  # optional tensors: in every layer or in none
+        present = [v is not None for v in values]
+        return list(values) if all(present) else [] if not any(present) else None
+
+    optional = [each([w.qkv.bias for w in layers]), each([w.q_norm for w in layers]), each([w.k_norm for w in layers])]
+    if any(o is None for o in optional):
+        return None
+    return torch.classes.tfq_cpu.Stack(
+        [w.input_norm for w in layers], [w.qkv.panels for w in layers], *optional, [w.o.panels for w in layers],
+        [w.post_norm for w in layers], [w.gate_up.panels for w in layers], [w.down.panels for w in layers],
+        [n.heads, n.kv_heads, n.head_dim, n.intermediate], n.eps, n.scale, layers[0].gated)
+
+
+def stack_forward(x: torch.Tensor, stack, at: StackInputs, clock: torch.Tensor | None = None) -> torch.Tensor:
+    """x [N, hidden] through every layer of `stack` in one call: decoder_layer_fixed layer after layer, the same
+    function on the same tensors (kernels/cpu/stack.cpp)."""
+    table, offsets, lengths = attention_tables(at.batch, x.shape[0])
+    return cpu_build.op("stack_forward")(x, stack, at.cos, at.sin, at.k_caches, at.v_caches, at.rows,
+                                         SATURATE.get(at.cache_dtype, 0.0), table, offsets, lengths, KEY_TILE,
+                                         SPLIT_ROWS if at.batch.partial else 0, clock)
+
+
 def decoder_layer_fixed(x: torch.Tensor, w: AttentionWeights, n: LayerSizes, at: AttentionInputs,
                         clock: torch.Tensor | None = None) -> torch.Tensor:
     """x [N, hidden] through one layer; its keys and values go to the cache at `at.rows`. Rotary turns each

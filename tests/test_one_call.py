@@ -11,7 +11,7 @@ from engines import alone, bits, run
 from test_hybrid import Oracle, hybrid, hybrid_dir  # noqa: F401 (fixtures)
 from test_hybrid import requests as hybrid_requests
 from tfq.engine.core import EngineSettings
-from tfq.engine.layer_guard import ONE_CALL, ONE_CALL_STORE, LayerProof
+from tfq.engine.layer_guard import ONE_CALL, ONE_CALL_STORE, STACKED, LayerProof
 from tfq.engine.stream import Request
 from tfq.kernels.contract import KEY_TILE
 
@@ -45,6 +45,46 @@ def test_the_engine_runs_each_layer_in_one_call_with_the_bits_of_the_ops(tiny_mo
     assert len(calls) > 0
     monkeypatch.setattr(type(model), "runs_in_one_call", lambda self, layer: False)
     assert replies(model, SETTINGS[name]) == fused
+
+
+def with_stack_forward(model, monkeypatch, stack_forward) -> None:
+    """The model's backend with another stack_forward, its one object kept (it runs only with its own backend)."""
+    backend = dataclasses.replace(model.backend, stack_forward=stack_forward)
+    monkeypatch.setattr(model, "backend", backend)
+    monkeypatch.setattr(model, "stack", (backend, *model.stack[1:]))
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_a_dense_model_runs_its_layers_as_one_object_with_the_bits_of_each_layer(tiny_models, family, name,
+                                                                                 monkeypatch):
+    """A dense model's forward runs every layer in one call to its one object (kernels/cpu/stack.cpp): the ids and
+    logits digests of every reply are those of the layers in one call each, and of the layers op by op."""
+    model = tiny_models[family].model
+    assert model.runs_as_stack()
+    calls = []
+    one = model.backend.stack_forward
+    with_stack_forward(model, monkeypatch, lambda *a: calls.append(1) or one(*a))
+    stacked = replies(model, SETTINGS[name])
+    assert len(calls) > 0
+    monkeypatch.setattr(model, "stack", None)
+    assert not model.runs_as_stack() and replies(model, SETTINGS[name]) == stacked
+    monkeypatch.setattr(type(model), "runs_in_one_call", lambda self, layer: False)
+    assert replies(model, SETTINGS[name]) == stacked
+
+
+def test_control_the_guard_refuses_layers_as_one_object_one_ulp_off(tiny_models, monkeypatch):
+    """A one-object forward whose outputs are one unit in the last place away from the ops' must be refused,
+    named; and a model whose layers were swapped after its object was built runs them, not the object."""
+    model = tiny_models["qwen3"].model
+    one = model.backend.stack_forward
+    with_stack_forward(model, monkeypatch, lambda *a: torch.nextafter(one(*a), torch.tensor(float("inf"))))
+    failure = LayerProof(model, "fp32", False).holds(torch.get_num_threads(), 64, 64)
+    assert failure is not None and failure.op == STACKED, failure
+    monkeypatch.undo()
+    assert LayerProof(model, "fp32", False).holds(torch.get_num_threads(), 64, 64) is None
+    monkeypatch.setattr(model, "layers", [dataclasses.replace(layer) for layer in model.layers])
+    assert not model.runs_as_stack()
 
 
 def test_control_the_guard_refuses_a_one_call_layer_one_ulp_off(tiny_models, monkeypatch):

@@ -100,20 +100,6 @@ at::Tensor attention_part(const at::Tensor& x, const at::Tensor& input_norm, con
   return attended;
 }
 
-// x [N, hidden] -> the layer's output [N, hidden]: the attention half, then the MLP.
-at::Tensor layer(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& qkv, const OptTensor& qkv_bias,
-                 const OptTensor& q_norm, const OptTensor& k_norm, const at::Tensor& cos, const at::Tensor& sin,
-                 at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& rows, double saturate,
-                 const at::Tensor& table, const at::Tensor& offsets, const at::Tensor& lengths, double scale,
-                 int64_t tile, int64_t split, const at::Tensor& o, const at::Tensor& post_norm,
-                 const at::Tensor& gate_up, const at::Tensor& down, int64_t heads, int64_t kv_heads,
-                 int64_t head_dim, int64_t intermediate, double eps, bool gated, const OptTensor& clock) {
-  const at::Tensor attended = attention_part(x, input_norm, qkv, qkv_bias, q_norm, k_norm, cos, sin, k_cache,
-                                             v_cache, rows, saturate, table, offsets, lengths, scale, tile, split, o,
-                                             heads, kv_heads, head_dim, eps, gated, clock);
-  return mlp(x, attended, post_norm, gate_up, down, intermediate, eps, clock);
-}
-
 // A mixture-of-experts layer's attention half (its MLP: moe.cpp): (the attention residual, its post
 // norm), the residual and the norm in one pass as the MLP of `layer` starts.
 std::tuple<at::Tensor, at::Tensor> attention_layer(
@@ -131,6 +117,25 @@ std::tuple<at::Tensor, at::Tensor> attention_layer(
 
 }  // namespace
 
+namespace tfq::layer {
+
+// x [N, hidden] -> the layer's output [N, hidden]: the attention half, then the MLP.
+at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& qkv,
+                         const OptTensor& qkv_bias, const OptTensor& q_norm, const OptTensor& k_norm,
+                         const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
+                         const at::Tensor& rows, double saturate, const at::Tensor& table, const at::Tensor& offsets,
+                         const at::Tensor& lengths, double scale, int64_t tile, int64_t split, const at::Tensor& o,
+                         const at::Tensor& post_norm, const at::Tensor& gate_up, const at::Tensor& down,
+                         int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps,
+                         bool gated, const OptTensor& clock) {
+  const at::Tensor attended = attention_part(x, input_norm, qkv, qkv_bias, q_norm, k_norm, cos, sin, k_cache,
+                                             v_cache, rows, saturate, table, offsets, lengths, scale, tile, split, o,
+                                             heads, kv_heads, head_dim, eps, gated, clock);
+  return mlp(x, attended, post_norm, gate_up, down, intermediate, eps, clock);
+}
+
+}  // namespace tfq::layer
+
 TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) {
   m.def("layer(Tensor x, Tensor input_norm, Tensor qkv, Tensor? qkv_bias, Tensor? q_norm, Tensor? k_norm, "
         "Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor rows, float saturate, Tensor table, "
@@ -143,6 +148,6 @@ TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) {
         "int kv_heads, int head_dim, float eps, bool gated, Tensor? clock) -> (Tensor, Tensor)");
 }
 TORCH_LIBRARY_IMPL(tfq_cpu, CPU, m) {
-  m.impl("layer", layer);
+  m.impl("layer", tfq::layer::decoder_layer);
   m.impl("attention_layer", attention_layer);
 }

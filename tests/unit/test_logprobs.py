@@ -102,3 +102,19 @@ def test_the_sampler_sorts_only_the_head_yet_draws_what_the_whole_order_draws():
     parted = [sample(row, t, p, s, 9) != whole_order_draw(row, t, p, s, 9, higher_id_first=True)
               for row in rows[-2:] for t, p in settings for s in range(4)]
     assert any(parted)  # control
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_row_with_a_nan_or_an_infinity_anywhere_is_not_finite(bad):
+    """finite() reads a row's sum; a NaN or an infinity in any position makes it say so, and a row whose finite
+    values overflow the sum (the control: its sum is inf) is still finite, by the test of each value."""
+    from tfq.decode.sampling import finite
+
+    row = torch.randn(151936, generator=torch.Generator().manual_seed(0))
+    assert finite(row)
+    for at in (0, 77_777, len(row) - 1):
+        hit = row.clone()
+        hit[at] = bad
+        assert not finite(hit)
+    big = torch.full((8,), 3e38)
+    assert not np.isfinite(float(big.sum())) and finite(big)

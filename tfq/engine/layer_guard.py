@@ -36,6 +36,7 @@ from tfq.engine.cache import CacheSpec, KVCache
 from tfq.engine.pages import Placement, pages_for
 from tfq.errors import TfqError
 from tfq.kernels.contract import KEY_TILE
+from tfq.kernels.layer import StackInputs
 from tfq.model.layers import DeltaLayer
 
 LANE_WINDOW = 384  # rows of each probe lane: the deepest probe sits at position 300, past a 256-row split
@@ -159,19 +160,23 @@ class LayerProof:
 
 
 ONE_CALL, ONE_CALL_STORE = "layer in one call", "layer in one call's cache store"
+STACKED, STACKED_STORE = "layer as the model's one object", "layer as the model's one object's cache store"
 
 
 def _one_call_agrees(record: Record, threads: int) -> Failure | None:
     """Each layer in one call (kernels/layer.py) gives each probe the bits the layer gives op by op: its output
     those of the last residual, its cache rows those of the cache store (a DeltaNet layer: its streams' states
-    those of the recurrence). (Its row invariance is then proved with every other op's, scene by scene.)"""
-    for name in [op for op in record.ops if op.endswith(ONE_CALL)]:
-        prefix = name[:-len(ONE_CALL)]  # a hybrid proves one layer of each kind
-        stored = prefix + ("cache store" if prefix + "cache store" in record.ops else "recurrent state")
-        for one, by_ops in ((name, prefix + "mlp residual"), (prefix + ONE_CALL_STORE, stored)):
-            for probe, rows in record.ops[one].items():
-                if not torch.equal(rows, record.ops[by_ops][probe]):
-                    return Failure(one, probe, "from those of the layer run op by op", threads)
+    those of the recurrence); so does the layer run as a dense model's one object (a Stack of it alone: the
+    engine's forward runs every layer so, one after another). (Their row invariance is then proved with every
+    other op's, scene by scene.)"""
+    for call, store in ((ONE_CALL, ONE_CALL_STORE), (STACKED, STACKED_STORE)):
+        for name in [op for op in record.ops if op.endswith(call)]:
+            prefix = name[:-len(call)]  # a hybrid proves one layer of each kind
+            stored = prefix + ("cache store" if prefix + "cache store" in record.ops else "recurrent state")
+            for one, by_ops in ((name, prefix + "mlp residual"), (prefix + store, stored)):
+                for probe, rows in record.ops[one].items():
+                    if not torch.equal(rows, record.ops[by_ops][probe]):
+                        return Failure(one, probe, "from those of the layer run op by op", threads)
     return None
 
 
@@ -240,6 +245,8 @@ class _Bench:
                   if layers]
         self.layers = [(model.layers[i], f"{'attention' if kind == 'full_attention' else 'deltanet'}: "
                         if c.hybrid else "") for kind, i in firsts]
+        # where the model runs its layers as one object, that object's code on the first layer alone
+        self.stack = model.backend.stack([model.layers[0].fused], model.layer_sizes) if model.runs_as_stack() else None
         config = replace(c, num_layers=len(firsts), layer_types=tuple(k for k, _ in firsts) if c.hybrid else ())
         streams = list(PROBES) + self.fillers
         self.cache = KVCache(config, CacheSpec(lanes=2, window=LANE_WINDOW, page_rows=KEY_TILE, pool_pages=pages,
@@ -316,6 +323,12 @@ class _Bench:
                                                  s.segments))
                     tap(ONE_CALL_STORE, self.cache.state.fingerprint(0, s.segments, x0.shape[0])
                         if isinstance(layer, DeltaLayer) else self.cache.stored(0, s.cache_rows))
+            if self.stack is not None:  # the first layer as a Stack of it alone, from the same cache
+                self.restore()
+                tap = _Tap(keep, record)
+                tap(STACKED, model.backend.stack_forward(x0, self.stack, StackInputs(
+                    cos, sin, [self.cache.k[0]], [self.cache.v[0]], s.cache_rows, self.cache.dtype_name, s.batch)))
+                tap(STACKED_STORE, self.cache.stored(0, s.cache_rows))
         return record
 
     def restore(self) -> None:
