@@ -29,7 +29,9 @@ def finite(logits: torch.Tensor) -> bool:
     """Whether every value of a logits row is finite, from its sum (a NaN or an infinity anywhere makes the sum NaN
     or infinite): several times cheaper than a test of each value, which runs only where finite values overflow
     the sum. numpy's sum, on this thread: torch's may start a parallel region, costly on a busy machine."""
-    return math.isfinite(float(logits.numpy().sum())) or bool(torch.isfinite(logits).all())
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflowing sum or inf - inf: what it asks about
+        total = float(logits.numpy().sum())
+    return math.isfinite(total) or bool(torch.isfinite(logits).all())
 
 
 def draw_key(seed: int, position: int) -> int:
