@@ -93,19 +93,10 @@ class IkLlamaPeer(LlamaPeer):
         self.vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
         self.lanes = 0
 
-    def prepare(self, lanes: int, rows: int) -> None:
-        L = self._free_context()
-        cp = L.llama_context_default_params()
-        cp.n_ctx = lanes * rows
-        cp.n_batch = cp.n_ctx  # every stream's prompt in one llama_decode (it splits into ubatches itself)
-        cp.n_seq_max = lanes
-        cp.n_threads = cp.n_threads_batch = self.threads
+    def context_params(self, cp, lanes: int, rows: int):
+        cp = super().context_params(cp, lanes, rows)
         cp.flash_attn = cp.flash_attn and lanes == 1  # its flash attention aborts with several sequences
-        self.ctx = L.llama_init_from_model(self.model, cp)
-        if not self.ctx:
-            raise TfqError(f"{NAME} cannot make a context of {lanes} x {rows} rows for {self.path}")
-        self.batch = L.llama_batch_init(cp.n_ctx, 0, 1)
-        self.lanes = lanes
+        return cp
 
     def _clear(self) -> None:
         self.L.llama_kv_cache_clear(self.ctx)

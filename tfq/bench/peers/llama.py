@@ -110,17 +110,22 @@ class LlamaPeer:
     def prepare(self, lanes: int, rows: int) -> None:
         """A context for `lanes` streams of `rows` rows each (made anew for each lane count)."""
         L = self._free_context()
-        cp = L.llama_context_default_params()
+        cp = self.context_params(L.llama_context_default_params(), lanes, rows)
+        self.ctx = L.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            raise TfqError(f"{self.ENGINE} cannot make a context of {lanes} x {rows} rows for {self.path}")
+        self.batch = L.llama_batch_init(cp.n_ctx, 0, 1)
+        self.lanes = lanes
+
+    def context_params(self, cp, lanes: int, rows: int):
+        """The library's default context parameters, sized for `lanes` streams of `rows` rows on our threads."""
         cp.n_ctx = lanes * rows
         cp.n_batch = cp.n_ctx  # every stream's prompt in one llama_decode (it splits into ubatches itself)
         cp.n_seq_max = lanes
         cp.n_threads = cp.n_threads_batch = self.threads
-        cp.no_perf = True
-        self.ctx = L.llama_init_from_model(self.model, cp)
-        if not self.ctx:
-            raise TfqError(f"llama.cpp cannot make a context of {lanes} x {rows} rows for {self.path}")
-        self.batch = L.llama_batch_init(cp.n_ctx, 0, 1)
-        self.lanes = lanes
+        if "no_perf" in dict(type(cp)._fields_):  # llama.cpp's; ik_llama.cpp's older structure has no such field
+            cp.no_perf = True
+        return cp
 
     def _free_context(self):
         L = self.L
