@@ -115,7 +115,7 @@ class StackInputs:
 
 
 def layer_stack(layers: list[AttentionWeights], n: LayerSizes):
-    """A dense model's attention layers as one C++ object built once (kernels/cpu/stack.cpp), which runs them all
+    """A dense model's attention layers as one C++ object built once (kernels/cpu/layer.cpp), which runs them all
     in one call (stack_forward); None where a layer is not what the one-call layer runs."""
     if not layers or not all(w.gate_up is not None and fusable(w.qkv, w.o, w.gate_up, w.down) for w in layers):
         return None
@@ -137,7 +137,7 @@ def layer_stack(layers: list[AttentionWeights], n: LayerSizes):
 
 def stack_forward(x: torch.Tensor, stack, at: StackInputs, clock: torch.Tensor | None = None) -> torch.Tensor:
     """x [N, hidden] through every layer of `stack` in one call: decoder_layer_fixed layer after layer, the same
-    function on the same tensors (kernels/cpu/stack.cpp)."""
+    function on the same tensors (kernels/cpu/layer.cpp)."""
     table, offsets, lengths = attention_tables(at.batch, x.shape[0])
     return cpu_build.op("stack_forward")(x, stack, at.cos, at.sin, at.k_caches, at.v_caches, at.rows,
                                          SATURATE.get(at.cache_dtype, 0.0), table, offsets, lengths, KEY_TILE,

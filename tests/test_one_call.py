@@ -58,7 +58,7 @@ def with_stack_forward(model, monkeypatch, stack_forward) -> None:
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_a_dense_model_runs_its_layers_as_one_object_with_the_bits_of_each_layer(tiny_models, family, name,
                                                                                  monkeypatch):
-    """A dense model's forward runs every layer in one call to its one object (kernels/cpu/stack.cpp): the ids and
+    """A dense model's forward runs every layer in one call to its one object (kernels/cpu/layer.cpp): the ids and
     logits digests of every reply are those of the layers in one call each, and of the layers op by op."""
     model = tiny_models[family].model
     assert model.runs_as_stack()

@@ -173,15 +173,4 @@ inline at::Tensor mlp(const at::Tensor& x, const at::Tensor& mixed, const at::Te
   return x2 + out;
 }
 
-// One attention decoder layer (layer.cpp): x [N, hidden] -> the layer's output; the `layer` op, and each layer
-// of a Stack (stack.cpp)
-at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& qkv,
-                         const OptTensor& qkv_bias, const OptTensor& q_norm, const OptTensor& k_norm,
-                         const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
-                         const at::Tensor& rows, double saturate, const at::Tensor& table, const at::Tensor& offsets,
-                         const at::Tensor& lengths, double scale, int64_t tile, int64_t split, const at::Tensor& o,
-                         const at::Tensor& post_norm, const at::Tensor& gate_up, const at::Tensor& down,
-                         int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps,
-                         bool gated, const OptTensor& clock);
-
 }  // namespace tfq::layer
