@@ -36,10 +36,14 @@ def test_logits_match_transformers(tiny_dirs, tiny_models, family):
 
 
 @pytest.mark.slow
-def test_default_model_greedy_tokens_equal_transformers(default_model):
+def test_default_model_greedy_tokens_equal_transformers():
+    """The default model on its GGUF blocks with fp32 sums (weights: gguf, the dequantized model's bits) draws
+    transformers' greedy tokens on the same fp32 weights. (weights: auto computes in gguf-q8, whose activations
+    lose bits: its own bits are checked against the record, tests/test_verify.py.)"""
+    from tfq.model.load import load_model
     from tfq.model.source import resolve_model
 
-    loaded = default_model
+    loaded = load_model("default", progress=False, weights="gguf")
     hf = hf_model(resolve_model("default", progress=False))  # the folder with its fp32 weights, written once for HF
     chats = engine(loaded.model, window=1024, lanes=2, tokenizer=loaded.tokenizer)
     prompts = ["Write a Python function that checks whether a number is prime.",
