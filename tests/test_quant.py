@@ -175,6 +175,23 @@ def test_the_model_keeps_each_matrix_in_its_format(loaded):
     assert loaded["gguf"].weights == "gguf" and loaded["fp32"].weights == "fp32"
 
 
+def test_the_embedding_keeps_recent_rows_with_the_values_of_its_blocks(loaded, monkeypatch):
+    """A decode step's rows come from the rows looked up before, kept unpacked and bounded: every lookup, new or
+    seen again, has the fp32 model's bits. The control: a kept row changed on purpose is what a lookup returns."""
+    embed, fp32 = loaded["gguf"].model.embed, loaded["fp32"].model.embed
+    monkeypatch.setattr(embed, "most_kept", 3)
+    embed.kept.clear()
+    g = torch.Generator().manual_seed(3)
+    for _ in range(40):
+        ids = torch.randint(0, 12, (int(torch.randint(1, 5, (1,), generator=g)),), generator=g)
+        assert torch.equal(embed.rows(ids), fp32[ids]) and len(embed.kept) <= 3
+    assert torch.equal(embed.rows(torch.arange(20)), fp32[:20])  # a prompt's many rows: unpacked whole
+    token = next(iter(embed.kept))
+    embed.kept[token] = embed.kept[token] + 1
+    assert not torch.equal(embed.rows(torch.tensor([token])), fp32[[token]])
+    embed.kept.clear()
+
+
 def test_the_plan_counts_the_bytes_the_model_keeps(loaded, tiny_file):
     """The plan's weights (kept_summary, from the header alone) are the bytes the loaded model holds: every
     layer's blob, the fp32 norms and biases, the embedding's blocks on the file. The control: the fp32 model
