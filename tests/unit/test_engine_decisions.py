@@ -138,3 +138,22 @@ def test_the_stub_reads_what_the_cache_holds():
     model = StubModel()
     a, b = model._row(torch.tensor([[3.0, 1.0]]).numpy().tobytes()), model._row(torch.zeros(1, 2).numpy().tobytes())
     assert not torch.equal(a, b)
+
+
+def test_a_few_rows_and_many_get_the_same_store_rows():
+    """KVCache.rows makes a decode step's few rows (8 at most) with Python's integers and a prompt's many with
+    tensors: the same store rows for every start and count, on pages (crossing pages) and in a lane. The control:
+    a placement whose pages are reordered gives other rows."""
+    from tfq.engine.cache import CacheSpec, KVCache
+
+    cache = KVCache(StubModel().config, CacheSpec(lanes=1, window=256, page_rows=16, pool_pages=12))
+    paged, lane = cache.pages.paged(), cache.pages.lane(0)
+    assert cache.pages.grow(paged, 120) and cache.pages.grow(lane, 120)
+    for p in (paged, lane):
+        for start in range(0, 90, 7):
+            for count in range(1, 9):
+                by_tensors = cache.rows(p, start, count + 9)[:count]  # more than 8 rows: the tensor path
+                assert torch.equal(cache.rows(p, start, count), by_tensors), (p.paged, start, count)
+    before = cache.rows(paged, 10, 8)
+    paged.blocks = list(reversed(paged.blocks))
+    assert not torch.equal(cache.rows(paged, 10, 8), before)
