@@ -9,6 +9,7 @@ dispatching ~25 small ops a layer from Python, each on cold caches after a linea
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -112,6 +113,15 @@ class StackInputs:
     rows: torch.Tensor
     cache_dtype: str
     batch: AttentionBatch
+
+
+class BuiltStack(NamedTuple):
+    """A model's layers as one C++ object (layer_stack), with the backend and the layers it was built from: it runs
+    only while the model still holds both."""
+
+    backend: object
+    layers: tuple
+    handle: object  # torch.classes.tfq_cpu.Stack, or None where the layers are not what it runs
 
 
 def layer_stack(layers: list[AttentionWeights], n: LayerSizes):

@@ -51,7 +51,7 @@ def with_stack_forward(model, monkeypatch, stack_forward) -> None:
     """The model's backend with another stack_forward, its one object kept (it runs only with its own backend)."""
     backend = dataclasses.replace(model.backend, stack_forward=stack_forward)
     monkeypatch.setattr(model, "backend", backend)
-    monkeypatch.setattr(model, "stack", (backend, *model.stack[1:]))
+    monkeypatch.setattr(model, "stack", model.stack._replace(backend=backend))
 
 
 @pytest.mark.parametrize("name", SETTINGS)

@@ -29,7 +29,7 @@ from tfq.kernels.delta import (
     gated_rms_norm,
     sigmoid_gate,
 )
-from tfq.kernels.layer import AttentionInputs, DeltaState, LayerSizes, StackInputs, fusable
+from tfq.kernels.layer import AttentionInputs, BuiltStack, DeltaState, LayerSizes, StackInputs, fusable
 from tfq.kernels.quant import Quantized, Stacked
 from tfq.kernels.rowwise import rms_norm_fixed
 from tfq.model.config import ModelConfig
@@ -148,8 +148,8 @@ class Qwen:
         # a dense model's layers as one C++ object: a forward's layers in one call (kernels/layer.py), used while the
         # model's layers and backend are the ones it was built from (the guard's tests swap in others)
         dense = not c.hybrid and not c.moe_layers and backend.stack is not None
-        self.stack = (backend, tuple(self.layers), backend.stack([layer.fused for layer in self.layers],
-                                                                 self.layer_sizes)) if dense else None
+        self.stack = BuiltStack(backend, tuple(self.layers), backend.stack([layer.fused for layer in self.layers],
+                                                                           self.layer_sizes)) if dense else None
 
     def make_linear(self, w, b=None) -> LinearFn:
         """A linear layer on fp32 weights, or on quantized ones kept by load_model (weights: gguf or mlx)."""
@@ -199,7 +199,7 @@ class Qwen:
         x = self.embedding(ids)
         if self.runs_as_stack(segments):
             order = [self.cache_index[i] for i in range(len(self.layers))]
-            return self.logits(self.backend.stack_forward(x, self.stack[2], StackInputs(
+            return self.logits(self.backend.stack_forward(x, self.stack.handle, StackInputs(
                 cos, sin, [cache.k[i] for i in order], [cache.v[i] for i in order], cache_rows, cache.dtype_name,
                 batch), self.layer_clock)[logit_rows])
         for i, layer in enumerate(self.layers):
@@ -210,9 +210,9 @@ class Qwen:
     def runs_as_stack(self, segments: Segments | None = None) -> bool:
         """Whether this forward's layers run as the model's one C++ object (`stack`): built for these layers and
         this backend, each of them a layer the one-call layer runs."""
-        if self.stack is None or self.stack[2] is None or self.stack[0] is not self.backend:
+        if self.stack is None or self.stack.handle is None or self.stack.backend is not self.backend:
             return False
-        built = self.stack[1]
+        built = self.stack.layers
         return (len(built) == len(self.layers) and all(a is b for a, b in zip(built, self.layers))
                 and not (segments is not None and segments.chunked) and self.runs_in_one_call(self.layers[0]))
 
