@@ -10,10 +10,9 @@ None of this touches a bit: it only decides how many prompt rows share a forward
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Iterable
-
-import numpy as np
 
 DECAY = 0.99  # a step's weight in the fit, one step later: about the last few hundred steps count
 LEAST_STEPS = 8  # steps seen before the fit is trusted
@@ -34,8 +33,8 @@ class Work:
     def total(works: Iterable["Work"]) -> "Work":
         return sum(works, Work())
 
-    def terms(self) -> np.ndarray:
-        return np.array([1.0, self.rows, self.keys])
+    def terms(self) -> tuple[float, float, float]:
+        return (1.0, float(self.rows), float(self.keys))
 
 
 def chunk_work(start: int, rows: int) -> Work:
@@ -43,19 +42,37 @@ def chunk_work(start: int, rows: int) -> Work:
     return Work(rows, rows * start + rows * (rows + 1) // 2)
 
 
+def _solve3(a: list[list[float]], b: list[float]) -> list[float]:
+    """x with a x = b for a 3 x 3 system that is symmetric positive definite (Gaussian elimination, no pivoting:
+    its diagonal stays positive). Plain floats: numpy's per-call cost was a tenth of a millisecond a step."""
+    a = [row[:] for row in a]
+    b = b[:]
+    for i in range(3):
+        for j in range(i + 1, 3):
+            f = a[j][i] / a[i][i]
+            for k in range(i, 3):
+                a[j][k] -= f * a[i][k]
+            b[j] -= f * b[i]
+    x = [0.0, 0.0, 0.0]
+    for i in (2, 1, 0):
+        x[i] = (b[i] - sum(a[i][k] * x[k] for k in range(i + 1, 3))) / a[i][i]
+    return x
+
+
 @dataclass
 class StepCost:
-    """The least-squares fit of a step's seconds to its Work, over the steps observed."""
+    """The least-squares fit of a step's seconds to its Work, over the steps observed (3 x 3 normal equations, in
+    plain floats: a decode step at one lane asks for it a few times)."""
 
     seen: int = 0
-    _gram: np.ndarray = field(default_factory=lambda: np.zeros((3, 3)))
-    _moment: np.ndarray = field(default_factory=lambda: np.zeros(3))
-    _coef: np.ndarray | None = None
+    _gram: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)])
+    _moment: list[float] = field(default_factory=lambda: [0.0] * 3)
+    _coef: list[float] | None = None
 
     def observe(self, work: Work, seconds: float) -> None:
         x = work.terms()
-        self._gram = DECAY * self._gram + np.outer(x, x)
-        self._moment = DECAY * self._moment + seconds * x
+        self._gram = [[DECAY * g + xi * xj for g, xj in zip(row, x)] for row, xi in zip(self._gram, x)]
+        self._moment = [DECAY * m + seconds * xi for m, xi in zip(self._moment, x)]
         self.seen += 1
         self._coef = None
 
@@ -65,8 +82,10 @@ class StepCost:
 
     def seconds(self, work: Work) -> float:
         if self._coef is None:
-            scale = np.maximum(np.diag(self._gram), 1e-12)  # the terms differ by orders of magnitude
-            gram = self._gram / np.sqrt(np.outer(scale, scale)) + RIDGE * np.eye(3)
-            coef = np.linalg.solve(gram, self._moment / np.sqrt(scale)) / np.sqrt(scale)
-            self._coef = np.maximum(coef, 0.0)  # no term makes a step faster
-        return float(self._coef @ work.terms())
+            # the terms differ by orders of magnitude: solved on the scaled system
+            root = [math.sqrt(max(self._gram[i][i], 1e-12)) for i in range(3)]
+            gram = [[self._gram[i][j] / (root[i] * root[j]) + (RIDGE if i == j else 0.0) for j in range(3)]
+                    for i in range(3)]
+            coef = _solve3(gram, [m / r for m, r in zip(self._moment, root)])
+            self._coef = [max(c / r, 0.0) for c, r in zip(coef, root)]  # no term makes a step faster
+        return sum(c * t for c, t in zip(self._coef, work.terms()))
