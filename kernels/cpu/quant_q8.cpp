@@ -191,10 +191,10 @@ struct Rounded {
   std::vector<int32_t> sums16, sums32;
 };
 
-// One block of 32 (step 1): its q, and its d as the function's value. Vectors where the build has AVX-512: the
+// One block of 32 (step 1): its q, the sums of its halves' q (sums[0], sums[1]), and its d as the function's value. Vectors where the build has AVX-512: the
 // same operations, each rounding once (max is exact, one division each for d and 1 / d's factor, one product a
 // lane, rounded to nearest even), so the same bits as the loop below.
-inline float round_block(const float* xb, int8_t* qb) {
+inline float round_block(const float* xb, int8_t* qb, int32_t* sums) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
   const __m512 a = _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi));
@@ -203,20 +203,24 @@ inline float round_block(const float* xb, int8_t* qb) {
   if (_mm512_cmp_ps_mask(_mm512_abs_ps(lo), top, _CMP_LE_OQ) != 0xFFFF ||
       _mm512_cmp_ps_mask(_mm512_abs_ps(hi), top, _CMP_LE_OQ) != 0xFFFF) {
     std::memset(qb, 0, BLOCK);
+    sums[0] = sums[1] = 0;
     return NAN;
   }
   const float amax = _mm512_reduce_max_ps(a);
   if (amax < TINY) {
     std::memset(qb, 0, BLOCK);
+    sums[0] = sums[1] = 0;
     return 0.f;
   }
   const __m512 inv = _mm512_set1_ps(127.f / amax), bound = _mm512_set1_ps(127.f);
-  const auto q = [&](__m512 x) {
+  const auto q = [&](__m512 x, int8_t* out, int32_t* sum) {
     const __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(x, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    return _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(v, bound), -bound)));
+    const __m512i i = _mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(v, bound), -bound));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(i));
+    *sum = _mm512_reduce_add_epi32(i);
   };
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), q(lo));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), q(hi));
+  q(lo, qb, sums);
+  q(hi, qb + 16, sums + 1);
   return amax / 127.f;
 #else
   float amax = 0.f;
@@ -226,6 +230,7 @@ inline float round_block(const float* xb, int8_t* qb) {
     if (!(a <= FLT_MAX)) finite = false;
     else if (a > amax) amax = a;
   }
+  sums[0] = sums[1] = 0;
   if (!finite || amax < TINY) {
     std::memset(qb, 0, BLOCK);
     return finite ? 0.f : NAN;
@@ -234,6 +239,7 @@ inline float round_block(const float* xb, int8_t* qb) {
   for (int64_t j = 0; j < BLOCK; j++) {
     const float v = std::nearbyint(xb[j] * inv);
     qb[j] = static_cast<int8_t>(v > 127.f ? 127.f : v < -127.f ? -127.f : v);
+    sums[j / 16] += qb[j];
   }
   return amax / 127.f;
 #endif
@@ -245,13 +251,7 @@ Rounded round_rows(const float* x, int64_t M, int64_t K) {
   // a few rows round on the calling thread: a parallel region costs more than they do
   at::parallel_for(0, M * K / BLOCK, M <= TILE ? M * K / BLOCK : 64, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; b++) {
-      int8_t* qb = r.q.data() + b * BLOCK;
-      r.d[b] = round_block(x + b * BLOCK, qb);
-      for (int h = 0; h < 2; h++) {
-        int32_t s = 0;
-        for (int j = 0; j < 16; j++) s += qb[16 * h + j];
-        r.sums16[2 * b + h] = s;
-      }
+      r.d[b] = round_block(x + b * BLOCK, r.q.data() + b * BLOCK, r.sums16.data() + 2 * b);
       r.sums32[b] = r.sums16[2 * b] + r.sums16[2 * b + 1];
     }
   });
