@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from engines import alone, bits, run
-from test_hybrid import Oracle, hybrid, hybrid_dir  # noqa: F401 (fixtures)
-from test_hybrid import requests as hybrid_requests
 from test_gguf_hybrid import converter  # noqa: F401 (a fixture)
 from test_gguf_moe import converted  # noqa: F401 (a fixture)
+from test_hybrid import Oracle, hybrid, hybrid_dir  # noqa: F401 (fixtures)
+from test_hybrid import requests as hybrid_requests
 from test_moe import moe_dir  # noqa: F401 (a fixture)
 from tfq.engine.core import EngineSettings
 from tfq.engine.layer_guard import ONE_CALL, ONE_CALL_STORE, STACKED, LayerProof

@@ -35,8 +35,8 @@ from tfq.model.config import ModelConfig
 from tfq.model.kernel_guard import check_layers, ensure_exact
 from tfq.model.layers import DeltaLayer, Layer
 from tfq.model.mlp_weights import stack, take_mlp, take_moe
-from tfq.model.one_object import OneObject
 from tfq.model.moe import Fused, MoE, Tap, moe_mlp, untapped
+from tfq.model.one_object import OneObject
 from tfq.model.rope import rope_tables
 from tfq.model.segments import Segment, Segments
 from tfq.model.taker import Taker
