@@ -39,9 +39,10 @@ class Backend:
     # a mixture's routes (ids, weights, unsure rows), and its experts with their combine (kernels/moe.py)
     moe_route: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
     moe_mixture: Callable[..., torch.Tensor] | None = None
-    # a dense model's attention layers as one object, and a forward through them in one call (kernels/layer.py)
+    # a model's attention layers (dense, or mixtures of experts) as one object, and a forward through them in one
+    # call (kernels/layer.py)
     stack: Callable[..., object] | None = None
-    stack_forward: Callable[..., torch.Tensor] | None = None
+    stack_forward: Callable[..., tuple] | None = None
 
     @property
     def interpreted(self) -> bool:

@@ -37,6 +37,19 @@ class LayerSizes:
     intermediate: int  # the dense MLP's
     eps: float  # every RMS norm's
     scale: float  # attention's, 1 / sqrt(head_dim)
+    experts_intermediate: int = 0  # a mixture's experts' (0: no mixture)
+
+
+@dataclass(frozen=True, eq=False)
+class MixtureWeights:
+    """A mixture of experts' weights as a Stack takes them (tfq/model/moe.py: MoE.stacked): the router and each
+    expert's panels, by id; only where every one of them is tfq's C++ linear layer and there is no shared expert."""
+
+    router: LinearFn
+    gate_ups: list[torch.Tensor]
+    downs: list[torch.Tensor]
+    chosen: int
+    normalized: bool
 
 
 @dataclass(frozen=True, eq=False)
@@ -53,6 +66,7 @@ class AttentionWeights:
     gate_up: LinearFn | None  # None in a mixture's layer (its attention half alone runs in one call)
     down: LinearFn | None
     gated: bool  # a hybrid's attention: qkv's last rows are a gate of its output
+    mixture: MixtureWeights | None = None  # a mixture's layer: its MLP, where a Stack runs it
 
 
 @dataclass(frozen=True, eq=False)
@@ -124,10 +138,23 @@ class BuiltStack(NamedTuple):
     handle: object  # torch.classes.tfq_cpu.Stack, or None where the layers are not what it runs
 
 
+class StackOut(NamedTuple):
+    """What a forward through a Stack gives: the rows after its last layer (`layer` then the stack's layer count);
+    or, where some row's route in a mixture's layer was unsure (kernels/moe.py: route_fixed), the rows after that
+    layer's attention half (`layer` then that layer) and their post norm `h`, for the caller's route to finish the
+    layer and the stack to go on from the next."""
+
+    x: torch.Tensor
+    layer: int
+    h: torch.Tensor  # no rows where every layer ran
+
+
 def layer_stack(layers: list[AttentionWeights], n: LayerSizes):
-    """A dense model's attention layers as one C++ object built once (kernels/cpu/layer.cpp), which runs them all
-    in one call (stack_forward); None where a layer is not what the one-call layer runs."""
-    if not layers or not all(w.gate_up is not None and fusable(w.qkv, w.o, w.gate_up, w.down) for w in layers):
+    """A model's attention layers (a dense MLP or a mixture of experts each) as one C++ object built once
+    (kernels/cpu/layer.cpp), which runs them all in one call (stack_forward); None where a layer is not what the
+    one-call layer runs."""
+    if not layers or not all(fusable(w.qkv, w.o) and (fusable(w.gate_up, w.down) if w.gate_up is not None
+                                                      else w.mixture is not None) for w in layers):
         return None
     if len({w.gated for w in layers}) > 1:
         return None
@@ -139,19 +166,30 @@ def layer_stack(layers: list[AttentionWeights], n: LayerSizes):
     optional = [each([w.qkv.bias for w in layers]), each([w.q_norm for w in layers]), each([w.k_norm for w in layers])]
     if any(o is None for o in optional):
         return None
+    mixtures = [w.mixture for w in layers if w.gate_up is None]
+    if len({(len(m.gate_ups), m.chosen, m.normalized) for m in mixtures}) > 1:
+        return None  # one count of experts, chosen and normalized alike, in every mixture
+    m = mixtures[0] if mixtures else None
+    none = torch.empty(0)  # a dense layer's router, a mixture's layer's gate_up and down
+    routers = [none if w.gate_up is not None else w.mixture.router.panels for w in layers] if mixtures else []
     return torch.classes.tfq_cpu.Stack(
         [w.input_norm for w in layers], [w.qkv.panels for w in layers], *optional, [w.o.panels for w in layers],
-        [w.post_norm for w in layers], [w.gate_up.panels for w in layers], [w.down.panels for w in layers],
-        [n.heads, n.kv_heads, n.head_dim, n.intermediate], n.eps, n.scale, layers[0].gated)
+        [w.post_norm for w in layers], [w.gate_up.panels if w.gate_up is not None else none for w in layers],
+        [w.down.panels if w.down is not None else none for w in layers], routers,
+        [g for mix in mixtures for g in mix.gate_ups], [d for mix in mixtures for d in mix.downs],
+        [n.heads, n.kv_heads, n.head_dim, n.intermediate, len(m.gate_ups) if m else 0, m.chosen if m else 0,
+         n.experts_intermediate if m else 0, int(m.normalized) if m else 0], n.eps, n.scale, layers[0].gated)
 
 
-def stack_forward(x: torch.Tensor, stack, at: StackInputs, clock: torch.Tensor | None = None) -> torch.Tensor:
-    """x [N, hidden] through every layer of `stack` in one call: decoder_layer_fixed layer after layer, the same
-    function on the same tensors (kernels/cpu/layer.cpp)."""
+def stack_forward(x: torch.Tensor, stack, at: StackInputs, clock: torch.Tensor | None = None,
+                  first: int = 0) -> StackOut:
+    """x [N, hidden] through the layers of `stack` from `first` in one call: decoder_layer_fixed layer after layer
+    (a mixture's: attention_layer_fixed, the router, route_fixed and mixture_fixed), the same functions on the same
+    tensors (kernels/cpu/layer.cpp). `clock` gains the router's seconds with the experts'."""
     table, offsets, lengths = attention_tables(at.batch, x.shape[0])
-    return cpu_build.op("stack_forward")(x, stack, at.cos, at.sin, at.k_caches, at.v_caches, at.rows,
-                                         SATURATE.get(at.cache_dtype, 0.0), table, offsets, lengths, KEY_TILE,
-                                         SPLIT_ROWS if at.batch.partial else 0, clock)
+    return StackOut(*cpu_build.op("stack_forward")(x, stack, first, at.cos, at.sin, at.k_caches, at.v_caches, at.rows,
+                                                   SATURATE.get(at.cache_dtype, 0.0), table, offsets, lengths,
+                                                   KEY_TILE, SPLIT_ROWS if at.batch.partial else 0, clock))
 
 
 def decoder_layer_fixed(x: torch.Tensor, w: AttentionWeights, n: LayerSizes, at: AttentionInputs,

@@ -291,3 +291,36 @@ def test_moe_mixture_still_refuses_an_expert_id_past_the_bank(expert):
     b, h, weights = bank(), torch.randn(2, HIDDEN), torch.full((2, 2), 0.5)
     with pytest.raises(RuntimeError, match=rf"tfq moe_mixture: .*{expert}.*3 experts|expert id past the list"):
         op("moe_mixture")(h, torch.tensor([[0, 2], [1, expert]]), weights, b, INTER, None)
+
+
+def test_a_mixture_stack_refuses_experts_it_cannot_split_and_a_layer_past_its_own():
+    """a Stack's layer with a router takes the next `experts` experts of the flat lists: too few or too many is
+    refused when it is built; a forward from a layer past the stack's is refused. In range, it runs the layer's
+    per-layer calls' bits (attention_layer, the router, moe_route, moe_mixture, the residual)."""
+    from tfq.kernels.moe import expert_bank
+
+    a = attention_layer_args()
+    gate_ups = [pack(2 * INTER, HIDDEN, 20 + e) for e in range(3)]
+    downs = [pack(HIDDEN, INTER, 30 + e) for e in range(3)]
+    sizes = [HEADS, KV_HEADS, HEAD_DIM, INTER, 3, 2, INTER, 1]  # 3 experts, 2 chosen, normalized
+    router = pack(3, HIDDEN, 40)
+
+    def stack(g: list, d: list):  # one layer, its MLP a mixture (no dense gate_up or down)
+        none = torch.empty(0)
+        return torch.classes.tfq_cpu.Stack([a["input_norm"]], [a["qkv"]], [], [], [], [a["o"]], [a["post_norm"]],
+                                           [none], [none], [router], g, d, sizes, 1e-6, a["scale"], False)
+
+    forward = dict(x=a["x"], cos=a["cos"], sin=a["sin"], k_caches=[a["k_cache"]], v_caches=[a["v_cache"]],
+                   rows=a["rows"], saturate=0.0, table=a["table"], offsets=a["offsets"], lengths=a["lengths"], tile=64,
+                   split=0, clock=torch.zeros(3, dtype=torch.float64))
+    out, layer, h = op("stack_forward")(stack=stack(gate_ups, downs), first=0, **forward)
+    x2, h2 = op("attention_layer")(**a)
+    ids, weights, unsure = op("moe_route")(op("linear")(h2, router, None, 3), 2, True)
+    assert layer == 1 and h.numel() == 0 and len(unsure) == 0
+    assert torch.equal(out, x2 + op("moe_mixture")(h2, ids, weights, expert_bank(gate_ups, downs), INTER, None))
+    with pytest.raises(RuntimeError, match=r"tfq Stack: layer 0 has a router but not 3 experts to choose 2 from"):
+        stack(gate_ups[:2], downs[:2])
+    with pytest.raises(RuntimeError, match=r"tfq Stack: 4 experts, 3 for the layers with a router"):
+        stack(gate_ups + gate_ups[:1], downs + downs[:1])
+    with pytest.raises(RuntimeError, match=r"tfq stack_forward: no layer 2 in 1"):
+        op("stack_forward")(stack=stack(gate_ups, downs), first=2, **forward)

@@ -1,5 +1,6 @@
 """A decoder layer in one C++ call (kernels/layer.py) gives every stream the bits of the layer run op by op, and
-the start-up guard refuses one that does not."""
+the start-up guard refuses one that does not; so do a model's layers as one object (a dense model's, and a mixture
+of experts' in fp32 and in GGUF blocks, a row whose route is unsure included)."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,12 +9,16 @@ import pytest
 import torch
 
 from engines import alone, bits, run
+from test_gguf_hybrid import converter  # noqa: F401 (a fixture)
+from test_gguf_moe import converted  # noqa: F401 (a fixture)
 from test_hybrid import Oracle, hybrid, hybrid_dir  # noqa: F401 (fixtures)
 from test_hybrid import requests as hybrid_requests
+from test_moe import moe_dir  # noqa: F401 (a fixture)
 from tfq.engine.core import EngineSettings
 from tfq.engine.layer_guard import ONE_CALL, ONE_CALL_STORE, STACKED, LayerProof
 from tfq.engine.stream import Request
 from tfq.kernels.contract import KEY_TILE
+from tfq.model.load import load_model
 
 SETTINGS = {
     "fp32, whole": EngineSettings(window=256, lanes=3, prefill_chunk=512),
@@ -73,16 +78,95 @@ def test_a_dense_model_runs_its_layers_as_one_object_with_the_bits_of_each_layer
     assert replies(model, SETTINGS[name]) == stacked
 
 
-def test_control_the_guard_refuses_layers_as_one_object_one_ulp_off(tiny_models, monkeypatch):
-    """A one-object forward whose outputs are one unit in the last place away from the ops' must be refused,
-    named; and a model whose layers were swapped after its object was built runs them, not the object."""
-    model = tiny_models["qwen3"].model
+def mixture_model(weights: str, moe_dir, request):  # noqa: F811 (the fixture's name)
+    """The tiny Qwen3 MoE of the real ratios (tests/test_moe.py): its HF folder in fp32, or llama.cpp's Q8_0
+    conversion of it (tests/test_gguf_moe.py) kept in its blocks with fp32 (gguf) or 8-bit (gguf-q8) activations."""
+    if weights == "fp32":
+        return load_model(str(moe_dir), progress=False).model
+    files = request.getfixturevalue("converted")("qwen3_moe")[1]
+    return load_model(str(files["q8_0"]), progress=False, weights=weights).model
+
+
+def counted_stack(model, monkeypatch) -> list[int]:
+    """The model's one object counted: what each call gave (the start-up guard's one-layer object's too)."""
+    stops, one = [], model.backend.stack_forward
+    with_stack_forward(model, monkeypatch, lambda *a: stops.append(one(*a)) or stops[-1])
+    return stops
+
+
+@pytest.mark.parametrize("name", ["fp32, whole", "bf16, paged, chunked"])
+@pytest.mark.parametrize("weights", ["fp32", "gguf", "gguf-q8"])
+def test_a_mixture_runs_its_layers_as_one_object_with_the_bits_of_each_layer(moe_dir, request, weights,  # noqa: F811
+                                                                             name, monkeypatch):
+    """A Qwen3 MoE's forward runs every layer (attention half, router, routes, experts and combine, residual) in
+    one call to its one object, in fp32 and on GGUF blocks: the ids and logits digests of every reply are those of
+    each layer in its calls (attention_layer, moe_route, moe_mixture), and of the layers op by op with the mixture
+    in Python (route, expert_outputs, combine)."""
+    model = mixture_model(weights, moe_dir, request)
+    assert model.runs_as_stack() and model.stack.handle is not None
+    stops = counted_stack(model, monkeypatch)
+    stacked = replies(model, SETTINGS[name])
+    assert stops  # (a forward with a row whose route is unsure stops at its layer: the test below forces one)
+    monkeypatch.setattr(model, "stack", None)
+    assert not model.runs_as_stack() and replies(model, SETTINGS[name]) == stacked
+    monkeypatch.setattr(type(model), "runs_in_one_call", lambda self, layer: False)
+    monkeypatch.setattr(model, "backend", dataclasses.replace(model.backend, moe_route=None, moe_mixture=None))
+    assert replies(model, SETTINGS[name]) == stacked
+
+
+def test_a_row_whose_route_is_unsure_gets_routes_answer_in_the_one_object(moe_dir, monkeypatch):  # noqa: F811
+    """A router scaled up a thousand times puts most exps of a row below float32's normals, which the C++ route
+    cannot round for sure (kernels/cpu/moe_parts.h: moe_route): the one object stops at that layer, route
+    (mpmath) answers those rows, and the object goes on from the next layer; every reply's bits are those of each
+    layer in its calls and of the layers op by op. The control leaves the unsure rows with the C++ route's zeros,
+    and the bits move."""
+    from safetensors.torch import load_file
+
+    from tfq.model import moe
+
+    model = mixture_model("fp32", moe_dir, None)
+    weight = load_file(str(moe_dir / "model.safetensors"))["model.layers.0.mlp.gate.weight"]
+    first = model.layers[0]
+    scaled = dataclasses.replace(first, moe=dataclasses.replace(first.moe, router=model.make_linear(1000 * weight)))
+    monkeypatch.setattr(model, "layers", [scaled, *model.layers[1:]])
+    monkeypatch.setattr(model, "stack", model.one_object())
+    assert model.runs_as_stack()
+    stops = counted_stack(model, monkeypatch)
+    stacked = replies(model, SETTINGS["fp32, whole"])
+    assert any(s.layer == 0 and s.h.numel() for s in stops)  # a forward stopped at layer 0, then ran the rest
+    control = moe.filled_routes
+    monkeypatch.setattr(moe, "filled_routes", lambda fast, logits, chosen, normalized: fast(logits, chosen,
+                                                                                            normalized)[:2])
+    assert replies(model, SETTINGS["fp32, whole"]) != stacked  # RED: the unsure rows need route's answer
+    monkeypatch.setattr(moe, "filled_routes", control)
+    monkeypatch.setattr(model, "stack", None)
+    assert replies(model, SETTINGS["fp32, whole"]) == stacked
+    monkeypatch.setattr(type(model), "runs_in_one_call", lambda self, layer: False)
+    monkeypatch.setattr(model, "backend", dataclasses.replace(model.backend, moe_route=None, moe_mixture=None))
+    assert replies(model, SETTINGS["fp32, whole"]) == stacked
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_control_the_guard_refuses_layers_as_one_object_one_ulp_off(tiny_models, moe_dir, family,  # noqa: F811
+                                                                    monkeypatch):
+    """A one-object forward (a dense model's; a mixture of experts') whose outputs are one unit in the last place
+    away from the ops' must be refused, named; the same object unharmed is proved (it ran in the proof); and a model
+    whose layers were swapped after its object was built runs them, not the object."""
+    model = tiny_models["qwen3"].model if family == "qwen3" else load_model(str(moe_dir), progress=False).model
     one = model.backend.stack_forward
-    with_stack_forward(model, monkeypatch, lambda *a: torch.nextafter(one(*a), torch.tensor(float("inf"))))
+
+    def nudged(*a):
+        out = one(*a)
+        return out._replace(x=torch.nextafter(out.x, torch.tensor(float("inf"))))
+
+    with_stack_forward(model, monkeypatch, nudged)
     failure = LayerProof(model, "fp32", False).holds(torch.get_num_threads(), 64, 64)
     assert failure is not None and failure.op == STACKED, failure
     monkeypatch.undo()
-    assert LayerProof(model, "fp32", False).holds(torch.get_num_threads(), 64, 64) is None
+    calls = []
+    with_stack_forward(model, monkeypatch, lambda *a: calls.append(1) or one(*a))
+    assert LayerProof(model, "fp32", False).holds(torch.get_num_threads(), 64, 64) is None and calls
+    monkeypatch.undo()
     monkeypatch.setattr(model, "layers", [dataclasses.replace(layer) for layer in model.layers])
     assert not model.runs_as_stack()
 

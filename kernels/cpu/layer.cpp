@@ -16,92 +16,12 @@
 
 #include <vector>
 
-#include "layer_parts.h"
+#include "attention_part.h"
+#include "moe_parts.h"
 
 namespace {
 
 using namespace tfq::layer;
-
-// Gated attention's output: a * sigmoid(gate) (delta.cpp's sigmoid_gate)
-at::Tensor sigmoid_gate(const at::Tensor& a, const at::Tensor& gate) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("tfq_cpu::sigmoid_gate", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
-  return op.call(a.contiguous(), gate.contiguous());
-}
-
-// What the store indexes by, checked once a call (attend checks its own tables): the rows the N keys and values go
-// to, against the cache, which both stores trust (rotary_store writes rows[r] unchecked; torch's index_put_ would
-// take -1 as the last row, another stream's); the caches' shape, which gives a row's width; one cos and sin row a
-// query row.
-void check_attention(const at::Tensor& x, const OptTensor& q_norm, const OptTensor& k_norm, const at::Tensor& cos,
-                     const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& rows,
-                     int64_t kv_heads, int64_t head_dim) {
-  TORCH_CHECK(x.dim() == 2, "tfq layer: x [N, hidden]");
-  const int64_t n = x.size(0);
-  TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(1) == kv_heads && k_cache.size(2) == head_dim &&
-              v_cache.sizes() == k_cache.sizes(), "tfq layer: the caches are ", k_cache.sizes(), " and ",
-              v_cache.sizes(), ", not [rows, kv_heads ", kv_heads, ", head_dim ", head_dim, "]");
-  TORCH_CHECK(cos.dim() >= 1 && cos.size(0) == n && cos.numel() == n * cos.size(-1) && sin.sizes() == cos.sizes(),
-              "tfq layer: cos and sin ", cos.sizes(), " and ", sin.sizes(), ", not [", n, ", 1, R] for ", n, " rows");
-  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "tfq layer: q_norm and k_norm, both or neither");
-  tfq::checks::indices("tfq layer", "rows", rows, n, k_cache.size(0), "cache rows");
-}
-
-// The attention half: x [N, hidden] -> the attention's output projected by o [N, hidden]; keys and values of the
-// N rows go to the cache at `rows`. Rotary turns each head's first cos.size(-1) dimensions; `gated` (a hybrid's
-// attention): qkv's last rows are a gate, and the attention's output is times sigmoid(gate).
-at::Tensor attention_part(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& qkv,
-                          const OptTensor& qkv_bias, const OptTensor& q_norm, const OptTensor& k_norm,
-                          const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
-                          const at::Tensor& rows, double saturate, const at::Tensor& table, const at::Tensor& offsets,
-                          const at::Tensor& lengths, double scale, int64_t tile, int64_t split, const at::Tensor& o,
-                          int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, bool gated,
-                          const OptTensor& clock) {
-  check_attention(x, q_norm, k_norm, cos, sin, k_cache, v_cache, rows, kv_heads, head_dim);
-  const int64_t n = x.size(0), hidden = x.size(1), q_out = heads * head_dim, kv_out = kv_heads * head_dim;
-  const at::Tensor h = rms_norm(x, input_norm, eps);
-  at::Tensor mixed_qkv;
-  {
-    Clock c(clock, 0);
-    mixed_qkv = linear(h, qkv, qkv_bias, q_out + 2 * kv_out + (gated ? q_out : 0));
-  }
-  at::Tensor qk = mixed_qkv.slice(1, 0, q_out + kv_out).reshape({n, heads + kv_heads, head_dim});
-  at::Tensor v = mixed_qkv.slice(1, q_out + kv_out, q_out + 2 * kv_out).reshape({n, kv_heads, head_dim});
-  if (q_norm.has_value()) {
-    qk = at::cat({rms_norm(qk.slice(1, 0, heads), *q_norm, eps), rms_norm(qk.slice(1, heads), *k_norm, eps)}, 1);
-  }
-  at::Tensor q;  // cache first: new keys are read back like old ones
-  if (k_cache.scalar_type() == at::kFloat && saturate <= 0) {
-    q = rotary_store(qk, v, cos, sin, k_cache, v_cache, rows, heads, kv_heads, head_dim);
-  } else {  // a narrow cache: torch's clamp and cast, as the store op by op
-    const int64_t R = cos.size(-1);  // a hybrid turns only the first R dimensions (partial rotary)
-    const at::Tensor turned = qk.slice(2, 0, R);
-    qk = R == head_dim ? turned * cos + turned.roll({R / 2}, {-1}) * sin
-                       : at::cat({turned * cos + turned.roll({R / 2}, {-1}) * sin, qk.slice(2, R)}, 2);
-    q = qk.slice(1, 0, heads);
-    at::Tensor k = qk.slice(1, heads);
-    if (saturate > 0) {  // narrow cache dtypes saturate instead of overflowing
-      k = k.clamp(-saturate, saturate);
-      v = v.clamp(-saturate, saturate);
-    }
-    k_cache.index_put_({rows}, k.to(k_cache.scalar_type()));
-    v_cache.index_put_({rows}, v.to(v_cache.scalar_type()));
-  }
-  at::Tensor a;
-  {
-    Clock c(clock, 1);
-    a = attend(q, k_cache, v_cache, table, offsets, lengths, scale, tile, split);
-  }
-  a = a.reshape({n, q_out});
-  if (gated) a = sigmoid_gate(a, mixed_qkv.slice(1, q_out + 2 * kv_out));
-  at::Tensor attended;
-  {
-    Clock c(clock, 0);
-    attended = linear(a, o, c10::nullopt, hidden);
-  }
-  return attended;
-}
 
 // A mixture-of-experts layer's attention half (its MLP: moe.cpp): (the attention residual, its post
 // norm), the residual and the norm in one pass as the MLP of `layer` starts.
@@ -133,11 +53,13 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& input_norm, cons
   return mlp(x, attended, post_norm, gate_up, down, intermediate, eps, clock);
 }
 
-// A dense model's layers as one object, built once at load (`Stack`): every layer's weights and the model's sizes
-// held here, so that a forward through all of them is one call (`stack_forward`), decoder_layer layer after layer:
-// the same function on the same tensors as the `layer` op, so the same bits by construction (the start-up guard
-// still checks it on the running build). Why: a decode step at one lane spent tens of microseconds a layer
-// outside the kernels turning a layer's Python objects into the 29 arguments above, on every layer of every step.
+// A model's layers as one object, built once at load (`Stack`): every layer's weights and the model's sizes held
+// here, so that a forward through all of them is one call (`stack_forward`). A dense layer is decoder_layer; a
+// mixture's layer is attention_layer's ops, the router's linear layer, moe_route and moe_mixture (moe_parts.h),
+// then the residual: the same functions on the same tensors as the per-layer calls, in their order, so the same
+// bits by construction (the start-up guard still checks it on the running build). Why: a decode step at one lane
+// spent tens of microseconds a layer outside the kernels turning a layer's Python objects into the 29 arguments
+// above, and a mixture's layer hundreds, in four calls from Python, on every layer of every step.
 
 // A list of optional tensors kept as a list that is empty (none, in every layer) or holds one a layer
 OptTensor at_layer(const std::vector<at::Tensor>& ts, size_t i) {
@@ -145,49 +67,96 @@ OptTensor at_layer(const std::vector<at::Tensor>& ts, size_t i) {
 }
 
 struct Stack : torch::CustomClassHolder {
-  std::vector<at::Tensor> input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_norm, gate_up, down;
-  int64_t heads, kv_heads, head_dim, intermediate;
+  std::vector<at::Tensor> input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_norm, gate_up, down, routers;
+  std::vector<c10::intrusive_ptr<tfq::moe::ExpertBank>> banks;  // a mixture's layer's experts; null in a dense one
+  int64_t heads, kv_heads, head_dim, intermediate, experts, chosen, moe_intermediate;
   double eps, scale;
-  bool gated;
+  bool gated, normalized;
 
   // weights: each a list of one tensor a layer, in layer order (qkv_bias, q_norm and k_norm: empty where the model
-  // has none); sizes: heads, kv_heads, head_dim, intermediate
+  // has none). routers: empty in a dense model, else one a layer, with no elements where the layer's MLP is dense
+  // (and gate_up and down none where it is a mixture); expert_gate_ups and expert_downs: the mixtures' experts, layer
+  // after layer, `experts` a layer. sizes: heads, kv_heads, head_dim, intermediate, experts, chosen,
+  // moe_intermediate, normalized (the last four 0 in a dense model).
   Stack(std::vector<at::Tensor> input_norm, std::vector<at::Tensor> qkv, std::vector<at::Tensor> qkv_bias,
         std::vector<at::Tensor> q_norm, std::vector<at::Tensor> k_norm, std::vector<at::Tensor> o,
         std::vector<at::Tensor> post_norm, std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down,
-        std::vector<int64_t> sizes, double eps, double scale, bool gated)
+        std::vector<at::Tensor> routers, std::vector<at::Tensor> expert_gate_ups,
+        std::vector<at::Tensor> expert_downs, std::vector<int64_t> sizes, double eps, double scale, bool gated)
       : input_norm(std::move(input_norm)), qkv(std::move(qkv)), qkv_bias(std::move(qkv_bias)),
         q_norm(std::move(q_norm)), k_norm(std::move(k_norm)), o(std::move(o)), post_norm(std::move(post_norm)),
-        gate_up(std::move(gate_up)), down(std::move(down)), eps(eps), scale(scale), gated(gated) {
+        gate_up(std::move(gate_up)), down(std::move(down)), routers(std::move(routers)), eps(eps), scale(scale),
+        gated(gated) {
     const size_t n = this->input_norm.size();
     TORCH_CHECK(n > 0 && this->qkv.size() == n && this->o.size() == n && this->post_norm.size() == n &&
                 this->gate_up.size() == n && this->down.size() == n, "tfq Stack: one weight of each kind a layer");
-    for (const auto* opt : {&this->qkv_bias, &this->q_norm, &this->k_norm})
-      TORCH_CHECK(opt->empty() || opt->size() == n, "tfq Stack: qkv_bias, q_norm and k_norm: none, or one a layer");
+    for (const auto* opt : {&this->qkv_bias, &this->q_norm, &this->k_norm, &this->routers})
+      TORCH_CHECK(opt->empty() || opt->size() == n,
+                  "tfq Stack: qkv_bias, q_norm, k_norm and routers: none, or one a layer");
     TORCH_CHECK(this->q_norm.size() == this->k_norm.size(), "tfq Stack: q_norm and k_norm, both or neither");
-    TORCH_CHECK(sizes.size() == 4, "tfq Stack: sizes are heads, kv_heads, head_dim, intermediate");
+    TORCH_CHECK(sizes.size() == 8, "tfq Stack: sizes are heads, kv_heads, head_dim, intermediate, experts, chosen, "
+                "moe_intermediate, normalized");
     heads = sizes[0], kv_heads = sizes[1], head_dim = sizes[2], intermediate = sizes[3];
+    experts = sizes[4], chosen = sizes[5], moe_intermediate = sizes[6], normalized = sizes[7] != 0;
+    TORCH_CHECK(expert_gate_ups.size() == expert_downs.size(), "tfq Stack: a gate_up and a down an expert");
+    size_t next = 0;  // the next layer's first expert
+    for (size_t i = 0; i < n; i++) {
+      if (this->routers.empty() || this->routers[i].numel() == 0) {
+        banks.emplace_back();
+        continue;
+      }
+      TORCH_CHECK(experts > 0 && 0 < chosen && chosen <= experts && next + experts <= expert_gate_ups.size(),
+                  "tfq Stack: layer ", i, " has a router but not ", experts, " experts to choose ", chosen, " from");
+      const auto from = static_cast<std::ptrdiff_t>(next), to = static_cast<std::ptrdiff_t>(next + experts);
+      banks.push_back(c10::make_intrusive<tfq::moe::ExpertBank>(
+          std::vector<at::Tensor>(expert_gate_ups.begin() + from, expert_gate_ups.begin() + to),
+          std::vector<at::Tensor>(expert_downs.begin() + from, expert_downs.begin() + to)));
+      next += experts;
+    }
+    TORCH_CHECK(next == expert_gate_ups.size(), "tfq Stack: ", expert_gate_ups.size(), " experts, ", next,
+                " for the layers with a router");
   }
 };
 
-// x [N, hidden] through every layer of the stack; layer i's keys and values go to k_caches[i] and v_caches[i] at
-// `rows`. The other arguments are each layer's, as the `layer` op takes them (layer.cpp).
-at::Tensor stack_forward(const at::Tensor& x, const c10::intrusive_ptr<Stack>& s, const at::Tensor& cos,
-                         const at::Tensor& sin, const std::vector<at::Tensor>& k_caches,
-                         const std::vector<at::Tensor>& v_caches, const at::Tensor& rows, double saturate,
-                         const at::Tensor& table, const at::Tensor& offsets, const at::Tensor& lengths, int64_t tile,
-                         int64_t split, const OptTensor& clock) {
-  const size_t n = s->input_norm.size();
-  TORCH_CHECK(k_caches.size() == n && v_caches.size() == n, "tfq stack_forward: ", n, " layers, but ",
-              k_caches.size(), " key and ", v_caches.size(), " value caches");
+// x [N, hidden] through the stack's layers from `first`; layer i's keys and values go to k_caches[i] and
+// v_caches[i] at `rows`. The other arguments are each layer's, as the `layer` op takes them (layer.cpp). Returns
+// (the output, the stack's layer count, nothing) or, where a mixture's route for some row was unsure (moe_route:
+// an exp glibc's float64 value cannot round for sure, which Python's route answers), (that layer's attention
+// residual, the layer, its post norm): the caller runs that layer's mixture and goes on from the next layer.
+std::tuple<at::Tensor, int64_t, at::Tensor> stack_forward(
+    const at::Tensor& x, const c10::intrusive_ptr<Stack>& s, int64_t first, const at::Tensor& cos,
+    const at::Tensor& sin, const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
+    const at::Tensor& rows, double saturate, const at::Tensor& table, const at::Tensor& offsets,
+    const at::Tensor& lengths, int64_t tile, int64_t split, const OptTensor& clock) {
+  const int64_t n = static_cast<int64_t>(s->input_norm.size());
+  TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == n && static_cast<int64_t>(v_caches.size()) == n,
+              "tfq stack_forward: ", n, " layers, but ", k_caches.size(), " key and ", v_caches.size(),
+              " value caches");
+  TORCH_CHECK(0 <= first && first <= n, "tfq stack_forward: no layer ", first, " in ", n);
   at::Tensor h = x;
-  for (size_t i = 0; i < n; i++)
-    h = decoder_layer(h, s->input_norm[i], s->qkv[i], at_layer(s->qkv_bias, i), at_layer(s->q_norm, i),
-                                  at_layer(s->k_norm, i), cos, sin, k_caches[i], v_caches[i], rows, saturate, table,
-                                  offsets, lengths, s->scale, tile, split, s->o[i], s->post_norm[i], s->gate_up[i],
-                                  s->down[i], s->heads, s->kv_heads, s->head_dim, s->intermediate, s->eps, s->gated,
-                                  clock);
-  return h;
+  for (int64_t i = first; i < n; i++) {
+    if (!s->banks[i]) {
+      h = decoder_layer(h, s->input_norm[i], s->qkv[i], at_layer(s->qkv_bias, i), at_layer(s->q_norm, i),
+                        at_layer(s->k_norm, i), cos, sin, k_caches[i], v_caches[i], rows, saturate, table, offsets,
+                        lengths, s->scale, tile, split, s->o[i], s->post_norm[i], s->gate_up[i], s->down[i],
+                        s->heads, s->kv_heads, s->head_dim, s->intermediate, s->eps, s->gated, clock);
+      continue;
+    }
+    const auto [x2, h2] = attention_layer(h, s->input_norm[i], s->qkv[i], at_layer(s->qkv_bias, i),
+                                          at_layer(s->q_norm, i), at_layer(s->k_norm, i), cos, sin, k_caches[i],
+                                          v_caches[i], rows, saturate, table, offsets, lengths, s->scale, tile, split,
+                                          s->o[i], s->post_norm[i], s->heads, s->kv_heads, s->head_dim, s->eps,
+                                          s->gated, clock);
+    at::Tensor logits;
+    {
+      Clock c(clock, 2);  // the router beside its experts, as tfq bench counts it op by op
+      logits = linear(h2, s->routers[i], c10::nullopt, s->experts);
+    }
+    const auto [ids, weights, unsure] = tfq::moe::moe_route(logits, s->chosen, s->normalized);
+    if (unsure.numel() > 0) return {x2, i, h2};
+    h = x2 + tfq::moe::moe_mixture(h2, ids, weights, s->banks[i], s->moe_intermediate, clock);
+  }
+  return {h, n, at::empty({0}, x.options())};
 }
 
 }  // namespace
@@ -205,10 +174,11 @@ TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) {
   m.class_<Stack>("Stack").def(
       torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                   std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                  std::vector<at::Tensor>, std::vector<int64_t>, double, double, bool>());
-  m.def("stack_forward(Tensor x, __torch__.torch.classes.tfq_cpu.Stack stack, Tensor cos, Tensor sin, "
+                  std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                  std::vector<int64_t>, double, double, bool>());
+  m.def("stack_forward(Tensor x, __torch__.torch.classes.tfq_cpu.Stack stack, int first, Tensor cos, Tensor sin, "
         "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor rows, float saturate, Tensor table, Tensor offsets, "
-        "Tensor lengths, int tile, int split, Tensor? clock) -> Tensor");
+        "Tensor lengths, int tile, int split, Tensor? clock) -> (Tensor, int, Tensor)");
 }
 TORCH_LIBRARY_IMPL(tfq_cpu, CPU, m) {
   m.impl("layer", decoder_layer);

@@ -55,8 +55,9 @@ def step_breakdown(engine, steps: int, top: int = 0) -> dict:
     if one_call:  # each layer is one C++ call: its own clock times the linear layers and attention inside (a
         # hybrid's DeltaNet recurrence counts as its attention there; op by op it counts in the rest)
         model.layer_clock = torch.zeros(3, dtype=torch.float64)  # linear layers, attention, experts
-        model.layers = [dataclasses.replace(layer, moe=dataclasses.replace(layer.moe, router=experts.wrap(
-            layer.moe.router))) if layer.moe else layer for layer in layers]  # the router beside its experts
+        if not model.runs_as_stack():  # the layers as one object clock their routers beside the experts themselves
+            model.layers = [dataclasses.replace(layer, moe=dataclasses.replace(layer.moe, router=experts.wrap(
+                layer.moe.router))) if layer.moe else layer for layer in layers]  # the router beside its experts
     else:
         model.backend = dataclasses.replace(backend, attend=attention.wrap(backend.attend))
         model.layers = [dataclasses.replace(layer, **{name: linear.wrap(f) for name, f in linears(layer).items()},

@@ -166,7 +166,7 @@ STACKED, STACKED_STORE = "layer as the model's one object", "layer as the model'
 def _one_call_agrees(record: Record, threads: int) -> Failure | None:
     """Each layer in one call (kernels/layer.py) gives each probe the bits the layer gives op by op: its output
     those of the last residual, its cache rows those of the cache store (a DeltaNet layer: its streams' states
-    those of the recurrence); so does the layer run as a dense model's one object (a Stack of it alone: the
+    those of the recurrence); so does the layer run as the model's one object (a Stack of it alone: the
     engine's forward runs every layer so, one after another). (Their row invariance is then proved with every
     other op's, scene by scene.)"""
     for call, store in ((ONE_CALL, ONE_CALL_STORE), (STACKED, STACKED_STORE)):
@@ -245,8 +245,10 @@ class _Bench:
                   if layers]
         self.layers = [(model.layers[i], f"{'attention' if kind == 'full_attention' else 'deltanet'}: "
                         if c.hybrid else "") for kind, i in firsts]
-        # where the model runs its layers as one object, that object's code on the first layer alone
-        self.stack = model.backend.stack([model.layers[0].fused], model.layer_sizes) if model.runs_as_stack() else None
+        # where the model runs its layers as one object, that object's code on the proved layer alone (a mixture's
+        # layer where the model has one)
+        self.stack = model.backend.stack([self.layers[0][0].fused], model.layer_sizes) if model.runs_as_stack() \
+            else None
         config = replace(c, num_layers=len(firsts), layer_types=tuple(k for k, _ in firsts) if c.hybrid else ())
         streams = list(PROBES) + self.fillers
         self.cache = KVCache(config, CacheSpec(lanes=2, window=LANE_WINDOW, page_rows=KEY_TILE, pool_pages=pages,
@@ -323,11 +325,12 @@ class _Bench:
                                                  s.segments))
                     tap(ONE_CALL_STORE, self.cache.state.fingerprint(0, s.segments, x0.shape[0])
                         if isinstance(layer, DeltaLayer) else self.cache.stored(0, s.cache_rows))
-            if self.stack is not None:  # the first layer as a Stack of it alone, from the same cache
+            if self.stack is not None:  # the proved layer as a Stack of it alone, from the same cache
                 self.restore()
                 tap = _Tap(keep, record)
-                tap(STACKED, model.backend.stack_forward(x0, self.stack, StackInputs(
-                    cos, sin, [self.cache.k[0]], [self.cache.v[0]], s.cache_rows, self.cache.dtype_name, s.batch)))
+                tap(STACKED, model.run_stack(self.stack, [self.layers[0][0]], x0, StackInputs(
+                    cos, sin, [self.cache.k[0]], [self.cache.v[0]], s.cache_rows, self.cache.dtype_name, s.batch),
+                    s.segments))
                 tap(STACKED_STORE, self.cache.stored(0, s.cache_rows))
         return record
 

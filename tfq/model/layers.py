@@ -28,7 +28,8 @@ class Layer:
 
     def __post_init__(self):  # once, from fields that never change (dataclasses.replace builds a new layer)
         object.__setattr__(self, "fused", AttentionWeights(self.input_norm, self.qkv, self.q_norm, self.k_norm, self.o,
-                                                           self.post_norm, self.gate_up, self.down, self.gated))
+                                                           self.post_norm, self.gate_up, self.down, self.gated,
+                                                           self.moe.stacked if self.moe is not None else None))
 
 
 @dataclass(frozen=True)

@@ -25,11 +25,15 @@ import torch
 
 from tfq.kernels.backend import LinearFn
 from tfq.kernels.delta import sigmoid_gate
-from tfq.kernels.layer import fusable
+from tfq.kernels.layer import MixtureWeights, fusable
 from tfq.kernels.moe import expert_bank
 from tfq.nearest import exp32
 
-Tap = Callable[[str, torch.Tensor], torch.Tensor]
+Tap = Callable[[str, torch.Tensor], torch.Tensor]  # (op name, its output) -> the output, unchanged
+
+
+def untapped(name: str, t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 @dataclass
@@ -58,6 +62,16 @@ class MoE:
         if not fusable(*(f for e in self.experts for f in (e.gate_up, e.down))):
             return None
         return expert_bank([e.gate_up.panels for e in self.experts], [e.down.panels for e in self.experts])
+
+    @cached_property
+    def stacked(self) -> MixtureWeights | None:
+        """The mixture as a model's one object runs it (kernels/layer.py: layer_stack); None where the router or some
+        expert is not tfq's C++ linear layer, or a shared expert joins (that mixture runs as Fused and Python)."""
+        fns = [self.router, *(f for e in self.experts for f in (e.gate_up, e.down))]
+        if self.shared is not None or not fusable(*fns) or self.router.bias is not None:
+            return None
+        return MixtureWeights(self.router, [e.gate_up.panels for e in self.experts],
+                              [e.down.panels for e in self.experts], self.chosen, self.normalized)
 
 
 @dataclass(frozen=True)

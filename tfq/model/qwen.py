@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable
 
 import torch
 
@@ -29,14 +28,15 @@ from tfq.kernels.delta import (
     gated_rms_norm,
     sigmoid_gate,
 )
-from tfq.kernels.layer import AttentionInputs, BuiltStack, DeltaState, LayerSizes, StackInputs, fusable
+from tfq.kernels.layer import AttentionInputs, DeltaState, LayerSizes, StackInputs, fusable
 from tfq.kernels.quant import Quantized, Stacked
 from tfq.kernels.rowwise import rms_norm_fixed
 from tfq.model.config import ModelConfig
 from tfq.model.kernel_guard import check_layers, ensure_exact
 from tfq.model.layers import DeltaLayer, Layer
 from tfq.model.mlp_weights import stack, take_mlp, take_moe
-from tfq.model.moe import Fused, MoE, moe_mlp
+from tfq.model.moe import Fused, MoE, Tap, moe_mlp, untapped
+from tfq.model.one_object import OneObject
 from tfq.model.rope import rope_tables
 from tfq.model.segments import Segment, Segments
 from tfq.model.taker import Taker
@@ -49,14 +49,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
-Tap = Callable[[str, torch.Tensor], torch.Tensor]  # (op name, its output) -> the output, unchanged
-
-
-def untapped(name: str, t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-class Qwen:
+class Qwen(OneObject):
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], backend: Backend | None = None,
                  shard=None):
         """shard: a tensor-parallel rank's share (tfq/parallel/shard.py; tfq/parallel/model.py runs it)."""
@@ -130,7 +123,7 @@ class Qwen:
             self.config = shard.local_config()
         own = self.config  # what the one-call layers take besides a layer's weights
         self.layer_sizes = LayerSizes(own.num_heads, own.num_kv_heads, own.head_dim, own.intermediate_size,
-                                      own.rms_eps, self.scale)
+                                      own.rms_eps, self.scale, own.moe.intermediate if own.moe_layers else 0)
         first = self.layers[c.attention_layers[0]] if c.attention_layers else self.layers[0]
         layers = {"lm_head": self.lm_head}
         dense = next((layer for layer in self.layers if layer.moe is None), None)
@@ -145,11 +138,7 @@ class Qwen:
             delta = self.layers[c.deltanet_layers[0]]
             layers.update(out_proj=delta.out_proj, **({"in_proj": delta.in_proj} if delta.in_proj is not None else {}))
         check_layers(layers, backend)
-        # a dense model's layers as one C++ object: a forward's layers in one call (kernels/layer.py), used while the
-        # model's layers and backend are the ones it was built from (the guard's tests swap in others)
-        dense = not c.hybrid and not c.moe_layers and backend.stack is not None
-        self.stack = BuiltStack(backend, tuple(self.layers), backend.stack([layer.fused for layer in self.layers],
-                                                                           self.layer_sizes)) if dense else None
+        self.stack = self.one_object()
 
     def make_linear(self, w, b=None) -> LinearFn:
         """A linear layer on fp32 weights, or on quantized ones kept by load_model (weights: gguf or mlx)."""
@@ -199,22 +188,13 @@ class Qwen:
         x = self.embedding(ids)
         if self.runs_as_stack(segments):
             order = [self.cache_index[i] for i in range(len(self.layers))]
-            return self.logits(self.backend.stack_forward(x, self.stack.handle, StackInputs(
+            return self.logits(self.run_stack(self.stack.handle, self.layers, x, StackInputs(
                 cos, sin, [cache.k[i] for i in order], [cache.v[i] for i in order], cache_rows, cache.dtype_name,
-                batch), self.layer_clock)[logit_rows])
+                batch), segments)[logit_rows])
         for i, layer in enumerate(self.layers):
             x = self.decoder_layer(layer, x, cos, sin, cache, self.cache_index[i], cache_rows, batch,
                                    segments=segments)
         return self.logits(x[logit_rows])
-
-    def runs_as_stack(self, segments: Segments | None = None) -> bool:
-        """Whether this forward's layers run as the model's one C++ object (`stack`): built for these layers and
-        this backend, each of them a layer the one-call layer runs."""
-        if self.stack is None or self.stack.handle is None or self.stack.backend is not self.backend:
-            return False
-        built = self.stack.layers
-        return (len(built) == len(self.layers) and all(a is b for a, b in zip(built, self.layers))
-                and not (segments is not None and segments.chunked) and self.runs_in_one_call(self.layers[0]))
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows of the embedding for `ids` (a quantized table gives each row its dequantized values)."""

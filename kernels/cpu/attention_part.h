@@ -1,0 +1,90 @@
+// The attention half of a decoder layer (layer.cpp: a layer in one call, and a model's layers as one object), from
+// the pieces of layer_parts.h: the same ops in the same order as the layer written op by op (tfq/model/qwen.py).
+#pragma once
+
+#include "layer_parts.h"
+
+namespace tfq::layer {
+
+// Gated attention's output: a * sigmoid(gate) (delta.cpp's sigmoid_gate)
+inline at::Tensor sigmoid_gate(const at::Tensor& a, const at::Tensor& gate) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("tfq_cpu::sigmoid_gate", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
+  return op.call(a.contiguous(), gate.contiguous());
+}
+
+// What the store indexes by, checked once a call (attend checks its own tables): the rows the N keys and values go
+// to, against the cache, which both stores trust (rotary_store writes rows[r] unchecked; torch's index_put_ would
+// take -1 as the last row, another stream's); the caches' shape, which gives a row's width; one cos and sin row a
+// query row.
+inline void check_attention(const at::Tensor& x, const OptTensor& q_norm, const OptTensor& k_norm,
+                            const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& rows, int64_t kv_heads, int64_t head_dim) {
+  TORCH_CHECK(x.dim() == 2, "tfq layer: x [N, hidden]");
+  const int64_t n = x.size(0);
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(1) == kv_heads && k_cache.size(2) == head_dim &&
+              v_cache.sizes() == k_cache.sizes(), "tfq layer: the caches are ", k_cache.sizes(), " and ",
+              v_cache.sizes(), ", not [rows, kv_heads ", kv_heads, ", head_dim ", head_dim, "]");
+  TORCH_CHECK(cos.dim() >= 1 && cos.size(0) == n && cos.numel() == n * cos.size(-1) && sin.sizes() == cos.sizes(),
+              "tfq layer: cos and sin ", cos.sizes(), " and ", sin.sizes(), ", not [", n, ", 1, R] for ", n, " rows");
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "tfq layer: q_norm and k_norm, both or neither");
+  tfq::checks::indices("tfq layer", "rows", rows, n, k_cache.size(0), "cache rows");
+}
+
+// The attention half: x [N, hidden] -> the attention's output projected by o [N, hidden]; keys and values of the
+// N rows go to the cache at `rows`. Rotary turns each head's first cos.size(-1) dimensions; `gated` (a hybrid's
+// attention): qkv's last rows are a gate, and the attention's output is times sigmoid(gate).
+inline at::Tensor attention_part(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& qkv,
+                                 const OptTensor& qkv_bias, const OptTensor& q_norm, const OptTensor& k_norm,
+                                 const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
+                                 const at::Tensor& rows, double saturate, const at::Tensor& table,
+                                 const at::Tensor& offsets, const at::Tensor& lengths, double scale, int64_t tile,
+                                 int64_t split, const at::Tensor& o, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                 double eps, bool gated, const OptTensor& clock) {
+  check_attention(x, q_norm, k_norm, cos, sin, k_cache, v_cache, rows, kv_heads, head_dim);
+  const int64_t n = x.size(0), hidden = x.size(1), q_out = heads * head_dim, kv_out = kv_heads * head_dim;
+  const at::Tensor h = rms_norm(x, input_norm, eps);
+  at::Tensor mixed_qkv;
+  {
+    Clock c(clock, 0);
+    mixed_qkv = linear(h, qkv, qkv_bias, q_out + 2 * kv_out + (gated ? q_out : 0));
+  }
+  at::Tensor qk = mixed_qkv.slice(1, 0, q_out + kv_out).reshape({n, heads + kv_heads, head_dim});
+  at::Tensor v = mixed_qkv.slice(1, q_out + kv_out, q_out + 2 * kv_out).reshape({n, kv_heads, head_dim});
+  if (q_norm.has_value()) {
+    qk = at::cat({rms_norm(qk.slice(1, 0, heads), *q_norm, eps), rms_norm(qk.slice(1, heads), *k_norm, eps)}, 1);
+  }
+  at::Tensor q;  // cache first: new keys are read back like old ones
+  if (k_cache.scalar_type() == at::kFloat && saturate <= 0) {
+    q = rotary_store(qk, v, cos, sin, k_cache, v_cache, rows, heads, kv_heads, head_dim);
+  } else {  // a narrow cache: torch's clamp and cast, as the store op by op
+    const int64_t R = cos.size(-1);  // a hybrid turns only the first R dimensions (partial rotary)
+    const at::Tensor turned = qk.slice(2, 0, R);
+    qk = R == head_dim ? turned * cos + turned.roll({R / 2}, {-1}) * sin
+                       : at::cat({turned * cos + turned.roll({R / 2}, {-1}) * sin, qk.slice(2, R)}, 2);
+    q = qk.slice(1, 0, heads);
+    at::Tensor k = qk.slice(1, heads);
+    if (saturate > 0) {  // narrow cache dtypes saturate instead of overflowing
+      k = k.clamp(-saturate, saturate);
+      v = v.clamp(-saturate, saturate);
+    }
+    k_cache.index_put_({rows}, k.to(k_cache.scalar_type()));
+    v_cache.index_put_({rows}, v.to(v_cache.scalar_type()));
+  }
+  at::Tensor a;
+  {
+    Clock c(clock, 1);
+    a = attend(q, k_cache, v_cache, table, offsets, lengths, scale, tile, split);
+  }
+  a = a.reshape({n, q_out});
+  if (gated) a = sigmoid_gate(a, mixed_qkv.slice(1, q_out + 2 * kv_out));
+  at::Tensor attended;
+  {
+    Clock c(clock, 0);
+    attended = linear(a, o, c10::nullopt, hidden);
+  }
+  return attended;
+}
+
+}  // namespace tfq::layer

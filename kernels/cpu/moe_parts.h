@@ -1,0 +1,202 @@
+// A mixture of experts' two recipes (moe.cpp registers them as ops; layer.cpp's Stack runs them inside a model's
+// one-object forward): the same functions either way, so the same bits by construction.
+#pragma once
+
+#include <torch/custom_class.h>
+
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+#include "checks.h"
+#include "layer_parts.h"
+#include "quant_blob.h"
+
+namespace tfq::moe {
+
+using namespace tfq::layer;
+
+// exp(d) as the float32 nearest the exact value, or false where glibc's float64 value cannot decide it
+// (tfq/nearest.py's test: within 2^9 float64 units of a float32 midpoint, or below float32's normals)
+inline bool exp32(double d, float& out) {
+  const double e = std::exp(d);
+  if (!(e >= 1.1754943508222875e-38)) return false;  // float32's smallest normal (and NaN)
+  uint64_t bits;
+  std::memcpy(&bits, &e, sizeof bits);
+  const int64_t low = static_cast<int64_t>(bits & ((uint64_t{1} << 29) - 1)) - (int64_t{1} << 28);
+  if (std::llabs(low) <= (int64_t{1} << 9)) return false;
+  out = static_cast<float>(e);
+  return true;
+}
+
+// A mixture's experts, held once: a call passes one object instead of two lists of `experts` tensors (whose
+// conversion from Python cost tens of microseconds a layer)
+struct ExpertBank : torch::CustomClassHolder {
+  std::vector<at::Tensor> gate_ups, downs;
+  ExpertBank(std::vector<at::Tensor> g, std::vector<at::Tensor> d) : gate_ups(std::move(g)), downs(std::move(d)) {
+    TORCH_CHECK(gate_ups.size() == downs.size(), "tfq ExpertBank: a gate_up and a down an expert");
+  }
+};
+
+// A blob's layout: its first header's magic (a blob's segments share their layout; segments_of checks the rest),
+// or 0 for fp32 panels
+inline int32_t magic_of(const at::Tensor& w) {
+  int32_t magic = 0;
+  if (w.scalar_type() == at::kByte && w.dim() == 1 && w.numel() >= tfq::blob::HEADER)
+    std::memcpy(&magic, w.data_ptr<uint8_t>(), sizeof magic);
+  return magic == tfq::blob::MAGIC || magic == tfq::blob::MAGIC_Q8 ? magic : 0;
+}
+
+// Its segments, for a product [*, k] -> [*, n]
+inline std::vector<tfq::blob::Segment> checked(const at::Tensor& w, int64_t k, int64_t n) {
+  std::vector<tfq::blob::Segment> segs = tfq::blob::segments_of(w);
+  TORCH_CHECK(segs[0].h.k == k && segs.back().first + segs.back().h.n == n, "tfq moe_mixture: an expert's shape");
+  return segs;
+}
+
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t chosen,
+                                                                bool normalized) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous() && chosen > 0 &&
+              chosen <= logits.size(1), "tfq moe_route: logits [rows, experts] float32, 0 < chosen <= experts");
+  const int64_t rows = logits.size(0), E = logits.size(1);
+  auto ids = at::zeros({rows, chosen}, logits.options().dtype(at::kLong));
+  auto weights = at::zeros({rows, chosen}, logits.options());
+  std::vector<int64_t> unsure;
+  const float* x = logits.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  float* wp = weights.data_ptr<float>();
+  std::vector<float> p(E);
+  std::vector<int64_t> order(E);
+  for (int64_t r = 0; r < rows; r++) {
+    const float* row = x + r * E;
+    float top = row[0];
+    bool sure = true;
+    for (int64_t i = 0; i < E && sure; i++) {
+      sure = std::isfinite(row[i]);
+      top = std::max(top, row[i]);
+    }
+    double total = 0.0;  // in id order
+    for (int64_t i = 0; i < E && sure; i++) {
+      sure = exp32(static_cast<double>(row[i]) - static_cast<double>(top), p[i]);
+      total += static_cast<double>(p[i]);
+    }
+    if (!sure) {
+      unsure.push_back(r);
+      continue;
+    }
+    const float sum = static_cast<float>(total);
+    for (int64_t i = 0; i < E; i++) p[i] = p[i] / sum;
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + chosen, order.end(), [&](int64_t a, int64_t b) {
+      return p[a] > p[b] || (p[a] == p[b] && a < b);  // ties to the lower id
+    });
+    float kept = 0.0f;  // in rank order
+    for (int64_t j = 0; j < chosen; j++) {
+      ip[r * chosen + j] = order[j];
+      wp[r * chosen + j] = p[order[j]];
+      kept = kept + p[order[j]];
+    }
+    if (normalized) {
+      for (int64_t j = 0; j < chosen; j++) wp[r * chosen + j] = wp[r * chosen + j] / kept;
+    }
+  }
+  auto which = at::empty({static_cast<int64_t>(unsure.size())}, logits.options().dtype(at::kLong));
+  std::copy(unsure.begin(), unsure.end(), which.data_ptr<int64_t>());
+  return {ids, weights, which};
+}
+
+inline at::Tensor moe_mixture(const at::Tensor& h, const at::Tensor& ids, const at::Tensor& weights,
+                              const c10::intrusive_ptr<ExpertBank>& bank, int64_t intermediate,
+                              const OptTensor& clock) {
+  const std::vector<at::Tensor>& gate_ups = bank->gate_ups;
+  const std::vector<at::Tensor>& downs = bank->downs;
+  TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && ids.scalar_type() == at::kLong &&
+              weights.scalar_type() == at::kFloat && ids.dim() == 2 && ids.sizes() == weights.sizes() &&
+              ids.size(0) == h.size(0), "tfq moe_mixture: layouts");
+  const at::Tensor x = h.contiguous(), id = ids.contiguous(), w = weights.contiguous();
+  const int64_t rows = x.size(0), hidden = x.size(1), chosen = id.size(1), pairs = rows * chosen;
+  const int64_t* ip = id.data_ptr<int64_t>();
+  tfq::checks::within("tfq moe_mixture", "ids", ip, pairs, static_cast<int64_t>(gate_ups.size()), "experts");
+  // a row's output starts from its first route's
+  TORCH_CHECK(chosen > 0 || rows == 0, "tfq moe_mixture: each row needs at least one expert, not ids ", id.sizes());
+  std::vector<int64_t> order(pairs);  // the pairs grouped by expert, in (row, rank) order within a group
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ip[a] < ip[b]; });
+  auto picked = at::empty({pairs, hidden}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* pp = picked.data_ptr<float>();
+  for (int64_t q = 0; q < pairs; q++) std::memcpy(pp + q * hidden, xp + (order[q] / chosen) * hidden, hidden * 4);
+  struct Group {
+    int64_t expert, start, end;
+  };
+  std::vector<Group> groups;
+  for (int64_t start = 0, end; start < pairs; start = end) {
+    for (end = start + 1; end < pairs && ip[order[end]] == ip[order[start]];) end++;
+    groups.push_back({ip[order[start]], start, end});
+  }
+  auto grouped = at::empty({pairs, hidden}, x.options());
+  // every chosen expert in blobs of one layout (quant.cpp's or quant_q8.cpp's): all their products in one
+  // parallel region, by that layout's linear_many
+  int32_t magic = groups.empty() ? 0 : magic_of(gate_ups[groups[0].expert]);
+  for (const Group& g : groups)
+    if (magic_of(gate_ups[g.expert]) != magic || magic_of(downs[g.expert]) != magic) magic = 0;
+  const auto many = magic == tfq::blob::MAGIC      ? &tfq::quant::linear_many
+                    : magic == tfq::blob::MAGIC_Q8 ? &tfq::q8::linear_many
+                                                   : nullptr;
+  if (many) {
+    auto gu = at::empty({pairs, 2 * intermediate}, x.options());
+    std::vector<tfq::quant::Product> products;
+    for (const Group& g : groups)
+      products.push_back({pp + g.start * hidden, g.end - g.start, checked(gate_ups[g.expert], hidden, 2 * intermediate),
+                          gu.data_ptr<float>() + g.start * 2 * intermediate, 2 * intermediate, nullptr});
+    {
+      Clock c(clock, 2);
+      many(products);
+    }
+    const at::Tensor act = silu_mul(gu, intermediate);  // a row's own: the same bits a group at a time
+    products.clear();
+    for (const Group& g : groups)
+      products.push_back({act.data_ptr<float>() + g.start * intermediate, g.end - g.start,
+                          checked(downs[g.expert], intermediate, hidden), grouped.data_ptr<float>() + g.start * hidden,
+                          hidden, nullptr});
+    Clock c(clock, 2);
+    many(products);
+  } else {
+    for (const Group& g : groups) {
+      at::Tensor gu, y;
+      {
+        Clock c(clock, 2);
+        gu = linear(picked.slice(0, g.start, g.end), gate_ups[g.expert], c10::nullopt, 2 * intermediate);
+      }
+      const at::Tensor act = silu_mul(gu, intermediate);
+      {
+        Clock c(clock, 2);
+        y = linear(act, downs[g.expert], c10::nullopt, hidden);
+      }
+      grouped.slice(0, g.start, g.end).copy_(y);
+    }
+  }
+  std::vector<int64_t> at_pair(pairs);  // (row, rank) -> its place among the grouped outputs
+  for (int64_t q = 0; q < pairs; q++) at_pair[order[q]] = q;
+  auto out = at::empty({rows, hidden}, x.options());
+  const float* gp = grouped.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) {
+      float* total = op + r * hidden;
+      const float* first = gp + at_pair[r * chosen] * hidden;
+      const float w0 = wp[r * chosen];
+      for (int64_t i = 0; i < hidden; i++) total[i] = first[i] * w0;
+      for (int64_t j = 1; j < chosen; j++) {  // in the row's rank order
+        const float* y = gp + at_pair[r * chosen + j] * hidden;
+        const float wj = wp[r * chosen + j];
+        for (int64_t i = 0; i < hidden; i++) total[i] = total[i] + y[i] * wj;
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace tfq::moe

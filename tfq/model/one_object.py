@@ -1,0 +1,52 @@
+"""A model's layers as one C++ object (kernels/layer.py: layer_stack, stack_forward; kernels/cpu/layer.cpp): a
+forward through every layer in one call, each layer a dense MLP's or a mixture of experts', by the same functions
+on the same tensors as each layer in one call, so the same bits by construction; the start-up guard checks it on the
+running build (tfq/engine/layer_guard.py: STACKED).
+
+Why: at one lane a decode step spent tens of microseconds a dense layer, and hundreds a mixture's, in Python
+between its kernels, on every layer of every step.
+"""
+from __future__ import annotations
+
+import torch
+
+from tfq.kernels.layer import BuiltStack, StackInputs
+from tfq.model.layers import Layer
+from tfq.model.moe import untapped
+from tfq.model.segments import Segments
+
+
+class OneObject:
+    """The part of Qwen (tfq/model/qwen.py) that builds and runs its layers as one object."""
+
+    def one_object(self) -> BuiltStack | None:
+        """The model's layers as one C++ object (a dense MLP or a mixture of experts each; a hybrid's DeltaNet
+        layers not yet): a forward's layers in one call (kernels/layer.py), used while the model's layers and
+        backend are the ones it was built from (the guard's tests swap in others)."""
+        b = self.backend
+        if self.config.hybrid or b.stack is None:
+            return None
+        return BuiltStack(b, tuple(self.layers), b.stack([layer.fused for layer in self.layers], self.layer_sizes))
+
+    def runs_as_stack(self, segments: Segments | None = None) -> bool:
+        """Whether this forward's layers run as the model's one C++ object (`stack`): built for these layers and
+        this backend, each of them a layer the one-call layer runs."""
+        if self.stack is None or self.stack.handle is None or self.stack.backend is not self.backend:
+            return False
+        built = self.stack.layers
+        return (len(built) == len(self.layers) and all(a is b for a, b in zip(built, self.layers))
+                and not (segments is not None and (segments.chunked or segments.experts_by_load))
+                and self.runs_in_one_call(self.layers[0]))
+
+    def run_stack(self, handle, layers: list[Layer], x: torch.Tensor, inputs: StackInputs,
+                  segments: Segments | None = None) -> torch.Tensor:
+        """x through `layers` as their one object `handle` runs them, in one call; where some row's route in a
+        mixture's layer was unsure (moe_route: an exp glibc cannot round for sure), that layer's mixture as its
+        one call runs it (route asks mpmath for those rows) on the attention half the object gave back, then the
+        object goes on from the next layer: the ops of each layer in one call, in their order."""
+        first = 0
+        while True:
+            out = self.backend.stack_forward(x, handle, inputs, self.layer_clock, first)
+            if out.layer == len(layers):
+                return out.x
+            x, first = out.x + self.mixture(layers[out.layer].moe, out.h, untapped, segments), out.layer + 1
