@@ -47,11 +47,13 @@ using tfq::V;
 constexpr int64_t OUT = 16;    // outputs a panel
 constexpr int64_t BLOCK = 32;  // inputs sharing an activation scale
 constexpr float TINY = 7.8886091e-31f;  // 2^-100: a block below it is zero
-// Bytes a tile prefetches ahead of its stream. Near is better here: on a 2-core Zen 4 one thread read a 160 MB
-// Q4_K matrix at one row at 29-30 GB/s with 192-384 bytes, 15 GB/s with 1,536 (the hardware's streams do the rest;
-// no prefetch at all: 11); Q5_0, Q6_K and Q8_0 the same way (30 against 25-27); the default model's linear layers
-// at one row on two threads took 11.3 ms against 13.3 (benchmarks/linear_shapes.py).
-constexpr int64_t AHEAD = 384;
+// Bytes a tile prefetches ahead of its stream, into L1 and into L2. Near is better for L1 here: on a 2-core Zen 4
+// one thread read a 160 MB Q4_K matrix at one row at 29-32 GB/s with 192-384 bytes, 15 GB/s with 1,536 (no
+// prefetch at all: 11); Q5_0, Q6_K and Q8_0 the same way (30 against 25-27); the default model's linear layers at
+// one row on two threads took 9.7-11.3 ms against 11.7-13.3. The L2 request further on helps a small cold matrix
+// (a mixture's expert, 1536 x 2048) get going: 8 of 160 a call went from 25.7 to 27.1 GB/s with it (1,536 alone:
+// 27.9, but half the rate on large ones).
+constexpr int64_t AHEAD = 384, AHEAD_L2 = 2048;
 constexpr int64_t CHUNK = 32;  // panels a thread takes at a time (fewer for a small layer)
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 constexpr int TILE = 8;  // rows a tile: each of them an int32 and an fp32 accumulator
@@ -314,6 +316,7 @@ void tile(const Header& h, const uint8_t* panel, const Rounded& x, int64_t row0,
     }
     for (int c = 0; c < chunks; c++) {
       TFQ_PREFETCH(sc.ints + 64 * c + AHEAD);
+      TFQ_PREFETCH_L2(sc.ints + 64 * c + AHEAD_L2);
       const B a = bload(sc.ints + 64 * c);
       if (BITS == 8) {
         for (int i = 0; i < R; i++) {
