@@ -393,10 +393,13 @@ def test_ranks_ignore_sigint_in_their_own_session(pair, tiny_models):
     os.kill(rank.pid, signal.SIGINT)
     assert all_same(two_streams(model), two_streams(tiny_models["qwen3"].model))
     assert rank.poll() is None
-    # the control: a Python process started the same way that does not ignore SIGINT dies of the same signal
-    other = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE,
-                             stderr=subprocess.DEVNULL, start_new_session=True,
+    # the control: a Python process started the same way that does not ignore SIGINT dies of the same signal. It is
+    # sent once the child says it runs: in the interpreter's start-up a SIGINT fails the start (exit 1) instead
+    other = subprocess.Popen([sys.executable, "-c", "import sys; print('ready', flush=True); sys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                             start_new_session=True,
                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as from a terminal
+    assert other.stdout.readline() == b"ready\n"
     os.killpg(other.pid, signal.SIGINT)
     assert other.wait(timeout=60) == -signal.SIGINT
 
