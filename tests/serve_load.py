@@ -60,11 +60,11 @@ def _choice_record(chat: bool, choice: dict) -> dict:
         scores = list(zip(lp.get("token_logprobs") or [],
                           [tuple((d or {}).values()) for d in lp.get("top_logprobs") or []]))
     return {"ids": list(choice["token_ids"]), "logprobs": scores, "digests": list(choice["digests"]),
-            "finish": choice["finish_reason"]}
+            "finish": choice["finish_reason"], "receipt": choice.get("receipt")}
 
 
 async def send(client, model: str, call: Call) -> list[dict]:
-    """One call's choices, each as {ids, logprobs, digests, finish}."""
+    """One call's choices, each as {ids, logprobs, digests, finish, receipt}."""
     create = client.chat.completions.create if call.chat else client.completions.create
     if not call.stream:
         r = (await create(model=model, **call.body)).model_dump()
@@ -80,6 +80,7 @@ async def send(client, model: str, call: Call) -> list[dict]:
             rec["logprobs"] += part["logprobs"]
             rec["digests"] += part["digests"]
             rec["finish"] = c["finish_reason"] or rec["finish"]
+            rec["receipt"] = c.get("receipt") or rec.get("receipt")  # the last chunk of a choice, when asked
     return got
 
 

@@ -6,6 +6,7 @@ other prompts of the call, on the plan's pages or drafting, or on the thread cou
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Sequence
 
 from tfq.decode import tools as calls
@@ -15,6 +16,7 @@ from tfq.decode.sampling import TokenLogprob
 from tfq.decode.tools import ToolCall
 from tfq.engine.stream import Request, choices
 from tfq.errors import TfqError
+from tfq.receipts.receipt import Issuer
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class SamplingParams:
     regex: str | None = None
     choice: Sequence[str] | None = None
     grammar: str | None = None  # Lark, llguidance's dialect
+    receipt: bool = False  # each completion carries its receipt (tfq/receipts: `tfq replay` checks it)
 
     def requests(self, prompts: list[list[int]]) -> list[Request]:
         if not isinstance(self.n, int) or self.n < 1:
@@ -61,6 +64,7 @@ class Completion:
     logprobs: list[TokenLogprob] | None
     digests: list[str]  # per token, the digest of the logits it was drawn from
     tool_calls: list[ToolCall] | None = None  # LLM.chat with tools: the calls the reply wrote (text: the rest)
+    receipt: dict | None = None  # with SamplingParams(receipt=True): what decides its bits, and what they were
 
 
 @dataclass
@@ -118,15 +122,22 @@ class LLM:
         if grammar is not None:
             requests = [replace(r, constraint=grammar) for r in requests]
         results = self.engine.generate(requests)
+        receipts = [self.issuer.receipt(q, r) if params.receipt and r.error is None else None
+                    for q, r in zip(requests, results)]
         outs = []
         for i, (text, prompt) in enumerate(zip(texts, ids)):
-            mine = results[i * params.n:(i + 1) * params.n]
-            outs.append(RequestOutput(text, prompt, mine[0].prompt_logprobs, [
-                _completion(j, r, calling) for j, r in enumerate(mine)]))
+            mine = range(i * params.n, (i + 1) * params.n)
+            outs.append(RequestOutput(text, prompt, results[mine[0]].prompt_logprobs, [
+                _completion(j, results[k], calling, receipts[k]) for j, k in enumerate(mine)]))
         return outs
 
+    @cached_property
+    def issuer(self) -> Issuer:
+        """What this LLM's receipts share: its model and arithmetic."""
+        return Issuer.of(self.plan, self.layout, self.loaded)
 
-def _completion(index: int, r, calling: bool) -> Completion:
+
+def _completion(index: int, r, calling: bool, receipt: dict | None = None) -> Completion:
     """One choice's result; a reply that may call tools is split into its text and its calls."""
     text, made = calls.parse(r.text) if calling else (r.text, None)
-    return Completion(index, text, r.ids, r.finish, r.logprobs, r.digests, made)
+    return Completion(index, text, r.ids, r.finish, r.logprobs, r.digests, made, receipt)

@@ -8,7 +8,7 @@ from tfq.errors import TfqError
 
 def main() -> None:
     # Subcommands register themselves on import.
-    from tfq.cli import bench, chat, kernels, plan, serve, together, verify  # noqa: F401
+    from tfq.cli import bench, chat, kernels, plan, replay, serve, together, verify  # noqa: F401
     from tfq.cli.app import app
 
     try:

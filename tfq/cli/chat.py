@@ -1,14 +1,17 @@
 """`tfq chat`: one prompt streamed, several prompts run together, or an interactive multi-turn chat."""
 from __future__ import annotations
 
+import json
 import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import List, Optional
 
 import typer
 from rich.console import Console
 
-from tfq.cli.app import app
+from tfq.cli.app import app, output_file
 from tfq.decode import tools as calls
 from tfq.decode.grammar import constraint_of
 from tfq.decode.penalties import Penalties
@@ -16,6 +19,7 @@ from tfq.engine.stream import Request
 from tfq.engine.threads import fix_threads
 from tfq.errors import TfqError
 from tfq.plan.streams import Streams
+from tfq.receipts.receipt import Issuer
 from tfq.suite import Chat, chat_from_prompt, load_prompts, requests_for
 
 
@@ -80,6 +84,8 @@ def chat(
     tools_file: Optional[str] = typer.Option(None, "--tools", help="A JSON file of tools (OpenAI's shape) the model "
                                              "may call; the calls it writes are listed after the reply."),
     tool_choice: str = typer.Option("auto", "--tool-choice", help="auto | required | none | a tool's name."),
+    receipt: Optional[str] = typer.Option(None, "--receipt", help="Write each reply's receipt to FILE (JSON lines; "
+                                          "`tfq replay FILE` checks them)."),
     quiet: bool = typer.Option(False, "--quiet", help="Hide the plan lines."),
 ) -> None:
     """Chat with the model; replies stream as they are generated."""
@@ -100,21 +106,38 @@ def chat(
         raise TfqError("--tool-choice required or a name is a grammar of its own; leave out --json-schema and --regex")
     if draft is not None:
         sets = [*sets, f"draft={draft}"]
+    output_file(receipt, "--receipt")
     fix_threads(threads)
     the_plan, _, layout = resolve_plan(plan, model, sets, quiet, err, chat_streams(len(chats)))
     with err.status("loading the model"):
         loaded = load_model(the_plan.model, device=layout.device, weights=the_plan.weights, tp=the_plan.tp)
     engine = Engine.from_plan(the_plan, layout, loaded)
     tok = loaded.tokenizer
+    keep = Receipts(Path(receipt), Issuer.of(the_plan, layout, loaded)) if receipt else None
     if tools:
         choice = tool_choice if tool_choice in ("auto", "none", "required") else {"function": {"name": tool_choice}}
         settings.update(tools=tools, constraint=calls.constraint(tools, choice, True, tok) or settings["constraint"])
     if not chats:
-        _interactive(engine, tok, system, settings, err)
+        _interactive(engine, tok, system, settings, err, keep)
     elif len(chats) == 1:
-        _stream_one(engine, requests_for(chats, tok, **settings)[0], err, bool(tools))
+        _stream_one(engine, requests_for(chats, tok, **settings)[0], err, bool(tools), keep)
     else:
-        _together(engine, requests_for(chats, tok, **settings), err, bool(tools))
+        _together(engine, requests_for(chats, tok, **settings), err, bool(tools), keep)
+
+
+@dataclass
+class Receipts:
+    """Where `--receipt` writes: each finished reply's receipt, one JSON line each, the file started afresh."""
+
+    path: Path
+    issuer: Issuer
+    written: int = 0
+
+    def write(self, requests: list[Request], results: list) -> None:
+        docs = [self.issuer.receipt(q, r) for q, r in zip(requests, results) if r.error is None]
+        with open(self.path, "a" if self.written else "w", encoding="utf-8") as f:
+            f.write("".join(json.dumps(d) + "\n" for d in docs))
+        self.written += len(docs)
 
 
 def chat_streams(prompts: int) -> Streams:
@@ -123,7 +146,7 @@ def chat_streams(prompts: int) -> Streams:
     return Streams.of(prompts, "prompt") if prompts else Streams(1, "an interactive chat, one reply at a time")
 
 
-def _stream_one(engine, request: Request, err: Console, tools: bool = False) -> str:
+def _stream_one(engine, request: Request, err: Console, tools: bool = False, keep: Receipts | None = None) -> str:
     """Print the reply as it comes; Ctrl-C ends it cleanly. Returns the text printed."""
     printed: list[str] = []
 
@@ -142,6 +165,8 @@ def _stream_one(engine, request: Request, err: Console, tools: bool = False) -> 
     sys.stdout.write("\n")
     if result.error:
         raise TfqError(result.error)
+    if keep is not None:
+        keep.write([request], [result])
     _speed(err, len(result.ids), result.first_token_s, time.perf_counter() - t0, 1, engine.threads)
     _acceptance(err, [result])
     _reuse(err, [result])
@@ -150,10 +175,13 @@ def _stream_one(engine, request: Request, err: Console, tools: bool = False) -> 
     return result.text
 
 
-def _together(engine, requests: list[Request], err: Console, tools: bool = False) -> None:
+def _together(engine, requests: list[Request], err: Console, tools: bool = False,
+              keep: Receipts | None = None) -> None:
     t0 = time.perf_counter()
     with err.status(f"running {len(requests)} chats together"):
         results = engine.generate(requests)
+    if keep is not None:
+        keep.write(requests, results)
     failed = 0
     for r in results:
         print(f"=== {r.label}")
@@ -207,7 +235,7 @@ def _acceptance(err: Console, results) -> None:
               f"{(accepted + verifies) / verifies:.2f} tokens per verify forward[/]")
 
 
-def _interactive(engine, tok, system: str | None, settings: dict, err: Console) -> None:
+def _interactive(engine, tok, system: str | None, settings: dict, err: Console, keep: Receipts | None) -> None:
     err.print("[dim]Interactive chat: type a message; /exit or Ctrl-D ends it.[/]")
     history: list[dict] = [{"role": "system", "content": system}] if system else []
     while True:
@@ -222,5 +250,5 @@ def _interactive(engine, tok, system: str | None, settings: dict, err: Console) 
             continue
         history.append({"role": "user", "content": line})
         request = requests_for([Chat("you", tuple(history))], tok, **settings)[0]
-        reply = _stream_one(engine, request, err)
+        reply = _stream_one(engine, request, err, keep=keep)
         history.append({"role": "assistant", "content": reply})

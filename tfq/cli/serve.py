@@ -52,11 +52,15 @@ def serve(
     log_level: str = typer.Option("warning", "--log-level", help="debug (every admission), info (finishes, "
                                   "preemptions, aborts, refusals), warning (failed streams), error (faults)."),
     log_prompts: bool = typer.Option(False, "--log-prompts", help="Log each request's prompt text (at info)."),
+    receipt_key: Optional[str] = typer.Option(None, "--receipt-key", help="A file holding a secret (16 bytes or "
+                                              "more) that signs every receipt (an HMAC); `tfq replay --key` checks "
+                                              "it."),
 ) -> None:
     """Serve the model over OpenAI's API (chat completions, completions, models) with /health and /metrics.
     Every reply is the one its request gets alone."""
     from tfq.model.load import load_model
     from tfq.plan.resolve import resolve_plan
+    from tfq.receipts.receipt import read_key
     from tfq.serve.background import ServeOptions, build_served, uvicorn_server
     from tfq.serve.loop import STUCK_AFTER_S
 
@@ -69,6 +73,7 @@ def serve(
             raise TfqError(f"{flag} {value}: give a positive number")
     if max_prompt_tokens < 0:
         raise TfqError(f"--max-prompt-tokens {max_prompt_tokens}: give 0 (the window) or a positive number")
+    key = read_key(receipt_key, "--receipt-key")
     start_logging(log_level)
     fix_threads(threads)
     sock = listening_socket(host, port)  # before the model loads: a taken port fails at once
@@ -78,7 +83,7 @@ def serve(
     limits = Limits(max_body_bytes, max_prompt_tokens, max_stop_chars)
     served = build_served(the_plan, layout, loaded, name or served_name(the_plan.model), ServeOptions(
         queue, tuple(k for k in api_keys if k), limits, allowed_hosts(host, tuple(extra_hosts)), log_prompts,
-        stuck_after or STUCK_AFTER_S))
+        stuck_after or STUCK_AFTER_S, key))
     bound = sock.getsockname()[1]
     err.print(f"serving {served.model!r} at http://{host}:{bound}/v1 (OpenAI's API; /openapi.json, /health, /metrics)"
               + ("; API key required" if served.api_keys else ""))

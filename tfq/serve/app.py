@@ -24,6 +24,7 @@ from tfq.decode import tools
 from tfq.decode.grammar import Constraint, Matcher
 from tfq.engine.stream import Finish, Request, Result
 from tfq.errors import TfqError
+from tfq.receipts.receipt import Issuer
 from tfq.serve.compiles import Compiles, Crowded, TooSlow
 from tfq.serve.guard import Guard
 from tfq.serve.intake import (
@@ -44,6 +45,7 @@ from tfq.serve.replies import (
     chat_logprobs,
     extensions,
     finish_reason,
+    receipt,
     text_choice,
     text_logprobs,
     usage,
@@ -133,14 +135,16 @@ def build_app(served: Served) -> FastAPI:
             raise ApiError(400, "echo with logprobs is returned whole; set stream to false", "stream")
         requests, matchers = await shaped(served, compiles, body, salt(http), lambda: body.requests(
             prompts, served.window, body.max_tokens, body.logprobs, body.logprobs if body.echo else None))
-        shape = Shape.new("text", served.model, body.return_token_ids, body.return_digests)
+        shape = Shape.new("text", served.model, body.return_token_ids, body.return_digests,
+                          issuer=await issuer(served, body))
         ticket = submit(served, requests, matchers)
         owners = [prompts[i // body.n] for i in range(len(requests))]
         if body.stream:
             return sse(served, ticket, text_chunks(served, ticket, shape, owners, body.echo,
                                                        sum(map(len, prompts)) if body.include_usage else None))
         results = await collect(served, ticket, http)
-        choices = [text_choice(shape, served.tokenizer, i, r, owners[i], body.echo) for i, r in enumerate(results)]
+        choices = [text_choice(shape, served.tokenizer, i, r, owners[i], body.echo) | receipt(shape, requests[i], r)
+                   for i, r in enumerate(results)]
         return shape.body(choices, usage=usage(sum(map(len, prompts)), sum(len(r.ids) for r in results)))
 
     @v1.post("/chat/completions")
@@ -151,16 +155,27 @@ def build_app(served: Served) -> FastAPI:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         requests, matchers = await shaped(served, compiles, body, salt(http), lambda: body.requests(
             [prompt], served.window, body.reply_tokens, logprobs, constraint=tool_grammar(served, body)))
-        shape = Shape.new("chat", served.model, body.return_token_ids, body.return_digests, body.calling)
+        shape = Shape.new("chat", served.model, body.return_token_ids, body.return_digests, body.calling,
+                          await issuer(served, body))
         ticket = submit(served, requests, matchers)
         if body.stream:
             return sse(served, ticket, chat_chunks(served, ticket, shape, len(prompt) if body.include_usage else None))
         results = await collect(served, ticket, http)
-        choices = [chat_choice(shape, served.tokenizer, i, r) for i, r in enumerate(results)]
+        choices = [chat_choice(shape, served.tokenizer, i, r) | receipt(shape, requests[i], r)
+                   for i, r in enumerate(results)]
         return shape.body(choices, usage=usage(len(prompt), sum(len(r.ids) for r in results)))
 
     app.include_router(v1)
     return app
+
+
+async def issuer(served: Served, body) -> Issuer | None:
+    """Who signs the request's receipts, when it asks for them: the model's identity known first (a hash of its
+    files, once a process), off the event loop."""
+    if not body.receipt or served.issuer is None:
+        return None
+    await asyncio.to_thread(lambda: served.issuer.model)
+    return served.issuer
 
 
 def tool_grammar(served: Served, body: ChatBody) -> Constraint | None:
@@ -337,7 +352,8 @@ async def chat_chunks(served: Served, ticket: Ticket, shape: Shape, usage_of: in
             reason = finish_reason(event.result)
             reason = "tool_calls" if calls[i] and reason == "stop" else reason
             yield shape.body([{"index": i, "delta": {"content": left} if left else {}, "logprobs": None,
-                               "finish_reason": reason}], chunk=True)
+                               "finish_reason": reason, **receipt(shape, ticket.requests[i], event.result)}],
+                             chunk=True)
     last = _ended(served, shape, results, usage_of)
     if last is not None:
         yield last
@@ -359,9 +375,10 @@ async def text_chunks(served: Served, ticket: Ticket, shape: Shape, owners: list
             yield shape.body([{"index": i, "text": out.text, "logprobs": lp, "finish_reason": None,
                                **extensions(shape, [out.token], [out.digest])}], chunk=True)
         else:
-            results[event.choice] = _check(event.result)
-            yield shape.body([{"index": event.choice, "text": "", "logprobs": None,
-                               "finish_reason": finish_reason(event.result)}], chunk=True)
+            i = event.choice
+            results[i] = _check(event.result)
+            yield shape.body([{"index": i, "text": "", "logprobs": None, "finish_reason": finish_reason(event.result),
+                               **receipt(shape, ticket.requests[i], event.result)}], chunk=True)
     last = _ended(served, shape, results, usage_of)
     if last is not None:
         yield last

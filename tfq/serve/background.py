@@ -10,6 +10,7 @@ from typing import Iterator
 
 from tfq.engine.core import Engine
 from tfq.errors import TfqError
+from tfq.receipts.receipt import Issuer
 from tfq.serve.app import Served, build_app
 from tfq.serve.guard import Limits
 from tfq.serve.loop import STUCK_AFTER_S, EngineLoop
@@ -27,6 +28,7 @@ class ServeOptions:
     hosts: frozenset[str] | None = None
     log_prompts: bool = False
     stuck_after_s: float = STUCK_AFTER_S
+    receipt_key: bytes | None = None  # signs every receipt (an HMAC), so its issuer can vouch for it
 
 
 def build_served(plan, layout, loaded, name: str, options: ServeOptions = ServeOptions(), **engine_kw) -> Served:
@@ -42,7 +44,7 @@ def build_served(plan, layout, loaded, name: str, options: ServeOptions = ServeO
     o = options
     return Served(EngineLoop(engine, o.queue, metrics, o.stuck_after_s), loaded.tokenizer, name,
                   engine.settings.window, loaded.tokenizer.vocab_size, metrics, tuple(o.api_keys), o.limits, o.hosts,
-                  o.log_prompts)
+                  o.log_prompts, Issuer.of(plan, layout, loaded, o.receipt_key))
 
 
 def uvicorn_server(served: Served, graceful_s: float):

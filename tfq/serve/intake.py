@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tfq.errors import TfqError
+from tfq.receipts.receipt import Issuer
 from tfq.serve.guard import Limits
 from tfq.serve.loop import EngineLoop
 from tfq.serve.metrics import Metrics
@@ -37,6 +38,7 @@ class Served:
     limits: Limits = Limits()
     hosts: frozenset[str] | None = None  # Host names answered (tfq.serve.guard.allowed_hosts); None: any
     log_prompts: bool = False  # log each request's prompt text (off: logs never hold what users wrote)
+    issuer: Issuer | None = None  # what a reply's receipt holds besides the reply (tfq/receipts/receipt.py)
 
     @property
     def prompt_tokens(self) -> int:

@@ -107,6 +107,7 @@ class Sampling(BaseModel):
     # tfq's own: each choice's token ids, and the digest of the logits each token was drawn from
     return_token_ids: bool = False
     return_digests: bool = False
+    receipt: bool = False  # each choice's receipt (tfq/receipts): in its body, or its last chunk when streamed
 
     @model_validator(mode="before")
     @classmethod

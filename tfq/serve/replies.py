@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from tfq.decode.sampling import TokenLogprob
 from tfq.decode.tools import parse
-from tfq.engine.stream import Finish, Result
+from tfq.engine.stream import Finish, Request, Result
+from tfq.receipts.receipt import Issuer
 
 FINISH = {Finish.EOS: "stop", Finish.STOP: "stop", Finish.LENGTH: "length", Finish.WINDOW: "length",
           Finish.ABORT: "abort", Finish.ERROR: "error"}  # tfq's finish -> OpenAI's finish_reason
@@ -29,13 +30,14 @@ class Shape:
     return_token_ids: bool = False
     return_digests: bool = False
     tools: bool = False  # a chat's reply is parsed for tool calls
+    issuer: Issuer | None = None  # each choice carries its receipt (tfq/receipts), signed by the issuer's key
 
     @classmethod
     def new(cls, kind: str, model: str, return_token_ids: bool = False, return_digests: bool = False,
-            tools: bool = False) -> "Shape":
+            tools: bool = False, issuer: Issuer | None = None) -> "Shape":
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         return cls(kind, model, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), return_token_ids, return_digests,
-                   tools)
+                   tools, issuer)
 
     def body(self, choices: list[dict], chunk: bool = False, usage: dict | None = None) -> dict:
         obj = {"chat": "chat.completion", "text": "text_completion"}[self.kind]
@@ -87,6 +89,11 @@ def extensions(shape: Shape, ids: list[int], digests: list[str]) -> dict:
     if shape.return_digests:
         out["digests"] = digests
     return out
+
+
+def receipt(shape: Shape, request: Request, result: Result) -> dict:
+    """tfq's `receipt` field of a finished choice, when the request asked for it."""
+    return {} if shape.issuer is None else {"receipt": shape.issuer.receipt(request, result)}
 
 
 def chat_choice(shape: Shape, tokenizer, index: int, result: Result) -> dict:
