@@ -15,7 +15,7 @@ TOP_LEVEL = 8
 LAYERS = (
     ("tfq", "tfq.__main__", "tfq.cli"),  # the commands
     ("tfq.serve", "tfq.bench", "tfq.llm", "tfq.parallel.rank_main"),  # servers, benches, the Python API, a rank's main
-    ("tfq.proofs", "tfq.suite"),  # the checks (tfq together, verify, kernels) and the chats they run
+    ("tfq.proofs", "tfq.suite", "tfq.receipts"),  # the checks (tfq together, verify, kernels), their chats, receipts
     ("tfq.engine",),  # engine, scheduler, runner, streams, pages, caches, drafting, the layer guard
     ("tfq.decode",),  # sampling, penalties, grammars, tool calls
     ("tfq.plan",),  # keys, layout in bytes
