@@ -10,6 +10,9 @@ from typing import Callable
 
 import torch
 
+# The version of tfq's arithmetic: raised when a kernel, the sampler or the digest gives other bits for the same
+# inputs, so what was kept from before (a receipt, a page on disk) says it belongs to another recipe
+RECIPE = 1
 KEY_TILE = 64  # rows of keys one step of the online softmax reads; page rows must be a multiple of it
 SPLIT_ROWS = 256  # rows of keys one split of the `partial` arithmetic covers (a multiple of KEY_TILE)
 PANEL = 64  # outputs of one panel of an fp32 linear layer packed for tfq's CPU kernel (kernels/cpu/linear.cpp)

@@ -11,8 +11,8 @@ from tfq.decode.grammar import Constraint
 from tfq.decode.penalties import Penalties
 from tfq.engine.stream import Finish, Request, Result
 from tfq.errors import TfqError
+from tfq.kernels.contract import RECIPE
 from tfq.receipts.receipt import (
-    RECIPE,
     Issuer,
     arithmetic,
     chain,

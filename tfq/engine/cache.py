@@ -61,6 +61,25 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v) + (self.state.nbytes if self.state else 0)
 
+    def keep_on_disk(self, folder: str, root: bytes, most_bytes: int) -> None:
+        """Full pages the prefix cache names are kept in `folder` too, and found there again (tfq/engine/
+        prefix_store.py); root: the prefix cache's, with the weights and the recipe."""
+        from tfq.engine.prefix_store import PageShape, PrefixStore
+
+        shape = PageShape(self.spec.page_rows, len(self.k), self.k[0].shape[1], self.k[0].shape[2], self.dtype)
+        self.pages.keep_on_disk(PrefixStore(folder, root, shape, most_bytes), self)
+
+    def page_rows(self, page: int) -> list[torch.Tensor]:
+        """A pool page's rows in every attention layer, keys then values of each (views of the store)."""
+        start = self.pages.base + page * self.spec.page_rows
+        rows = slice(start, start + self.spec.page_rows)
+        return [t[rows] for k, v in zip(self.k, self.v) for t in (k, v)]
+
+    def fill_page(self, page: int, rows: list[torch.Tensor]) -> None:
+        """The page's rows in every layer, as `page_rows` lists them, from `rows` (a page read back from disk)."""
+        for store, kept in zip(self.page_rows(page), rows):
+            store.copy_(kept)
+
     def rows(self, p: Placement, start: int, count: int) -> torch.Tensor:
         """Store rows of positions [start, start + count)."""
         if count <= 8:  # a decode step's rows: the same sums in Python's integers, one small tensor made

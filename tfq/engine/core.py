@@ -30,6 +30,7 @@ from tfq.engine.scheduler import Scheduler
 from tfq.engine.settings import EngineSettings
 from tfq.engine.stream import Finish, Request, Result, Status, Stream
 from tfq.errors import TfqError, own_fault
+from tfq.kernels.contract import RECIPE
 from tfq.model.qwen import Qwen
 from tfq.plan.layout import PREFIX_ON_HYBRID, auto_logits_rows
 
@@ -92,6 +93,13 @@ class Engine:
                          dtype=s.kv_dtype, slots=s.lanes, verify_rows=1 + drafter.k if drafter is not None else 0)
         self.cache = KVCache(model.config, spec, page_order_seed=controls.page_order_seed, backend=model.backend,
                              prefix=prefix)
+        if prefix is not None and s.prefix_store:
+            if not s.model_identity:
+                raise TfqError("kv.prefix_store needs the model's identity (its sha256) to name its pages on disk; "
+                               "build the engine with Engine.from_plan")
+            # on disk the root also names the weights and tfq's recipe: pages outlive this process and its model
+            self.cache.keep_on_disk(s.prefix_store, root_key(prefix.root, s.model_identity, RECIPE),
+                                    s.prefix_store_bytes)
         self.pages = self.cache.pages
         self.runner = Runner(model, self.cache, controls.arithmetic or plan_arithmetic(s.partial), drafter)
         least = s.lanes * self.drawing_rows
@@ -138,6 +146,10 @@ class Engine:
         from tfq.engine.threads import Threads
 
         settings = EngineSettings.from_plan(plan, layout)
+        if settings.prefix_store:
+            from tfq.model.identity import weights_sha256
+
+            settings = replace(settings, model_identity=f"{weights_sha256(plan.model)}/{loaded.weights}")
         if "drafter" not in kw:
             kw["drafter"] = make_drafter(plan.draft, loaded, settings.lanes, settings.window)
         if "threads" not in kw:

@@ -44,6 +44,11 @@ class PagePool:
             random.Random(order_seed).shuffle(self.free)
         self.refs = [0] * pool_pages  # streams holding each page
         self.prefix = prefix
+        self.store = None  # tfq.engine.prefix_store.PrefixStore: named pages kept on disk too
+        self.rows_of = None  # what holds the pages' rows (tfq.engine.cache.KVCache: page_rows, fill_page)
+
+    def keep_on_disk(self, store, rows_of) -> None:
+        self.store, self.rows_of = store, rows_of
 
     @property
     def rows(self) -> int:
@@ -107,6 +112,8 @@ class PagePool:
             key = page_key(parent, tokens[i * self.page_rows:(i + 1) * self.page_rows])
             page = self.prefix.find(key)
             if page is None:
+                page = self._from_disk(key)
+            if page is None:
                 break
             self.prefix.unpark(page)
             self._hold(p, page)
@@ -125,6 +132,21 @@ class PagePool:
                            tokens[i * self.page_rows:(i + 1) * self.page_rows])
             p.keys.append(key)
             self.prefix.name(p.pages[i], key)
+            if self.store is not None:
+                self.store.save(key, self.rows_of.page_rows(p.pages[i]))
+
+    def _from_disk(self, key: bytes) -> int | None:
+        """A page the store kept under `key`, read into a page of the pool and named (None: not kept, damaged, or
+        no page to put it in)."""
+        if self.store is None or not self.available or not self.store.has(key):
+            return None
+        rows = self.store.load(key)
+        if rows is None:
+            return None
+        page = self.free.pop() if self.free else self.prefix.evict()
+        self.rows_of.fill_page(page, rows)
+        self.prefix.name(page, key)
+        return page
 
     def _hold(self, p: Placement, page: int) -> None:
         self.refs[page] += 1

@@ -76,6 +76,7 @@ class Stats:
     free_pages: int  # pages of the pool no stream holds (cached idle pages included)
     cached_pages: int  # of those, pages the prefix cache keeps
     reused_rows: int  # prompt rows streams took from the prefix cache, in all
+    disk: tuple[int, int, int] = (0, 0, 0)  # the prefix store's pages read back, written and ignored, in all
 
 
 @dataclass(frozen=True)
@@ -120,8 +121,10 @@ class Scheduler:
 
     def stats(self) -> Stats:
         prefix = self.pages.prefix
+        store = self.pages.store
         return Stats(len(self.waiting), sum(st is not None for st in self.lanes), self.preemptions,
-                     self.pages.unheld, len(prefix.idle) if prefix else 0, prefix.reused_rows if prefix else 0)
+                     self.pages.unheld, len(prefix.idle) if prefix else 0, prefix.reused_rows if prefix else 0,
+                     (store.loaded, store.written, store.ignored) if store else (0, 0, 0))
 
     def guess_budgets(self, k: int) -> tuple[list[Stream], list[int]]:
         """The decoding streams and how many guesses each may take: at most k, within its token and window

@@ -20,6 +20,10 @@ class EngineSettings:
     pool_pages: int = 0
     partial: bool = False
     prefix_cache: bool = False  # full pages found again by their tokens (tfq/engine/prefix.py)
+    prefix_store: str = ""  # a folder: the prefix cache's full pages kept on disk too (tfq/engine/prefix_store.py)
+    prefix_store_bytes: int = 0  # the most that folder holds
+    # what names the weights for the store's root (the model's sha256 and weights kind): Engine.from_plan sets it
+    model_identity: str = ""
     # logits rows one forward may hold; 0: auto (tfq.plan.layout.auto_logits_rows: the engine gives its scheduler
     # the number; a scheduler's own 0 is no bound)
     logits_rows: int = 0
@@ -36,5 +40,7 @@ class EngineSettings:
         return cls(window=layout.window, lanes=layout.lanes, prefill_chunk=plan.prefill_chunk, kv_dtype=plan.kv.dtype,
                    page_rows=layout.page_rows, paged_all=plan.kv.paged == "all", pool_pages=layout.pool_pages,
                    partial=plan.attention == "partial", prefix_cache=plan.kv.prefix_cache == "on",
+                   prefix_store="" if plan.kv.prefix_store == "off" else plan.kv.prefix_store,
+                   prefix_store_bytes=plan.kv.prefix_store_size,
                    logits_rows=layout.logits_rows, step_tokens=layout.step_tokens,
                    step_steps=layout.step_steps)

@@ -128,22 +128,22 @@ _UNITS = {
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
-def parse_bytes(value: Any) -> int:
+def parse_bytes(value: Any, name: str = "budget", auto: str = "auto or ") -> int:
     """`12GiB`, `500MB`, `1.5G` (bare K/M/G/T are binary), or a plain number of bytes."""
     if isinstance(value, bool):
-        raise Bad(f"budget must be auto or a size such as 12GiB, 500MB or 1.5G, not {value!r}")
+        raise Bad(f"{name} must be {auto}a size such as 12GiB, 500MB or 1.5G, not {value!r}")
     if isinstance(value, (int, float)):
         number, unit = value, 1
     else:
         m = _SIZE.match(value) if isinstance(value, str) else None
         if not m or m.group(2).lower() not in _UNITS:
-            raise Bad(f"budget must be auto or a size such as 12GiB, 500MB or 1.5G, not {value!r}")
+            raise Bad(f"{name} must be {auto}a size such as 12GiB, 500MB or 1.5G, not {value!r}")
         digits, unit = m.group(1), _UNITS[m.group(2).lower()]
         number = int(digits) if digits.isdigit() else float(digits)
     if not math.isfinite(number) or number * unit < 1:
-        raise Bad(f"budget must be a positive size such as 12GiB, not {value!r}")
+        raise Bad(f"{name} must be a positive size such as 12GiB, not {value!r}")
     if number * unit > MAX_INT:
-        raise Bad(f"budget {value!r} is past any machine; give a realistic size such as 12GiB")
+        raise Bad(f"{name} {value!r} is past any machine; give a realistic size such as 12GiB")
     return int(number * unit)
 
 
@@ -151,6 +151,19 @@ def budget(value: Any) -> int | str:
     if isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
     return parse_bytes(value)
+
+
+def store_size(value: Any) -> int:
+    return parse_bytes(value, "kv.prefix_store_size", "")
+
+
+def store(value: Any) -> str:
+    """off, or the folder the prefix cache's pages are kept in on disk."""
+    if value is False or (isinstance(value, str) and value.strip().lower() in ("off", "none", "")):
+        return "off"
+    if isinstance(value, str):
+        return value.strip()
+    raise Bad(f"kv.prefix_store must be off or a folder (a path as text), not {value!r}")
 
 
 def parse_draft(value: str) -> tuple[str, int | None]:

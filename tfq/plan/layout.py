@@ -254,6 +254,9 @@ def compute_layout(plan: PlanView, config: ModelConfig) -> Layout:
         )
     if config.hybrid and getattr(plan.kv, "prefix_cache", "off") == "on":
         raise fail(f"kv.prefix_cache: on{tag(plan, 'kv.prefix_cache')} {PREFIX_ON_HYBRID}")
+    if getattr(plan.kv, "prefix_store", "off") != "off" and getattr(plan.kv, "prefix_cache", "off") != "on":
+        raise fail(f"kv.prefix_store{tag(plan, 'kv.prefix_store')} keeps the prefix cache's pages on disk, and the "
+                   f"prefix cache is off; set kv.prefix_cache: on (with kv.pages), or kv.prefix_store: off")
     tp = getattr(plan, "tp", 1)
     if tp > config.hidden_size:  # each rank a process holding a share of every split (tfq/parallel/shard.py)
         raise fail(f"tp {tp}{tag(plan, 'tp')} is more ranks than the model has hidden columns ({config.hidden_size}) "

@@ -198,9 +198,14 @@ def _prefix_line(plan: Plan, lay: Layout) -> str:
     if lay.page_rows == 0 or lay.paged_lanes == 0:
         return f"{head}, but no stream takes pages, and it keeps pages: nothing is reused (set kv.pages)"
     lane = "; stream 0's contiguous lane neither reads nor fills it" if lay.contiguous_lanes else ""
+    disk = ""
+    if plan.kv.prefix_store != "off":
+        disk = (f"; every full page is also kept on disk in {plan.kv.prefix_store}{tag(plan, 'kv.prefix_store')} "
+                f"(at most {human_bytes(plan.kv.prefix_store_size)}, least recently used files removed first), "
+                f"where this model's later runs find it after a restart")
     return (f"{head}: a full {lay.page_rows}-row page is found again by the tokens up to its end; pages no stream "
             f"holds keep their rows until the pool needs them, so it may keep all {lay.pool_pages} pages, least "
-            f"recently used evicted first{lane}")
+            f"recently used evicted first{lane}{disk}")
 
 
 def _step_bound(lay) -> str:

@@ -26,6 +26,8 @@ from tfq.plan.fields import (
     pool,
     positive,
     step_tokens,
+    store,
+    store_size,
     switch,
 )
 from tfq.plan.layout import Layout, compute_layout, over_budget
@@ -52,6 +54,8 @@ SCHEMA: dict[str, Check] = {
     "kv.paged": choice("kv.paged", PAGED),
     "kv.pool": pool,
     "kv.prefix_cache": switch("kv.prefix_cache"),
+    "kv.prefix_store": store,
+    "kv.prefix_store_size": store_size,
     "attention": choice("attention", ATTENTION),
     "budget": budget,
     "draft": draft,
@@ -64,7 +68,7 @@ ENV_VALUES = {
     "TFQ_MODEL": "model", "TFQ_WEIGHTS": "weights", "TFQ_WINDOW": "window", "TFQ_LANES": "lanes",
     "TFQ_PREFILL_CHUNK": "prefill_chunk", "TFQ_LOGITS_ROWS": "logits_rows", "TFQ_STEP_TOKENS": "step_tokens",
     "TFQ_KV_DTYPE": "kv.dtype", "TFQ_KV_PAGES": "kv.pages", "TFQ_KV_POOL": "kv.pool",
-    "TFQ_KV_PREFIX_CACHE": "kv.prefix_cache",
+    "TFQ_KV_PREFIX_CACHE": "kv.prefix_cache", "TFQ_KV_PREFIX_STORE": "kv.prefix_store",
     "TFQ_BUDGET": "budget", "TFQ_DRAFT": "draft", "TFQ_DEVICE": "device",
     "TFQ_TP": "tp",
 }
@@ -90,9 +94,11 @@ class KVPlan:
     paged: str = "more"  # more: streams beyond the first take pages; all: every stream does
     pool: int | str = "auto"
     prefix_cache: str = "off"  # on: full pages are found again by their tokens (tfq/engine/prefix.py)
+    prefix_store: str = "off"  # a folder: the prefix cache's pages kept on disk too (tfq/engine/prefix_store.py)
+    prefix_store_size: int = 4 * 2**30  # the most the folder holds; least recently used pages go first
 
     def __post_init__(self) -> None:
-        for name in ("dtype", "pages", "paged", "pool", "prefix_cache"):
+        for name in ("dtype", "pages", "paged", "pool", "prefix_cache", "prefix_store", "prefix_store_size"):
             object.__setattr__(self, name, checked(f"kv.{name}", getattr(self, name)))
 
 

@@ -19,11 +19,9 @@ from tfq.decode.grammar import Constraint
 from tfq.decode.penalties import Penalties
 from tfq.engine.stream import Finish, Request, Result
 from tfq.errors import TfqError
+from tfq.kernels.contract import RECIPE
 
 FORMAT = "tfq-receipt/1"
-# tfq's arithmetic recipe: bump when a kernel, the sampler or the digest gives other bits for the same inputs, so
-# a receipt from before says it cannot be replayed by this build rather than parting at its first step
-RECIPE = 1
 SIGNATURE = "hmac-sha256"
 _CHAIN_ROOT = hashlib.sha256(b"tfq receipt chain").hexdigest()
 
@@ -58,7 +56,7 @@ class Issuer:
     """What every receipt of one engine shares: the model, the arithmetic, and the key that signs (if any).
 
     name: how the model was named (`default`, a path); arithmetic: {"weights", "kv_dtype", "attention", "device",
-    "recipe"}. The model's identity, the sha256 of its weights (tfq/receipts/identity.py), is computed on the first
+    "recipe"}. The model's identity, the sha256 of its weights (tfq/model/identity.py), is computed on the first
     receipt, not at start: a server whose clients never ask for one never hashes a large folder."""
 
     name: str
@@ -72,7 +70,7 @@ class Issuer:
 
     @cached_property
     def model(self) -> dict:
-        from tfq.receipts.identity import weights_sha256
+        from tfq.model.identity import weights_sha256
 
         return {"name": self.name, "sha256": weights_sha256(self.name)}
 

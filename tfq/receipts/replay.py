@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from tfq.errors import TfqError
-from tfq.receipts.receipt import RECIPE, chain, replayed_finish, request_of, signed_by
+from tfq.kernels.contract import RECIPE
+from tfq.receipts.receipt import chain, replayed_finish, request_of, signed_by
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ def replay(receipts: Sequence[tuple[str, dict]], model: str | None = None, key: 
     """Every receipt's verdict, in the order given. model: the model to replay with (default: the name each
     receipt holds); key: the issuer's, when its signatures must hold; sets: plan overrides that change no bits
     (window, lanes, threads are chosen here)."""
-    from tfq.receipts.identity import weights_sha256
+    from tfq.model.identity import weights_sha256
 
     verdicts: dict[int, Verdict] = {}
     for group in groups(receipts, model):

@@ -31,6 +31,10 @@ class Metrics:
         self.cached_pages = Gauge("tfq_pages_cached", "Pages no stream holds that the prefix cache keeps", registry=r)
         self.reused = Counter("tfq_prefix_cache_reused_rows", "Rows streams took from the prefix cache", registry=r)
         self._reused = 0
+        self.disk = Gauge("tfq_prefix_store_pages", "Pages of the prefix store on disk, since start: read back into "
+                          "the cache, written, ignored (not this cache's, or damaged)", ["event"], registry=r)
+        for event in ("read", "written", "ignored"):
+            self.disk.labels(event)
         self.ttft = Histogram("tfq_time_to_first_token_seconds", "From a request's arrival to each choice's first "
                               "token", buckets=TTFT_BUCKETS, registry=r)
         self.tbt = Histogram("tfq_time_between_tokens_seconds", "Between a choice's tokens",
@@ -49,6 +53,8 @@ class Metrics:
         if stats.reused_rows > self._reused:
             self.reused.inc(stats.reused_rows - self._reused)
             self._reused = stats.reused_rows
+        for event, n in zip(("read", "written", "ignored"), stats.disk):
+            self.disk.labels(event).set(n)
         self.waiting.set(stats.waiting)
         self.busy.set(stats.running)
         self.free_pages.set(stats.free_pages)

@@ -1,4 +1,5 @@
-"""A model's identity for receipts: a sha256 of what decides its arithmetic, the same wherever the files sit.
+"""A model's identity (receipts, the prefix store on disk): a sha256 of what decides its arithmetic, the same
+wherever the files sit.
 
 A GGUF file (the default model's joined parts too) is its own sha256; an HF or MLX folder is a sha256 over its
 config and weight files, by name and content. Each file's hash is remembered by its path, size and time

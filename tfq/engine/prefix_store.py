@@ -1,0 +1,174 @@
+"""The prefix cache on disk (plan key `kv.prefix_store: DIR`): full pages kept as files, so a prompt seen before a
+restart is warm after it.
+
+A page's rows are a function of the tokens up to its end and of the arithmetic (tfq/engine/prefix.py), so a file
+named by the page's chained key, under a root that also holds the weights' sha256, the weights kind and tfq's
+recipe, holds exactly the rows a cold run computes. Reading it back maps those bits into a page: warm from disk
+equals cold. A file is trusted only whole: its header must name this root, this key and this page's shape, and
+its checksum must match its rows; anything else is ignored (one log line) and the rows are computed.
+
+Files are written to a temporary name and renamed (atomic), so several processes may share one folder; the folder
+is kept under a size bound by removing the least recently used files (a file read is touched). Writes go to a
+thread of their own from a copy of the page's rows, so a step never waits on the disk.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"TFQPAGE1"
+SUFFIX = ".page"
+QUEUED = 64  # pages waiting to be written at most; past it a page is not kept (a cache, not a log)
+
+
+@dataclass(frozen=True)
+class PageShape:
+    """What every page file of one cache holds: per attention layer, keys then values, [rows, heads, dim]."""
+
+    rows: int
+    layers: int
+    heads: int
+    dim: int
+    dtype: torch.dtype
+
+    @property
+    def tensor_bytes(self) -> int:
+        return self.rows * self.heads * self.dim * torch.empty((), dtype=self.dtype).element_size()
+
+    def header(self, root: bytes, key: bytes, checksum: str) -> dict:
+        return {"root": root.hex(), "key": key.hex(), "rows": self.rows, "layers": self.layers, "heads": self.heads,
+                "dim": self.dim, "dtype": str(self.dtype), "byteorder": sys.byteorder, "checksum": checksum}
+
+
+def checksum(payload: bytes) -> str:
+    return hashlib.blake2b(payload, digest_size=16).hexdigest()
+
+
+class PrefixStore:
+    def __init__(self, folder: str | Path, root: bytes, shape: PageShape, most_bytes: int):
+        self.folder = Path(folder) / root.hex()  # one folder a root: another model's pages are never listed
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.root, self.shape, self.most_bytes = root, shape, most_bytes
+        self.loaded = self.written = self.ignored = 0  # pages read back, written, and refused (counters)
+        self._bytes = sum(f.stat().st_size for f in self._files())
+        self._queue: queue.Queue = queue.Queue(QUEUED)
+        self._writer = threading.Thread(target=self._write_loop, name="tfq-prefix-store", daemon=True)
+        self._writer.start()
+
+    def path(self, key: bytes) -> Path:
+        return self.folder / f"{key.hex()}{SUFFIX}"
+
+    def has(self, key: bytes) -> bool:
+        return self.path(key).is_file()
+
+    # -- reading ----------------------------------------------------------------------------------------------
+    def load(self, key: bytes) -> list[torch.Tensor] | None:
+        """The page's rows kept under `key` (keys then values of each layer), or None: no such file, or one that
+        is not exactly this root's, key's and shape's page with a matching checksum (logged and ignored)."""
+        path = self.path(key)
+        try:
+            data = path.read_bytes()
+        except OSError:
+            return None  # never written, or removed by another process meanwhile
+        rows = self._parse(data, key)
+        if rows is None:
+            self.ignored += 1
+            log.warning("prefix store: ignored %s (not this cache's page, or damaged); its rows are computed and "
+                        "written again", path)
+            path.unlink(missing_ok=True)
+            return None
+        self.loaded += 1
+        try:
+            os.utime(path)  # most recently used
+        except OSError:
+            pass
+        return rows
+
+    def _parse(self, data: bytes, key: bytes) -> list[torch.Tensor] | None:
+        s = self.shape
+        if not data.startswith(MAGIC) or len(data) < len(MAGIC) + 4:
+            return None
+        size = int.from_bytes(data[len(MAGIC):len(MAGIC) + 4], "little")
+        start = len(MAGIC) + 4 + size
+        try:
+            header = json.loads(data[len(MAGIC) + 4:start])
+        except ValueError:
+            return None
+        payload = data[start:]
+        want = s.header(self.root, key, checksum(payload))
+        if header != want or len(payload) != 2 * s.layers * s.tensor_bytes:
+            return None
+        flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        return [t.view(s.dtype).reshape(s.rows, s.heads, s.dim) for t in flat.split(s.tensor_bytes)]
+
+    # -- writing ----------------------------------------------------------------------------------------------
+    def save(self, key: bytes, rows: list[torch.Tensor]) -> None:
+        """Keep the page (its rows copied now, written by the store's thread); a page already kept is not
+        written again."""
+        if self.has(key):
+            return
+        copies = [t.detach().to("cpu", copy=True).contiguous() for t in rows]
+        try:
+            self._queue.put_nowait((key, copies))
+        except queue.Full:
+            log.info("prefix store: %d pages wait to be written; page %s is not kept", QUEUED, key.hex())
+
+    def flush(self) -> None:
+        """Wait until every page handed over so far is on disk."""
+        self._queue.join()
+
+    def _write_loop(self) -> None:
+        while True:
+            key, rows = self._queue.get()
+            try:
+                self._write(key, rows)
+            except OSError as e:
+                log.warning("prefix store: cannot write page %s in %s (%s)", key.hex(), self.folder, e)
+            finally:
+                self._queue.task_done()
+
+    def _write(self, key: bytes, rows: list[torch.Tensor]) -> None:
+        payload = b"".join(t.view(torch.uint8).numpy().tobytes() for t in rows)
+        header = json.dumps(self.shape.header(self.root, key, checksum(payload))).encode()
+        target = self.path(key)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}")
+        with open(tmp, "wb") as f:
+            f.write(MAGIC + len(header).to_bytes(4, "little") + header + payload)
+        os.replace(tmp, target)
+        self.written += 1
+        self._bytes += target.stat().st_size
+        if self._bytes > self.most_bytes:
+            self._evict()
+
+    def _files(self) -> list[Path]:
+        return [f for f in self.folder.glob(f"*{SUFFIX}") if f.is_file()]
+
+    def _evict(self) -> None:
+        """The least recently used files removed until the folder holds at most 90% of the bound (counted again
+        from the folder: other processes write into it too)."""
+        found = []
+        for f in self._files():
+            try:
+                st = f.stat()
+            except OSError:
+                continue
+            found.append((st.st_mtime_ns, st.st_size, f))
+        found.sort()
+        total = sum(size for _, size, _ in found)
+        for _, size, f in found:
+            if total <= 0.9 * self.most_bytes:
+                break
+            f.unlink(missing_ok=True)
+            total -= size
+        self._bytes = total
