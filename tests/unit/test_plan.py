@@ -209,6 +209,15 @@ def test_attention_control_and_draft_lines(tiny):
     assert "drafting: n-gram lookup in the stream's own text, up to 3 tokens a step (set by TFQ_DRAFT)" in text
 
 
+def test_the_prefix_store_line_says_where_and_how_much(tiny):
+    plan = load_plan(PLANS / "paged.yaml", env={"TFQ_KV_PREFIX_STORE": "/srv/pages"},
+                     sets=["kv.prefix_cache=on", "kv.prefix_store_size=1GiB"])
+    assert plan.kv.prefix_store == "/srv/pages" and plan.kv.prefix_store_size == GiB
+    text = "\n".join(plan_lines(plan, tiny, plan.layout(tiny)))
+    assert "every full page is also kept on disk in /srv/pages (set by TFQ_KV_PREFIX_STORE) (at most 1.00 GiB" in text
+    assert load_plan(None, env={}).kv.prefix_store == "off"
+
+
 def test_json_has_the_same_facts(tiny_dir, monkeypatch, capsys):
     code, out, _ = tfq(["plan", str(PLANS / "paged.yaml"), "--json", "--model", str(tiny_dir),
                         "--set", "budget=1GiB"], {"TFQ_LANES": "4"}, monkeypatch, capsys)
@@ -299,6 +308,11 @@ BAD_OVERRIDES = [
     ({}, ["device=cuda:99"], "device cuda:99 (set by --set): this machine sees"),
     ({"TFQ_TP": "1000"}, [], "tp 1000 (set by TFQ_TP) is more ranks than the model has hidden columns (128) to "
                              "share among them; set tp to at most 128"),
+    ({}, ["kv.prefix_store_size=lots"], "--set kv.prefix_store_size=lots: kv.prefix_store_size must be a size such "
+                                        "as 12GiB"),
+    ({"TFQ_KV_PREFIX_STORE": "/tmp/pages"}, [], "kv.prefix_store (set by TFQ_KV_PREFIX_STORE) keeps the prefix "
+                                                "cache's pages on disk, and the prefix cache is off; set "
+                                                "kv.prefix_cache: on"),
     ({"TFQ_LOGITS_ROWS": "none"}, [], "TFQ_LOGITS_ROWS=none: logits_rows must be auto or a positive number of rows"),
     ({}, ["logits_rows=7", "draft=ngram:3"], "logits_rows 7 (set by --set) is fewer than the rows every lane draws "
                                              "from at once (8 lanes x 4); set logits_rows to 32 or more, or auto"),
