@@ -100,7 +100,8 @@ def test_together_on_the_converters_quantized_file_every_arm(files, tmp_path, mo
                          monkeypatch, capsys)
     assert code == 0, out + err
     arms = {a["arm"]: a for a in json.loads(summary.read_text())["arms"]}
-    controls = {"partial", "paged-partial", "deltanet-chunks"}
-    assert controls < set(arms) and {"whole", "paged", "chunked", "preempted", "drafted"} < set(arms)
+    controls = {"partial", "paged-partial", "deltanet-chunks", "prefix-offset"}
+    assert controls < set(arms) and {"whole", "paged", "chunked", "preempted", "drafted", "prefix"} < set(arms)
     for name, arm in arms.items():
         assert arm["verdict"] == ("RED" if name in controls else "EXACT"), (name, arm["note"])
+    assert arms["prefix"]["reused_rows"] > 0 and arms["prefix-offset"]["reused_rows"] > 0

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import engines
-from engines import WINDOW, engine, one_forward, run
+from engines import WINDOW, one_forward, run
 from tfq.engine.batch import Arithmetic, Feed, forward
 from tfq.engine.cache import CacheSpec, KVCache
 from tfq.engine.core import Engine, EngineSettings
@@ -215,11 +215,6 @@ def test_threads_do_not_change_the_bits(hybrid, alone):
         torch.set_num_threads(before)
 
 
-def test_prefix_cache_is_refused_for_a_hybrid(hybrid):
-    with pytest.raises(TfqError, match="prefix_cache"):
-        engine(hybrid.model, lanes=2, page_rows=KEY_TILE, pool_pages=8, prefix_cache=True)
-
-
 # ------------------------------------------------------------------------------------------ checkpoints
 
 def test_image_and_text_checkpoint_runs_its_text_model(tmp_path, hybrid):
@@ -321,20 +316,22 @@ def test_together_on_a_hybrid_every_arm(tmp_path_factory, tmp_path, monkeypatch,
     code, out, err = tfq(["together", "--model", str(folder), "--suite", str(shipped_hybrid_suite()), "--tokens",
                           "32", "--evidence", str(tmp_path / "ev"), "--json", str(summary)], monkeypatch, capsys)
     assert code == 0, out + err
-    assert "arms left out: prefix, prefix-partial" in err
+    assert "arms left out: prefix-partial" in err
     arms = {a["arm"]: a for a in json.loads(summary.read_text())["arms"]}
-    controls = {"partial", "paged-partial", "deltanet-chunks"}
+    controls = {"partial", "paged-partial", "deltanet-chunks", "prefix-offset"}
     assert set(arms) == {"whole", "paged-alone", "paged", "paged-all", "chunked", "preempted", "drafted",
-                         "drafted-model"} | controls
+                         "drafted-model", "prefix"} | controls
     for name, arm in arms.items():
         assert arm["verdict"] == ("RED" if name in controls else "EXACT"), (name, arm["note"])
     assert arms["preempted"]["preemptions"] > 0
+    assert arms["prefix"]["reused_rows"] > 0 and arms["prefix-offset"]["reused_rows"] > 0
 
 
 def test_hybrid_arms_refused_where_they_do_not_apply(tiny_dirs, hybrid_dir, tmp_path, monkeypatch, capsys):
     from cli import tfq
 
-    for model, arm in ((tiny_dirs["qwen2"], "deltanet-chunks"), (hybrid_dir, "prefix")):
+    for model, arm in ((tiny_dirs["qwen2"], "deltanet-chunks"), (tiny_dirs["qwen2"], "prefix-offset"),
+                       (hybrid_dir, "prefix-partial")):
         code, out, err = tfq(["together", "--model", str(model), "--suite", str(shipped_hybrid_suite()), "--arms",
                               arm, "--evidence", str(tmp_path / arm)], monkeypatch, capsys)
         assert code == 2 and f"arm {arm} does not apply to this model" in err
@@ -343,7 +340,8 @@ def test_hybrid_arms_refused_where_they_do_not_apply(tiny_dirs, hybrid_dir, tmp_
 
 # ------------------------------------------------------------------------------------------------ the plan
 
-@pytest.mark.parametrize("sets", [[], ["kv.pages=64", "kv.paged=all"], ["draft=ngram:3"], ["draft=self", "lanes=2"]])
+@pytest.mark.parametrize("sets", [[], ["kv.pages=64", "kv.paged=all"], ["draft=ngram:3"], ["draft=self", "lanes=2"],
+                                  ["kv.pages=64", "kv.paged=all", "kv.prefix_cache=on"]])
 def test_plan_counts_the_state_the_engine_allocates(hybrid_dir, hybrid, sets):
     from tfq.plan import load_plan, plan_lines
 
@@ -356,15 +354,27 @@ def test_plan_counts_the_state_the_engine_allocates(hybrid_dir, hybrid, sets):
     assert "state: 4 DeltaNet layers x (recurrence 4 x 32 x 32 + convolution window 3 x 256) x 4 bytes" in lines
     assert ("drafting keeps a second copy, from before each verify" in lines) == any(
         s.startswith("draft") for s in sets)
+    assert ("the prefix cache keeps 16 more states" in lines) == ("kv.prefix_cache=on" in sets)
     assert "4 DeltaNet + 2 gated attention" not in lines and "4 Gated DeltaNet + 2 gated attention" in lines
 
 
-def test_plan_refuses_the_prefix_cache_for_a_hybrid(hybrid_dir, hybrid):
+def test_a_warm_hybrid_starts_from_the_state_kept_at_its_last_page(hybrid_dir, hybrid):
+    """The prefix cache on a hybrid: a prompt's chunks end at page boundaries, where its DeltaNet state is kept; a
+    second stream with the same prompt maps the pages up to the last kept state, starts its recurrence from it,
+    and draws what a cold run draws, logits bit for bit. With the states evicted (none kept), nothing is mapped."""
     from tfq.plan import load_plan
 
-    plan = load_plan(None, {}, ["kv.pages=64", "kv.prefix_cache=on"]).replace(model=str(hybrid_dir))
-    with pytest.raises(TfqError, match="kv.prefix_cache: on .*does not work for a hybrid model"):
-        plan.layout(hybrid.config)
+    plan = load_plan(None, {}, ["window=512", "lanes=2", "kv.pages=64", "kv.paged=all", "kv.prefix_cache=on",
+                                "prefill_chunk=100"]).replace(model=str(hybrid_dir))
+    engine = Engine.from_plan(plan, plan.layout(hybrid.config), hybrid)
+    prompt = tuple(range(3, 3 + 200))
+    cold = engine.generate([Request(prompt, max_tokens=6)])[0]
+    assert len(engine.cache.state.kept) == 3  # rows 64, 128, 192: the chunks of 100 were cut at each page's end
+    warm = engine.generate([Request(prompt, max_tokens=6)])[0]
+    assert warm.reused == 192 and (warm.ids, warm.digests) == (cold.ids, cold.digests)
+    engine.cache.state.kept.clear()
+    engine.cache.state.spare = list(range(engine.cache.state.kept_rec[0].shape[0]))
+    assert engine.generate([Request(prompt, max_tokens=6)])[0].reused == 0
 
 
 def test_a_hybrid_of_deltanet_layers_only_is_proved_and_exact(tmp_path):

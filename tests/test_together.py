@@ -295,13 +295,13 @@ def test_scored_prompts_leave_the_reference_as_it_was(tiny_models, tmp_path):
 
 def test_arm_list_names_and_modes():
     assert arm_names() == ["whole", "paged-alone", "paged", "paged-all", "chunked", "preempted", "drafted",
-                           "drafted-model", "prefix", "partial", "paged-partial", "prefix-partial", "deltanet-chunks",
-                           "experts-by-load", "all-reduce"]
-    assert [a.name for a in ARMS if a.control] == ["partial", "paged-partial", "prefix-partial", "deltanet-chunks",
-                                                   "experts-by-load", "all-reduce"]
+                           "drafted-model", "prefix", "partial", "paged-partial", "prefix-partial", "prefix-offset",
+                           "deltanet-chunks", "experts-by-load", "all-reduce"]
+    assert [a.name for a in ARMS if a.control] == ["partial", "paged-partial", "prefix-partial", "prefix-offset",
+                                                   "deltanet-chunks", "experts-by-load", "all-reduce"]
     assert [a.name for a in ARMS if a.reduce] == ["all-reduce"]
-    assert [a.name for a in ARMS if a.models == "attention"] == ["prefix", "prefix-partial"]
-    assert [a.name for a in ARMS if a.models == "hybrid"] == ["deltanet-chunks"]
+    assert [a.name for a in ARMS if a.models == "attention"] == ["prefix-partial"]
+    assert [a.name for a in ARMS if a.models == "hybrid"] == ["prefix-offset", "deltanet-chunks"]
     assert [a.name for a in ARMS if a.models == "moe"] == ["experts-by-load"]
     assert [a.name for a in select_arms(" paged ,whole,paged")] == ["paged", "whole"]
     with pytest.raises(TfqError, match="unknown arm 'drafty'.*whole, paged-alone"):

@@ -12,6 +12,7 @@ scratch; a draft verify keeps the state from before its rows and their inputs, s
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -35,11 +36,12 @@ class CacheSpec:
     dtype: str = "fp32"  # CACHE_DTYPES
     slots: int = 0  # a hybrid's state slots, every lane's, contiguous or paged (0: one a contiguous lane)
     verify_rows: int = 0  # drafting: rows of a verify a slot can roll back
+    snapshots: int = 0  # a hybrid with a prefix cache: states kept at full page boundaries (prefix_snapshots)
 
 
 class KVCache:
     def __init__(self, config: ModelConfig, spec: CacheSpec, *, page_order_seed: int | None = None, backend=None,
-                 prefix=None):
+                 prefix=None, snapshot_offset: int = 0):
         if backend is None:
             from tfq.kernels.backend import torch_backend
             backend = torch_backend()
@@ -55,7 +57,9 @@ class KVCache:
         layers = len(config.attention_layers)
         self.k = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(layers)]
         self.v = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(layers)]
-        self.state = StateCache(config, s.slots or s.lanes, s.verify_rows) if config.hybrid else None
+        self.state = StateCache(config, s.slots or s.lanes, s.verify_rows, s.snapshots) if config.hybrid else None
+        if self.state is not None and s.snapshots and prefix is not None:
+            self.pages.keep_states(self.state, snapshot_offset)
 
     @property
     def nbytes(self) -> int:
@@ -110,9 +114,11 @@ class StateCache:
     """A hybrid's per-stream state, fp32: for each DeltaNet layer a recurrent state [slots, value_heads, key_dim,
     value_dim] and a convolution window [slots, kernel - 1, channels]. With `verify_rows` (drafting), room to
     roll a verify back: each slot's state from before the verify, and the verify's inputs to the recurrence (its
-    rows of in_proj's q, k, v channels, a and b)."""
+    rows of in_proj's q, k, v channels, a and b). With `snapshots` (a prefix cache), that many states kept by the
+    key of the full page they end (tfq/engine/prefix.py), least recently used replaced first: a later stream whose
+    prompt starts with those pages starts its DeltaNet layers from there."""
 
-    def __init__(self, config: ModelConfig, slots: int, verify_rows: int = 0):
+    def __init__(self, config: ModelConfig, slots: int, verify_rows: int = 0, snapshots: int = 0):
         n, layers = config.deltanet, len(config.deltanet_layers)
         self.conv = [torch.zeros(slots, n.conv_kernel - 1, n.channels) for _ in range(layers)]
         self.rec = [torch.zeros(slots, n.value_heads, n.key_dim, n.value_dim) for _ in range(layers)]
@@ -122,10 +128,34 @@ class StateCache:
         self.saved_rec = [torch.zeros_like(t) if keep else NONE for t in self.rec]
         self.inputs = [(torch.zeros(slots, verify_rows, n.channels), torch.zeros(slots, verify_rows, n.value_heads),
                         torch.zeros(slots, verify_rows, n.value_heads)) if keep else () for _ in range(layers)]
+        self.kept_conv = [torch.zeros(snapshots, *t.shape[1:]) for t in self.conv]
+        self.kept_rec = [torch.zeros(snapshots, *t.shape[1:]) for t in self.rec]
+        self.kept: OrderedDict[bytes, int] = OrderedDict()  # page key -> its snapshot, least recently used first
+        self.spare = list(range(snapshots))
+
+    def has(self, key: bytes) -> bool:
+        return key in self.kept
+
+    def keep(self, key: bytes, slot: int) -> None:
+        """The slot's state as it is now (after the rows the page `key` ends), kept under that key."""
+        if not (self.spare or self.kept) or key in self.kept:
+            return
+        at = self.spare.pop() if self.spare else self.kept.popitem(last=False)[1]
+        for kept, state in zip(self.kept_conv + self.kept_rec, self.conv + self.rec):
+            kept[at].copy_(state[slot])
+        self.kept[key] = at
+
+    def resume(self, key: bytes, slot: int) -> None:
+        """The slot starts from the state kept under `key`."""
+        at = self.kept[key]
+        self.kept.move_to_end(key)
+        for kept, state in zip(self.kept_conv + self.kept_rec, self.conv + self.rec):
+            state[slot].copy_(kept[at])
 
     @property
     def nbytes(self) -> int:
-        tensors = self.conv + self.rec + self.saved_conv + self.saved_rec + [t for i in self.inputs for t in i]
+        tensors = (self.conv + self.rec + self.saved_conv + self.saved_rec + [t for i in self.inputs for t in i]
+                   + self.kept_conv + self.kept_rec)
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def keep_inputs(self, index: int, segments, x: torch.Tensor, a: torch.Tensor,

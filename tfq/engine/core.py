@@ -32,7 +32,7 @@ from tfq.engine.stream import Finish, Request, Result, Status, Stream
 from tfq.errors import TfqError, own_fault
 from tfq.kernels.contract import RECIPE
 from tfq.model.qwen import Qwen
-from tfq.plan.layout import PREFIX_ON_HYBRID, auto_logits_rows
+from tfq.plan.layout import auto_logits_rows, prefix_snapshots
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,7 @@ class Controls:
     page_order_seed: int | None = None
     mask: Callable | None = None
     compile: Callable | None = None
+    snapshot_offset: int = 0  # a hybrid's prefix cache keeps each state this many rows past its page (control: 1)
 
 
 class Engine:
@@ -85,14 +86,13 @@ class Engine:
         self.keep_logits = keep_logits
         self.threads = threads  # tfq.engine.threads.Threads (the CPU thread count follows the load) or None
         prefix = None
-        if s.prefix_cache and model.config.hybrid:
-            raise TfqError(f"kv.prefix_cache: on {PREFIX_ON_HYBRID}")
         if s.prefix_cache and s.page_rows:  # what besides the tokens decides a cached row's bits
             prefix = PrefixCache(root_key(model.config, model.backend.name, s.kv_dtype, s.partial))
         spec = CacheSpec(lanes=s.contiguous_lanes, window=s.window, page_rows=s.page_rows, pool_pages=s.pool_pages,
-                         dtype=s.kv_dtype, slots=s.lanes, verify_rows=1 + drafter.k if drafter is not None else 0)
+                         dtype=s.kv_dtype, slots=s.lanes, verify_rows=1 + drafter.k if drafter is not None else 0,
+                         snapshots=prefix_snapshots(s.lanes) if prefix is not None and model.config.hybrid else 0)
         self.cache = KVCache(model.config, spec, page_order_seed=controls.page_order_seed, backend=model.backend,
-                             prefix=prefix)
+                             prefix=prefix, snapshot_offset=controls.snapshot_offset)
         if prefix is not None and s.prefix_store:
             if not s.model_identity:
                 raise TfqError("kv.prefix_store needs the model's identity (its sha256) to name its pages on disk; "

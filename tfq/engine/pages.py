@@ -47,8 +47,24 @@ class PagePool:
         self.store = None  # tfq.engine.prefix_store.PrefixStore: named pages kept on disk too
         self.rows_of = None  # what holds the pages' rows (tfq.engine.cache.KVCache: page_rows, fill_page)
 
+        self.states = None  # tfq.engine.cache.StateCache: a hybrid's DeltaNet states kept at page boundaries
+        self.snapshot_offset = 0  # rows past its boundary a state is kept at: 0; a check's control sets 1
+
     def keep_on_disk(self, store, rows_of) -> None:
         self.store, self.rows_of = store, rows_of
+
+    def keep_states(self, states, offset: int = 0) -> None:
+        """A hybrid's prefix cache: its streams' DeltaNet states kept where they fill a page (`states.keep`), so a
+        stream that maps pages starts its DeltaNet layers from the state at the last one."""
+        self.states, self.snapshot_offset = states, offset
+
+    def boundary(self, cached: int) -> int | None:
+        """Where a stream with `cached` rows should end its next chunk so that its state can be kept there (the
+        next page boundary); None when no state is kept."""
+        if self.states is None:
+            return None
+        rows, off = self.page_rows, self.snapshot_offset
+        return ((cached - off) // rows + 1) * rows + off
 
     @property
     def rows(self) -> int:
@@ -104,12 +120,21 @@ class PagePool:
     def adopt(self, p: Placement, tokens: list[int]) -> int:
         """Map the cached full pages that start `tokens` (under the placement's root) into an empty placement;
         the rows they hold. The last token is never taken: a stream draws from its own last row, so it computes
-        at least that one."""
+        at least that one. A hybrid maps pages up to the last one whose DeltaNet state is kept, and its slot starts
+        from that state."""
         if self.prefix is None or not p.paged or p.pages:
             return 0
-        parent = p.root
+        keys, parent = [], p.root
         for i in range((len(tokens) - 1) // self.page_rows):
             key = page_key(parent, tokens[i * self.page_rows:(i + 1) * self.page_rows])
+            if self.prefix.find(key) is None and not (self.store is not None and self.store.has(key)):
+                break
+            keys.append(key)
+            parent = key
+        if self.states is not None:  # rows past the last kept state would start the recurrence from nothing
+            while keys and not self.states.has(keys[-1]):
+                keys.pop()
+        for key in keys:
             page = self.prefix.find(key)
             if page is None:
                 page = self._from_disk(key)
@@ -118,13 +143,21 @@ class PagePool:
             self.prefix.unpark(page)
             self._hold(p, page)
             p.keys.append(key)
-            parent = key
+        if self.states is not None:
+            while p.keys and not self.states.has(p.keys[-1]):  # a page read from disk failed past the last state
+                self._let_go(p.pages.pop())
+                p.blocks.pop()
+                p.keys.pop()
+            if p.keys:
+                self.states.resume(p.keys[-1], p.slot)
         rows = len(p.pages) * self.page_rows
         self.prefix.reused_rows += rows
         return rows
 
-    def publish(self, p: Placement, tokens: list[int], cached: int) -> None:
-        """Name the placement's pages that `cached` rows fill, so later streams can find them."""
+    def publish(self, p: Placement, tokens: list[int], cached: int, state_now: bool = False) -> None:
+        """Name the placement's pages that `cached` rows fill, so later streams can find them. state_now: the
+        stream's DeltaNet state is the one after exactly `cached` rows (its forward held no guesses), so a hybrid
+        keeps it when `cached` ends a page."""
         if self.prefix is None or not p.paged:
             return
         for i in range(len(p.keys), cached // self.page_rows):
@@ -134,6 +167,9 @@ class PagePool:
             self.prefix.name(p.pages[i], key)
             if self.store is not None:
                 self.store.save(key, self.rows_of.page_rows(p.pages[i]))
+        ended = cached - self.snapshot_offset  # the rows a state kept now is named for (a control moves it)
+        if self.states is not None and state_now and ended > 0 and ended % self.page_rows == 0:
+            self.states.keep(p.keys[ended // self.page_rows - 1], p.slot)
 
     def _from_disk(self, key: bytes) -> int | None:
         """A page the store kept under `key`, read into a page of the pool and named (None: not kept, damaged, or

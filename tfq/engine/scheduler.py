@@ -201,8 +201,15 @@ class Scheduler:
         s = self.settings
         budget = Budget.of(running, self.cost, s.step_tokens, s.step_steps, s.logits_rows)
         oldest_first = sorted(running, key=lambda st: st.order)
-        chunks = [(st, budget.take(st, min(st.pending, s.prefill_chunk))) for st in oldest_first]
+        chunks = [(st, budget.take(st, min(st.pending, s.prefill_chunk, self._to_boundary(st))))
+                  for st in oldest_first]
         return [(st, n) for st, n in chunks if n]
+
+    def _to_boundary(self, st: Stream) -> int:
+        """Rows to the next page boundary of a paged hybrid stream whose states the prefix cache keeps there (a
+        chunk ends at it, so the state after it can be kept); no bound otherwise."""
+        end = self.pages.boundary(st.cached) if st.placement.paged else None
+        return st.pending if end is None else end - st.cached
 
     def expected_seconds(self, step: Step) -> float | None:
         """What the step should take by the cost learned so far (None until it is learned)."""
@@ -261,7 +268,8 @@ class Scheduler:
                 if kept < len(feed.tokens) and st.finish is None:
                     verified.append(Verified(st, st.placement.slot, kept, len(feed.tokens)))
             st.guesses = []
-            self.pages.publish(st.placement, st.tokens, st.cached)  # its full pages, for later streams
+            # its full pages, for later streams; a hybrid's state too where a forward without guesses ended a page
+            self.pages.publish(st.placement, st.tokens, st.cached, state_now=not feed.guesses)
         for st in self.running():
             if st.finish is not None:
                 self.finish(st)

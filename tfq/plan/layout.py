@@ -18,8 +18,7 @@ from tfq.plan.fields import DTYPE_BYTES
 from tfq.plan.words import Sourced, fail, human_bytes, tag
 
 AUTO_BUDGET_SHARE = 0.8  # budget: auto takes this share of the memory available now
-PREFIX_ON_HYBRID = ("does not work for a hybrid model: its DeltaNet layers keep a stream's past as one state, not in "
-                    "pages a later stream could map; set kv.prefix_cache: off")
+SNAPSHOTS_A_LANE = 4  # a hybrid's prefix cache keeps this many DeltaNet states a lane (tfq/engine/cache.py)
 
 
 def pages_for(rows: int, page_rows: int) -> int:
@@ -179,17 +178,24 @@ def verify_rows(draft: str) -> int:
     return 0 if kind == "none" else 1 + (k or 4)  # tfq.engine.draft's drafters guess 4 tokens unless told
 
 
-def state_bytes(config: ModelConfig, lanes: int, draft: str) -> tuple[int, int]:
+def prefix_snapshots(lanes: int) -> int:
+    """DeltaNet states a hybrid's prefix cache keeps at page boundaries, least recently used replaced first."""
+    return SNAPSHOTS_A_LANE * lanes
+
+
+def state_bytes(config: ModelConfig, lanes: int, draft: str, prefix: bool = False) -> tuple[int, int]:
     """(bytes, verify rows): a hybrid's DeltaNet states for `lanes` lanes; drafting, each also keeps a copy
-    from before a verify and the verify rows' inputs to the recurrence (tfq.engine.cache.StateCache)."""
+    from before a verify and the verify rows' inputs to the recurrence; with a prefix cache, the states kept at
+    page boundaries (tfq.engine.cache.StateCache)."""
     if not config.hybrid:
         return 0, 0
+    kept = prefix_snapshots(lanes) * config.state_bytes if prefix else 0
     rows = verify_rows(draft)
     if not rows:
-        return lanes * config.state_bytes, 0
+        return lanes * config.state_bytes + kept, 0
     n = config.deltanet
     inputs = 4 * rows * (n.channels + 2 * n.value_heads) * len(config.deltanet_layers)
-    return lanes * (2 * config.state_bytes + inputs), rows
+    return lanes * (2 * config.state_bytes + inputs) + kept, rows
 
 
 def auto_logits_rows(lanes: int, prefill_chunk: int, drawing_rows: int) -> int:
@@ -252,8 +258,6 @@ def compute_layout(plan: PlanView, config: ModelConfig) -> Layout:
             f"window {plan.window}{tag(plan, 'window')} is past the model's {config.max_positions} positions; "
             f"use window: {config.max_positions} or less"
         )
-    if config.hybrid and getattr(plan.kv, "prefix_cache", "off") == "on":
-        raise fail(f"kv.prefix_cache: on{tag(plan, 'kv.prefix_cache')} {PREFIX_ON_HYBRID}")
     if getattr(plan.kv, "prefix_store", "off") != "off" and getattr(plan.kv, "prefix_cache", "off") != "on":
         raise fail(f"kv.prefix_store{tag(plan, 'kv.prefix_store')} keeps the prefix cache's pages on disk, and the "
                    f"prefix cache is off; set kv.prefix_cache: on (with kv.pages), or kv.prefix_store: off")
@@ -269,7 +273,8 @@ def compute_layout(plan: PlanView, config: ModelConfig) -> Layout:
     weights = config.param_count() * 4 if model is None else weight_bytes(model, plan.weights, config, device)
     forward_rows = plan.lanes * getattr(plan, "prefill_chunk", 1)
     activations = forward_rows * activation_row_bytes(config)
-    state, rows = state_bytes(config, plan.lanes, getattr(plan, "draft", "none"))
+    prefix = getattr(plan.kv, "prefix_cache", "off") == "on" and plan.kv.pages > 0
+    state, rows = state_bytes(config, plan.lanes, getattr(plan, "draft", "none"), prefix)
     available = None
     if plan.budget == "auto":
         available = available_memory(device)

@@ -7,7 +7,7 @@ from tfq.kernels.contract import KEY_TILE, SPLIT_ROWS
 from tfq.model.config import ModelConfig
 from tfq.parallel.shard import Shard, gathered_floats, sizes
 from tfq.plan.fields import DTYPE_BYTES, parse_draft
-from tfq.plan.layout import Layout, budget_words
+from tfq.plan.layout import Layout, budget_words, prefix_snapshots
 from tfq.plan.schema import Plan
 from tfq.plan.words import human_bytes, one_line, tag
 
@@ -117,9 +117,14 @@ def _state_lines(plan: Plan, config: ModelConfig, lay: Layout) -> list[str]:
     if lay.verify_rows:
         line += (f"; drafting keeps a second copy, from before each verify, and the inputs of its "
                  f"{lay.verify_rows} rows, to roll rejected guesses back by running the kept rows again")
+    prefix = plan.kv.prefix_cache == "on" and lay.page_rows > 0
+    if prefix:
+        line += (f"; the prefix cache keeps {prefix_snapshots(plan.lanes)} more states, each where a stream's rows "
+                 f"filled a page, least recently used replaced first")
     line += f": {human_bytes(lay.state_bytes)} in all (in the cache's total)"
-    return [line, "preemption drops a stream's state and recomputes it from its first row; the prefix cache "
-                  "does not apply (a state is not pages)"]
+    then = ("; a stream whose prompt starts with cached pages maps them up to the last one whose state is kept and "
+            "starts its DeltaNet layers from that state" if prefix else "")
+    return [line, f"preemption drops a stream's state and recomputes it from its first row{then}"]
 
 
 def _device_line(plan: Plan, lay: Layout, config: ModelConfig) -> str:

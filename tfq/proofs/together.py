@@ -140,7 +140,7 @@ class Check:
                 raise TfqError(f"chat {r.label}: its prompt of {len(r.prompt)} tokens does not fit the plan's window "
                                f"of {base.window} rows; raise window (--set window=...) or shorten the chat")
         self.context = context_for(base, self.requests, group)
-        arms = [a for a in arms if a.applies(config, base.tp)]  # a hybrid has no prefix arms, only a hybrid its control
+        arms = [a for a in arms if a.applies(config, base.tp)]  # each model kind its own controls
         # Every arm's plan and layout first: a plan that does not fit fails before anything runs.
         self.left_out: list[str] = []  # a line for each arm left out, saying why
         prepared = [self._prepare(arm, base, named) for arm in (REFERENCE, *arms)]
@@ -224,7 +224,8 @@ class Check:
 
         self.listener.arm_started(run, self.group)
         policy = run.arm.arithmetic(run.plan.attention == "partial") if run.arm.arithmetic else None
-        engine = Engine.from_plan(run.plan, run.layout, self._loaded(run), controls=Controls(arithmetic=policy))
+        engine = Engine.from_plan(run.plan, run.layout, self._loaded(run), controls=Controls(
+            arithmetic=policy, snapshot_offset=run.arm.snapshot_offset))
         t0 = time.perf_counter()
         requests = self._requests(run)
         order = list(self.context.longest_first) if run.arm.longest_first else list(range(len(requests)))

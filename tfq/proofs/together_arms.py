@@ -55,9 +55,9 @@ class Arm:
     warm: bool = False  # the suite in two passes through one engine: a first half cold, then all of it, mixed
     scores: bool = False  # every other chat asks for prompt scores, compared bit for bit with its scores alone
     longest_first: bool = False  # the chats go in longest prompt first, not in the suite's order
-    models: str = "all"  # the models it applies to: all | hybrid (Qwen3.5) | attention (no DeltaNet layers) |
-    # moe (mixtures of experts)
+    models: str = "all"  # what it applies to: all | hybrid (Qwen3.5) | attention (no DeltaNet layers) | moe
     reduce: bool = False  # tensor parallelism's usual split (o and down summed across ranks): plans with tp > 1
+    snapshot_offset: int = 0  # a hybrid's prefix cache keeps its states this many rows past their page (a control)
 
     def applies(self, config, tp: int = 1) -> bool:
         if self.reduce and tp == 1:
@@ -95,8 +95,7 @@ ARMS: tuple[Arm, ...] = (
         lambda c: {"kv.pages": 0, "draft": "self"}, must_draft=True),
     Arm("prefix", True, "K together on pages with the prefix cache: half the suite cold, then all of it (that "
         "half warm, mixed with the others) through the same cache; every other chat scores its prompt",
-        lambda c: {"kv.pages": c.page_rows, "kv.paged": "all", "kv.prefix_cache": "on"}, warm=True, scores=True,
-        models="attention"),
+        lambda c: {"kv.pages": c.page_rows, "kv.paged": "all", "kv.prefix_cache": "on"}, warm=True, scores=True),
     Arm("partial", True, "control: partial attention arithmetic instead of rows; must differ",
         lambda c: {"kv.pages": 0, "attention": "partial"}, control=True),
     Arm("paged-partial", True, "control: the field report's split (forwards holding a paged stream run "
@@ -107,6 +106,9 @@ ARMS: tuple[Arm, ...] = (
         "first split; prompts scored in the cold pass differ past it too)",
         lambda c: {"kv.pages": SMALL_PAGE_ROWS, "kv.paged": "all", "kv.prefix_cache": "on"}, control=True,
         arithmetic=lambda partial: ColdPartial(), warm=True, scores=True, models="attention"),
+    Arm("prefix-offset", True, "control: the prefix arm on a hybrid, its DeltaNet states kept one row past their "
+        "pages, so warm streams start one row off; must differ", lambda c: {"kv.pages": SMALL_PAGE_ROWS, "kv.paged":
+        "all", "kv.prefix_cache": "on"}, control=True, warm=True, models="hybrid", snapshot_offset=1),
     Arm("deltanet-chunks", True, "control: a hybrid's prompt chunks by the chunked DeltaNet algorithm (64-row "
         "blocks, as transformers prefills), decode rows by the recurrence; must differ",
         lambda c: {"kv.pages": 0}, control=True, arithmetic=chunked_deltanet,
@@ -124,9 +126,8 @@ def arm_names() -> list[str]:
 
 
 def arms_for(arms: Sequence[Arm], config, named: bool, tp: int = 1) -> tuple[list[Arm], str]:
-    """The arms that apply to the model and plan, and for a hybrid a line naming those left out (it keeps no
-    prefix cache; the DeltaNet control is left out of other models, and the all-reduce control of tp: 1,
-    silently). Arms the user named that do not apply are refused."""
+    """The arms that apply, and for a hybrid a line naming those left out (the prefix cache's attention control; a
+    hybrid's controls leave other models, the all-reduce control tp: 1, silently). Named ones that do not: refused."""
     left_out = [a for a in arms if not a.applies(config, tp)]
     if left_out and named:
         a = left_out[0]
@@ -139,7 +140,7 @@ def arms_for(arms: Sequence[Arm], config, named: bool, tp: int = 1) -> tuple[lis
     left_out = [a for a in left_out if not a.reduce and a.models != "moe"]
     if not left_out or not config.hybrid:
         return kept, ""
-    why = "a hybrid keeps each stream's DeltaNet state, not pages a later stream could map"
+    why = "a control of attention's arithmetic under the prefix cache; a hybrid's is prefix-offset"
     return kept, f"arms left out: {', '.join(a.name for a in left_out)} ({why})"
 
 
