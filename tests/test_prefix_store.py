@@ -123,6 +123,33 @@ def test_control_a_page_with_other_rows_and_a_matching_checksum_parts_from_cold(
     assert e.cache.pages.store.loaded == 5 and got.digests != want.digests
 
 
+def test_a_hybrid_keeps_its_states_on_disk_too_and_a_restart_resumes_from_them(tmp_path_factory, tmp_path):
+    """A hybrid's pages and the DeltaNet states at their ends both go to disk: a new engine maps the pages, reads
+    the state at the last one back and equals the cold run; with the state files gone it maps nothing."""
+    from tfq.model.load import load_model
+    from tiny import tiny_model_dir
+
+    kinds = ("linear_attention", "full_attention", "linear_attention", "full_attention")
+    folder = tiny_model_dir(tmp_path_factory, "qwen3_5", layers=4, layer_types=kinds)
+    hybrid = load_model(str(folder), progress=False)
+
+    def fresh(*sets) -> Engine:
+        plan, _, layout = resolve_plan(TINY_PLAN, str(folder), ["kv.paged=all", *sets], True, None)
+        return Engine.from_plan(plan, layout, hybrid)
+
+    p = tuple(range(5, 5 + 3 * PAGE + 9))
+    want = run(fresh(), p)
+    run(fresh("kv.prefix_cache=on", f"kv.prefix_store={tmp_path}"), p)
+    assert len(list(tmp_path.rglob("*.page"))) == len(list(tmp_path.rglob("*.state"))) == 3
+    e = fresh("kv.prefix_cache=on", f"kv.prefix_store={tmp_path}")
+    got = run(e, p)
+    assert got.reused == 3 * PAGE and e.cache.pages.store.loaded == 4  # three pages, the state at the third
+    assert (got.ids, got.digests) == (want.ids, want.digests)
+    for f in tmp_path.rglob("*.state"):
+        f.unlink()
+    assert run(fresh("kv.prefix_cache=on", f"kv.prefix_store={tmp_path}"), p).reused == 0
+
+
 def test_the_store_needs_the_prefix_cache(tiny_dirs, tiny_models, tmp_path):
     from tfq.errors import TfqError
 

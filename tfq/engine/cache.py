@@ -68,10 +68,13 @@ class KVCache:
     def keep_on_disk(self, folder: str, root: bytes, most_bytes: int) -> None:
         """Full pages the prefix cache names are kept in `folder` too, and found there again (tfq/engine/
         prefix_store.py); root: the prefix cache's, with the weights and the recipe."""
-        from tfq.engine.prefix_store import PageShape, PrefixStore
+        from tfq.engine.prefix_store import PrefixStore, Shape
 
-        shape = PageShape(self.spec.page_rows, len(self.k), self.k[0].shape[1], self.k[0].shape[2], self.dtype)
-        self.pages.keep_on_disk(PrefixStore(folder, root, shape, most_bytes), self)
+        shapes = [Shape.page(self.spec.page_rows, len(self.k), self.k[0].shape[1], self.k[0].shape[2], self.dtype)]
+        if self.state is not None and self.spec.snapshots:
+            shapes.append(Shape("state", tuple(tuple(t.shape[1:]) for t in self.state.conv + self.state.rec),
+                                torch.float32))
+        self.pages.keep_on_disk(PrefixStore(folder, root, shapes, most_bytes), self)
 
     def page_rows(self, page: int) -> list[torch.Tensor]:
         """A pool page's rows in every attention layer, keys then values of each (views of the store)."""
@@ -143,6 +146,20 @@ class StateCache:
         at = self.spare.pop() if self.spare else self.kept.popitem(last=False)[1]
         for kept, state in zip(self.kept_conv + self.kept_rec, self.conv + self.rec):
             kept[at].copy_(state[slot])
+        self.kept[key] = at
+
+    def kept_state(self, key: bytes) -> list[torch.Tensor]:
+        """The state kept under `key`: each layer's convolution window, then each layer's recurrence (views)."""
+        at = self.kept[key]
+        return [t[at] for t in self.kept_conv + self.kept_rec]
+
+    def take(self, key: bytes, state: list[torch.Tensor]) -> None:
+        """A state read back from disk, kept under `key` (as `kept_state` lists it)."""
+        if key in self.kept or not (self.spare or self.kept):
+            return
+        at = self.spare.pop() if self.spare else self.kept.popitem(last=False)[1]
+        for kept, t in zip(self.kept_conv + self.kept_rec, state):
+            kept[at].copy_(t)
         self.kept[key] = at
 
     def resume(self, key: bytes, slot: int) -> None:

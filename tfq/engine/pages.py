@@ -132,7 +132,7 @@ class PagePool:
             keys.append(key)
             parent = key
         if self.states is not None:  # rows past the last kept state would start the recurrence from nothing
-            while keys and not self.states.has(keys[-1]):
+            while keys and not self._state_at(keys[-1]):
                 keys.pop()
         for key in keys:
             page = self.prefix.find(key)
@@ -169,7 +169,19 @@ class PagePool:
                 self.store.save(key, self.rows_of.page_rows(p.pages[i]))
         ended = cached - self.snapshot_offset  # the rows a state kept now is named for (a control moves it)
         if self.states is not None and state_now and ended > 0 and ended % self.page_rows == 0:
-            self.states.keep(p.keys[ended // self.page_rows - 1], p.slot)
+            key = p.keys[ended // self.page_rows - 1]
+            self.states.keep(key, p.slot)
+            if self.store is not None and self.states.has(key):
+                self.store.save(key, self.states.kept_state(key), "state")
+
+    def _state_at(self, key: bytes) -> bool:
+        """Whether a hybrid's state after the page `key` is kept: in memory, or on disk (read back into memory)."""
+        if self.states.has(key):
+            return True
+        state = self.store.load(key, "state") if self.store is not None and self.store.has(key, "state") else None
+        if state is not None:
+            self.states.take(key, state)
+        return self.states.has(key)
 
     def _from_disk(self, key: bytes) -> int | None:
         """A page the store kept under `key`, read into a page of the pool and named (None: not kept, damaged, or

@@ -28,27 +28,30 @@ import torch
 log = logging.getLogger(__name__)
 
 MAGIC = b"TFQPAGE1"
-SUFFIX = ".page"
 QUEUED = 64  # pages waiting to be written at most; past it a page is not kept (a cache, not a log)
 
 
 @dataclass(frozen=True)
-class PageShape:
-    """What every page file of one cache holds: per attention layer, keys then values, [rows, heads, dim]."""
+class Shape:
+    """What every file of one kind holds, in order: a page's keys then values of each attention layer ([rows,
+    heads, dim] in the cache dtype), or a hybrid's DeltaNet state at a page's end (each layer's convolution window,
+    then each layer's recurrence, fp32)."""
 
-    rows: int
-    layers: int
-    heads: int
-    dim: int
+    kind: str  # the files' suffix: page | state
+    tensors: tuple[tuple[int, ...], ...]
     dtype: torch.dtype
 
-    @property
-    def tensor_bytes(self) -> int:
-        return self.rows * self.heads * self.dim * torch.empty((), dtype=self.dtype).element_size()
+    @classmethod
+    def page(cls, rows: int, layers: int, heads: int, dim: int, dtype: torch.dtype) -> "Shape":
+        return cls("page", ((rows, heads, dim),) * (2 * layers), dtype)
+
+    def sizes(self) -> list[int]:
+        one = torch.empty((), dtype=self.dtype).element_size()
+        return [one * int(torch.Size(t).numel()) for t in self.tensors]
 
     def header(self, root: bytes, key: bytes, checksum: str) -> dict:
-        return {"root": root.hex(), "key": key.hex(), "rows": self.rows, "layers": self.layers, "heads": self.heads,
-                "dim": self.dim, "dtype": str(self.dtype), "byteorder": sys.byteorder, "checksum": checksum}
+        return {"root": root.hex(), "key": key.hex(), "kind": self.kind, "tensors": [list(t) for t in self.tensors],
+                "dtype": str(self.dtype), "byteorder": sys.byteorder, "checksum": checksum}
 
 
 def checksum(payload: bytes) -> str:
@@ -56,32 +59,35 @@ def checksum(payload: bytes) -> str:
 
 
 class PrefixStore:
-    def __init__(self, folder: str | Path, root: bytes, shape: PageShape, most_bytes: int):
+    def __init__(self, folder: str | Path, root: bytes, shapes: list[Shape], most_bytes: int):
+        """shapes: the kinds of file kept (a page's; a hybrid's state too)."""
         self.folder = Path(folder) / root.hex()  # one folder a root: another model's pages are never listed
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.root, self.shape, self.most_bytes = root, shape, most_bytes
+        self.root, self.most_bytes = root, most_bytes
+        self.shapes = {s.kind: s for s in shapes}
         self.loaded = self.written = self.ignored = 0  # pages read back, written, and refused (counters)
         self._bytes = sum(f.stat().st_size for f in self._files())
         self._queue: queue.Queue = queue.Queue(QUEUED)
         self._writer = threading.Thread(target=self._write_loop, name="tfq-prefix-store", daemon=True)
         self._writer.start()
 
-    def path(self, key: bytes) -> Path:
-        return self.folder / f"{key.hex()}{SUFFIX}"
+    def path(self, key: bytes, kind: str = "page") -> Path:
+        return self.folder / f"{key.hex()}.{kind}"
 
-    def has(self, key: bytes) -> bool:
-        return self.path(key).is_file()
+    def has(self, key: bytes, kind: str = "page") -> bool:
+        return kind in self.shapes and self.path(key, kind).is_file()
 
     # -- reading ----------------------------------------------------------------------------------------------
-    def load(self, key: bytes) -> list[torch.Tensor] | None:
-        """The page's rows kept under `key` (keys then values of each layer), or None: no such file, or one that
-        is not exactly this root's, key's and shape's page with a matching checksum (logged and ignored)."""
-        path = self.path(key)
+    def load(self, key: bytes, kind: str = "page") -> list[torch.Tensor] | None:
+        """The tensors kept under `key` (a page's rows, keys then values of each layer; or a state), or None: no
+        such file, or one that is not exactly this root's, key's and shape's with a matching checksum (logged and
+        ignored)."""
+        path = self.path(key, kind)
         try:
             data = path.read_bytes()
         except OSError:
             return None  # never written, or removed by another process meanwhile
-        rows = self._parse(data, key)
+        rows = self._parse(data, key, self.shapes[kind])
         if rows is None:
             self.ignored += 1
             log.warning("prefix store: ignored %s (not this cache's page, or damaged); its rows are computed and "
@@ -95,8 +101,7 @@ class PrefixStore:
             pass
         return rows
 
-    def _parse(self, data: bytes, key: bytes) -> list[torch.Tensor] | None:
-        s = self.shape
+    def _parse(self, data: bytes, key: bytes, s: Shape) -> list[torch.Tensor] | None:
         if not data.startswith(MAGIC) or len(data) < len(MAGIC) + 4:
             return None
         size = int.from_bytes(data[len(MAGIC):len(MAGIC) + 4], "little")
@@ -106,23 +111,22 @@ class PrefixStore:
         except ValueError:
             return None
         payload = data[start:]
-        want = s.header(self.root, key, checksum(payload))
-        if header != want or len(payload) != 2 * s.layers * s.tensor_bytes:
+        if header != s.header(self.root, key, checksum(payload)) or len(payload) != sum(s.sizes()):
             return None
         flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        return [t.view(s.dtype).reshape(s.rows, s.heads, s.dim) for t in flat.split(s.tensor_bytes)]
+        return [t.view(s.dtype).reshape(shape) for t, shape in zip(flat.split(s.sizes()), s.tensors)]
 
     # -- writing ----------------------------------------------------------------------------------------------
-    def save(self, key: bytes, rows: list[torch.Tensor]) -> None:
-        """Keep the page (its rows copied now, written by the store's thread); a page already kept is not
-        written again."""
-        if self.has(key):
+    def save(self, key: bytes, tensors: list[torch.Tensor], kind: str = "page") -> None:
+        """Keep a page's rows (or a state) under `key`: copied now, written by the store's thread; one already
+        kept is not written again."""
+        if self.has(key, kind):
             return
-        copies = [t.detach().to("cpu", copy=True).contiguous() for t in rows]
+        copies = [t.detach().to("cpu", copy=True).contiguous() for t in tensors]
         try:
-            self._queue.put_nowait((key, copies))
+            self._queue.put_nowait((key, copies, kind))
         except queue.Full:
-            log.info("prefix store: %d pages wait to be written; page %s is not kept", QUEUED, key.hex())
+            log.info("prefix store: %d files wait to be written; %s %s is not kept", QUEUED, kind, key.hex())
 
     def flush(self) -> None:
         """Wait until every page handed over so far is on disk."""
@@ -130,18 +134,18 @@ class PrefixStore:
 
     def _write_loop(self) -> None:
         while True:
-            key, rows = self._queue.get()
+            key, rows, kind = self._queue.get()
             try:
-                self._write(key, rows)
+                self._write(key, rows, kind)
             except OSError as e:
-                log.warning("prefix store: cannot write page %s in %s (%s)", key.hex(), self.folder, e)
+                log.warning("prefix store: cannot write %s %s in %s (%s)", kind, key.hex(), self.folder, e)
             finally:
                 self._queue.task_done()
 
-    def _write(self, key: bytes, rows: list[torch.Tensor]) -> None:
+    def _write(self, key: bytes, rows: list[torch.Tensor], kind: str) -> None:
         payload = b"".join(t.view(torch.uint8).numpy().tobytes() for t in rows)
-        header = json.dumps(self.shape.header(self.root, key, checksum(payload))).encode()
-        target = self.path(key)
+        header = json.dumps(self.shapes[kind].header(self.root, key, checksum(payload))).encode()
+        target = self.path(key, kind)
         tmp = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}")
         with open(tmp, "wb") as f:
             f.write(MAGIC + len(header).to_bytes(4, "little") + header + payload)
@@ -152,7 +156,7 @@ class PrefixStore:
             self._evict()
 
     def _files(self) -> list[Path]:
-        return [f for f in self.folder.glob(f"*{SUFFIX}") if f.is_file()]
+        return [f for kind in self.shapes for f in self.folder.glob(f"*.{kind}") if f.is_file()]
 
     def _evict(self) -> None:
         """The least recently used files removed until the folder holds at most 90% of the bound (counted again
