@@ -158,7 +158,9 @@ def test_the_store_needs_the_prefix_cache(tiny_dirs, tiny_models, tmp_path):
 
 
 # -- a server stopped and started again ---------------------------------------------------------------------
-def start(tiny_dirs, folder: Path) -> tuple[subprocess.Popen, str]:
+def start(tiny_dirs, folder: Path, log: list[str] | None = None) -> tuple[subprocess.Popen, str]:
+    """`tfq serve` on the tiny model with the prefix store in `folder`; its base URL. What it writes to stderr after
+    it serves goes to `log` (read off the pipe as it comes, so the pipe never fills)."""
     proc = subprocess.Popen([sys.executable, "-m", "tfq", "serve", "--model", str(tiny_dirs["qwen2"]), "--plan",
                              TINY_PLAN, "--set", "window=4096", "--set", "kv.paged=all", "--set", "kv.prefix_cache=on",
                              "--set", f"kv.prefix_store={folder}", "--port", "0", "--quiet"],
@@ -166,7 +168,8 @@ def start(tiny_dirs, folder: Path) -> tuple[subprocess.Popen, str]:
     for line in proc.stderr:
         found = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", line)
         if found:
-            threading.Thread(target=proc.stderr.read, daemon=True).start()  # the rest, so the pipe never fills
+            kept = log if log is not None else []
+            threading.Thread(target=lambda: kept.extend(proc.stderr), daemon=True).start()
             return proc, found.group(1)
     raise AssertionError(f"tfq serve exited {proc.wait()} before it served")
 
@@ -205,3 +208,20 @@ def test_a_server_restarted_on_its_folder_finds_a_long_prompt_warm_with_the_cold
         stop(proc)
     assert after["tfq_prefix_cache_reused_rows_total"] >= 2000 and after['tfq_prefix_store_pages{event="read"}'] > 30
     assert warm_reply == cold_reply and warm_scores == cold_scores
+
+    ids = tuple(tiny_models["qwen2"].tokenizer.encode(text))
+    read = chain_files(stored(tiny_dirs, tiny_models, tmp_path, "window=4096"), ids)  # the prompt's pages, in order
+    damaged = bytearray(read[len(read) // 2].read_bytes())
+    damaged[-1] ^= 0x01
+    read[len(read) // 2].write_bytes(bytes(damaged))
+    log: list[str] = []
+    proc, base = start(tiny_dirs, tmp_path, log)
+    try:
+        again = ask(base, text, False)
+        damaged_run = metrics(base)
+    finally:
+        stop(proc)
+    assert damaged_run['tfq_prefix_store_pages{event="ignored"}'] == 1
+    assert damaged_run["tfq_prefix_cache_reused_rows_total"] == len(read) // 2 * PAGE
+    assert len([line for line in log if "prefix store: ignored" in line]) == 1, log
+    assert again == cold_reply
