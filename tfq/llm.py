@@ -13,6 +13,7 @@ from tfq.decode import tools as calls
 from tfq.decode.grammar import constraint_of
 from tfq.decode.penalties import Penalties
 from tfq.decode.sampling import TokenLogprob
+from tfq.decode.thinking import calls_in, opened, split, thinks
 from tfq.decode.tools import ToolCall
 from tfq.engine.stream import Request, choices
 from tfq.errors import TfqError
@@ -65,6 +66,7 @@ class Completion:
     digests: list[str]  # per token, the digest of the logits it was drawn from
     tool_calls: list[ToolCall] | None = None  # LLM.chat with tools: the calls the reply wrote (text: the rest)
     receipt: dict | None = None  # with SamplingParams(receipt=True): what decides its bits, and what they were
+    reasoning: str | None = None  # LLM.chat on a thinking model: the thinking (text: the answer after it)
 
 
 @dataclass
@@ -104,20 +106,23 @@ class LLM:
 
     def chat(self, conversations: Sequence[dict] | Sequence[Sequence[dict]],
              params: SamplingParams | None = None, tools: list[dict] | None = None,
-             tool_choice: str | dict = "auto") -> list[RequestOutput]:
+             tool_choice: str | dict = "auto", chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Conversations ([{"role": ..., "content": ...}, ...]) through the model's chat template. tools: OpenAI's
         list the template shows the model; each reply's calls are parsed (tfq/decode/tools.py), and tool_choice
-        "required" or {"function": {"name": N}} holds the reply to calls (a grammar, as the server's)."""
+        "required" or {"function": {"name": N}} holds the reply to calls (a grammar, as the server's).
+        chat_template_kwargs: the template's own variables ({"enable_thinking": False} turns Qwen3's thinking
+        off). A thinking model's thinking comes apart in each completion's `reasoning` (tfq/decode/thinking.py)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        chats = [self.tokenizer.chat(list(c), tools=tools) for c in conversations]  # messages' text is text
+        chats = [self.tokenizer.chat(list(c), tools=tools, options=chat_template_kwargs) for c in conversations]
         params = params or SamplingParams()
         grammar = calls.constraint(tools, tool_choice, True, self.tokenizer) if tools else None
+        inside = [opened(c.text) if thinks(self.tokenizer.chat_template) else None for c in chats]
         return self._run([c.text for c in chats], [self.tokenizer.ids(c) for c in chats], params, grammar,
-                         bool(tools) and tool_choice != "none")
+                         bool(tools) and tool_choice != "none", inside)
 
     def _run(self, texts: list[str | None], ids: list[list[int]], params: SamplingParams, grammar=None,
-             calling: bool = False) -> list[RequestOutput]:
+             calling: bool = False, inside: list[bool | None] | None = None) -> list[RequestOutput]:
         requests = params.requests(ids)
         if grammar is not None:
             requests = [replace(r, constraint=grammar) for r in requests]
@@ -127,8 +132,9 @@ class LLM:
         outs = []
         for i, (text, prompt) in enumerate(zip(texts, ids)):
             mine = range(i * params.n, (i + 1) * params.n)
+            thinking = inside[i] if inside else None
             outs.append(RequestOutput(text, prompt, results[mine[0]].prompt_logprobs, [
-                _completion(j, results[k], calling, receipts[k]) for j, k in enumerate(mine)]))
+                _completion(j, results[k], calling, receipts[k], thinking) for j, k in enumerate(mine)]))
         return outs
 
     @cached_property
@@ -137,7 +143,12 @@ class LLM:
         return Issuer.of(self.plan, self.layout, self.loaded)
 
 
-def _completion(index: int, r, calling: bool, receipt: dict | None = None) -> Completion:
-    """One choice's result; a reply that may call tools is split into its text and its calls."""
-    text, made = calls.parse(r.text) if calling else (r.text, None)
-    return Completion(index, text, r.ids, r.finish, r.logprobs, r.digests, made, receipt)
+def _completion(index: int, r, calling: bool, receipt: dict | None = None, inside: bool | None = None) -> Completion:
+    """One choice's result; a thinking model's reply split into its thinking and its answer (inside: whether the
+    prompt left it inside the thinking block; None: no thinking), and one that may call tools into its text and its
+    calls (those written in the thinking too)."""
+    reasoning, answer = split(r.text, inside) if inside is not None else (None, r.text)
+    text, made = calls.parse(answer) if calling else (answer, None)
+    if calling and reasoning:
+        made = calls_in(reasoning) + made
+    return Completion(index, text, r.ids, r.finish, r.logprobs, r.digests, made, receipt, reasoning)

@@ -125,13 +125,14 @@ def load_prompts(path: str | Path) -> list[Chat]:
 
 
 def requests_for(chats: list[Chat], tokenizer, max_tokens: int, temperature: float, top_p: float,
-                 seed: int, tools: list[dict] | None = None, **shaping) -> list[Request]:
+                 seed: int, tools: list[dict] | None = None, options: dict | None = None, **shaping) -> list[Request]:
     """Chats -> engine requests; a chat's own settings win over the command line's whenever it sets them
-    (temperature 0 or seed 0 included): only None takes the command line's."""
+    (temperature 0 or seed 0 included): only None takes the command line's. options: the chat template's own
+    variables (Qwen3's enable_thinking)."""
     def own(value, default):
         return value if value is not None else default
 
-    return [Request(prompt=tuple(tokenizer.chat_ids(list(c.messages), tools=tools)),
+    return [Request(prompt=tuple(tokenizer.chat_ids(list(c.messages), tools=tools, options=options)),
                     max_tokens=own(c.max_tokens, max_tokens),
                     temperature=own(c.temperature, temperature),
                     top_p=own(c.top_p, top_p),

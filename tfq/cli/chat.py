@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
@@ -15,6 +15,7 @@ from tfq.cli.app import app, output_file
 from tfq.decode import tools as calls
 from tfq.decode.grammar import constraint_of
 from tfq.decode.penalties import Penalties
+from tfq.decode.thinking import ThinkStream, opened, split, thinks
 from tfq.engine.stream import Request
 from tfq.engine.threads import fix_threads
 from tfq.errors import TfqError
@@ -84,6 +85,8 @@ def chat(
     tools_file: Optional[str] = typer.Option(None, "--tools", help="A JSON file of tools (OpenAI's shape) the model "
                                              "may call; the calls it writes are listed after the reply."),
     tool_choice: str = typer.Option("auto", "--tool-choice", help="auto | required | none | a tool's name."),
+    thinking: str = typer.Option("show", "--thinking", help="A thinking model's thinking (Qwen3, Qwen3.5): show "
+                                 "(dimmed, before the answer), hide, or off (the template's enable_thinking: false)."),
     receipt: Optional[str] = typer.Option(None, "--receipt", help="Write each reply's receipt to FILE (JSON lines; "
                                           "`tfq replay FILE` checks them)."),
     quiet: bool = typer.Option(False, "--quiet", help="Hide the plan lines."),
@@ -101,6 +104,10 @@ def chat(
                     penalties=Penalties(presence_penalty, frequency_penalty, repetition_penalty),
                     constraint=constraint_of(read_schema(json_schema) if json_schema else None, regex=regex))
     Request((0,), **{k: v for k, v in settings.items() if k != "seed"}).validate()
+    if thinking not in ("show", "hide", "off"):
+        raise TfqError(f"--thinking {thinking!r}: give show, hide or off")
+    if thinking == "off":
+        settings["options"] = {"enable_thinking": False}
     tools = read_tools(tools_file) if tools_file else None
     if tools and tool_choice not in ("auto", "none") and settings["constraint"] is not None:
         raise TfqError("--tool-choice required or a name is a grammar of its own; leave out --json-schema and --regex")
@@ -114,15 +121,61 @@ def chat(
     engine = Engine.from_plan(the_plan, layout, loaded)
     tok = loaded.tokenizer
     keep = Receipts(Path(receipt), Issuer.of(the_plan, layout, loaded)) if receipt else None
+    show = Thoughts(tok, settings.get("options"), thinking == "show")
     if tools:
         choice = tool_choice if tool_choice in ("auto", "none", "required") else {"function": {"name": tool_choice}}
         settings.update(tools=tools, constraint=calls.constraint(tools, choice, True, tok) or settings["constraint"])
     if not chats:
-        _interactive(engine, tok, system, settings, err, keep)
+        _interactive(engine, tok, system, settings, err, keep, show)
     elif len(chats) == 1:
-        _stream_one(engine, requests_for(chats, tok, **settings)[0], err, bool(tools), keep)
+        _stream_one(engine, requests_for(chats, tok, **settings)[0], err, bool(tools), keep, show.of(chats[0]))
     else:
-        _together(engine, requests_for(chats, tok, **settings), err, bool(tools), keep)
+        _together(engine, requests_for(chats, tok, **settings), err, bool(tools), keep, [show.of(c) for c in chats])
+
+
+@dataclass
+class Thoughts:
+    """How a thinking model's thinking is shown: dimmed before the answer, or not at all (tfq/decode/thinking.py)."""
+
+    tokenizer: object
+    options: dict | None
+    show: bool
+
+    def of(self, chat: Chat) -> "Thinking | None":
+        """The reply's splitter for `chat`; None where the template does not think."""
+        if not thinks(self.tokenizer.chat_template):
+            return None
+        return Thinking(opened(self.tokenizer.render_chat(list(chat.messages), options=self.options)), self.show)
+
+
+@dataclass
+class Thinking:
+    inside: bool  # the prompt leaves the reply inside the thinking block
+    show: bool
+    console: Console = field(default_factory=lambda: Console(highlight=False, markup=False, soft_wrap=True))
+
+    def printer(self):
+        """A callback that prints a streamed reply's pieces: thinking dimmed, then a blank line, then the answer."""
+        split, seen = ThinkStream(self.inside), [False]
+
+        def write(thought: str, answer: str) -> None:
+            if thought and self.show:
+                self.console.print(thought, style="dim", end="")
+                seen[0] = True
+            if answer:
+                if seen[0]:
+                    self.console.print("\n")
+                    seen[0] = False
+                self.console.print(answer, end="")
+
+        return lambda piece: write(*split.feed(piece)), lambda: write(*split.finish())
+
+    def whole(self, text: str) -> None:
+        thought, answer = split(text, self.inside)
+        if thought and self.show:
+            self.console.print(thought.strip("\n"), style="dim")
+            self.console.print()
+        self.console.print(answer)
 
 
 @dataclass
@@ -146,13 +199,19 @@ def chat_streams(prompts: int) -> Streams:
     return Streams.of(prompts, "prompt") if prompts else Streams(1, "an interactive chat, one reply at a time")
 
 
-def _stream_one(engine, request: Request, err: Console, tools: bool = False, keep: Receipts | None = None) -> str:
-    """Print the reply as it comes; Ctrl-C ends it cleanly. Returns the text printed."""
+def _stream_one(engine, request: Request, err: Console, tools: bool = False, keep: Receipts | None = None,
+                thinking: Thinking | None = None) -> str:
+    """Print the reply as it comes (a thinking model's thinking dimmed first); Ctrl-C ends it cleanly. Returns the
+    text printed."""
     printed: list[str] = []
+    feed, flush = thinking.printer() if thinking else (None, None)
 
     def on_token(_: int, __: int, piece: str) -> None:
         printed.append(piece)
-        sys.stdout.write(piece)
+        if feed:
+            feed(piece)
+        else:
+            sys.stdout.write(piece)
         sys.stdout.flush()
 
     t0 = time.perf_counter()
@@ -162,6 +221,8 @@ def _stream_one(engine, request: Request, err: Console, tools: bool = False, kee
         sys.stdout.write("\n")
         err.print("[yellow](stopped)[/]")
         return "".join(printed)
+    if flush:
+        flush()
     sys.stdout.write("\n")
     if result.error:
         raise TfqError(result.error)
@@ -176,18 +237,20 @@ def _stream_one(engine, request: Request, err: Console, tools: bool = False, kee
 
 
 def _together(engine, requests: list[Request], err: Console, tools: bool = False,
-              keep: Receipts | None = None) -> None:
+              keep: Receipts | None = None, thinking: list[Thinking | None] | None = None) -> None:
     t0 = time.perf_counter()
     with err.status(f"running {len(requests)} chats together"):
         results = engine.generate(requests)
     if keep is not None:
         keep.write(requests, results)
     failed = 0
-    for r in results:
-        print(f"=== {r.label}")
+    for i, r in enumerate(results):
+        print(f"=== {r.label}", flush=True)
         if r.error:
             failed += 1
             print(f"(failed: {r.error})")
+        elif thinking and thinking[i]:
+            thinking[i].whole(r.text)
         else:
             print(r.text)
     wall = time.perf_counter() - t0
@@ -235,7 +298,8 @@ def _acceptance(err: Console, results) -> None:
               f"{(accepted + verifies) / verifies:.2f} tokens per verify forward[/]")
 
 
-def _interactive(engine, tok, system: str | None, settings: dict, err: Console, keep: Receipts | None) -> None:
+def _interactive(engine, tok, system: str | None, settings: dict, err: Console, keep: Receipts | None,
+                 show: Thoughts) -> None:
     err.print("[dim]Interactive chat: type a message; /exit or Ctrl-D ends it.[/]")
     history: list[dict] = [{"role": "system", "content": system}] if system else []
     while True:
@@ -249,6 +313,6 @@ def _interactive(engine, tok, system: str | None, settings: dict, err: Console, 
         if not line.strip():
             continue
         history.append({"role": "user", "content": line})
-        request = requests_for([Chat("you", tuple(history))], tok, **settings)[0]
-        reply = _stream_one(engine, request, err, keep=keep)
+        chat = Chat("you", tuple(history))
+        reply = _stream_one(engine, requests_for([chat], tok, **settings)[0], err, keep=keep, thinking=show.of(chat))
         history.append({"role": "assistant", "content": reply})

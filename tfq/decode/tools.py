@@ -28,7 +28,7 @@ class ToolCall:
         return out if index is None else {"index": index, **out}
 
 
-def _call(block: str) -> ToolCall | None:
+def block_call(block: str) -> ToolCall | None:
     """One block's call, or None when it is not `{"name": str, "arguments": object}`."""
     try:
         value = json.loads(block)
@@ -82,7 +82,7 @@ class CallStream:
             end = rest.find(CLOSE)
             if not rest.startswith(OPEN) or end < 0:
                 return out
-            call = _call(rest[len(OPEN):end].strip())
+            call = block_call(rest[len(OPEN):end].strip())
             if call is None:
                 return out
             out.append(call)

@@ -148,20 +148,21 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
-                    ) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                    options: dict | None = None) -> str:
         """The chat template rendered the way HF transformers' apply_chat_template renders it (tools: OpenAI's
-        list of {"type": "function", "function": {...}}, for a template that lists them)."""
-        return self.chat(messages, add_generation_prompt, tools).text
+        list of {"type": "function", "function": {...}}, for a template that lists them; options: the template's own
+        variables)."""
+        return self.chat(messages, add_generation_prompt, tools, options).text
 
-    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
-                 ) -> list[int]:
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                 options: dict | None = None) -> list[int]:
         """A chat's prompt ids: every path that tokenizes a chat (server, CLI, LLM) comes through chat() and
         ids()."""
-        return self.ids(self.chat(messages, add_generation_prompt, tools))
+        return self.ids(self.chat(messages, add_generation_prompt, tools, options))
 
-    def chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
-             ) -> ChatText:
+    def chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+             options: dict | None = None) -> ChatText:
         """The chat rendered, and where its template placed special tokens. A special token's text written in
         the messages or tools is hidden from the template (a stand-in character found nowhere in them takes its
         place), so each special token in the rendered text is the template's own; the characters come back, as
@@ -170,7 +171,7 @@ class Tokenizer:
         stand_ins = self._stand_ins(strings) if any(map(self._holds_special, strings)) else {}
         if stand_ins:
             messages, tools = _replaced(messages, stand_ins), _replaced(tools, stand_ins)
-        rendered = self._render(messages, add_generation_prompt, tools)
+        rendered = self._render(messages, add_generation_prompt, tools, options or {})
         pieces: list[str | int] = []
         at = 0
         for m in self._special_re.finditer(rendered) if self._special_re else ():
@@ -198,7 +199,8 @@ class Tokenizer:
                            "tokens' text from the template's")
         return dict(zip(found, free))
 
-    def _render(self, messages, add_generation_prompt: bool, tools) -> str:
+    def _render(self, messages, add_generation_prompt: bool, tools, options: dict) -> str:
+        """options: the template's own variables (chat_template_kwargs: Qwen3's enable_thinking)."""
         if not self.chat_template:
             raise TfqError("this model's tokenizer_config.json has no chat_template; tfq cannot format a chat for it")
         import jinja2
@@ -206,9 +208,8 @@ class Tokenizer:
         if self._template is None:
             self._template = _compile(self.chat_template)
         try:
-            return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools or None, **self.special
-            )
+            return self._template.render(**{**self.special, **options}, messages=messages,
+                                         add_generation_prompt=add_generation_prompt, tools=tools or None)
         except jinja2.TemplateError as e:
             raise TfqError(f"the chat template refused these messages: {e}") from None
 

@@ -40,6 +40,7 @@ from tfq.serve.intake import (
 from tfq.serve.loop import Busy, Dead, Done, Ticket, Token
 from tfq.serve.protocol import ChatBody, CompletionBody
 from tfq.serve.replies import (
+    ChoiceStream,
     Shape,
     chat_choice,
     chat_logprobs,
@@ -151,12 +152,13 @@ def build_app(served: Served) -> FastAPI:
     async def chat_completions(body: ChatBody, http: HttpRequest):
         check_model(served, body)
         check_stops(served, body)
-        prompt = await asyncio.to_thread(chat_prompt, served, body)
+        chat = await asyncio.to_thread(chat_prompt, served, body)
+        prompt = chat.ids
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         requests, matchers = await shaped(served, compiles, body, salt(http), lambda: body.requests(
             [prompt], served.window, body.reply_tokens, logprobs, constraint=tool_grammar(served, body)))
         shape = Shape.new("chat", served.model, body.return_token_ids, body.return_digests, body.calling,
-                          await issuer(served, body))
+                          await issuer(served, body), chat.inside)
         ticket = submit(served, requests, matchers)
         if body.stream:
             return sse(served, ticket, chat_chunks(served, ticket, shape, len(prompt) if body.include_usage else None))
@@ -326,34 +328,28 @@ def _check(result: Result) -> Result:
 
 
 async def chat_chunks(served: Served, ticket: Ticket, shape: Shape, usage_of: int | None) -> AsyncIterator[dict]:
-    """A chat's chunks; with tools, text from a call's `<tool_call>` on goes out as whole calls
-    (tfq/decode/tools.py)."""
+    """A chat's chunks; a thinking model's thinking as `reasoning_content` deltas (tfq/decode/thinking.py); with
+    tools, text from a call's `<tool_call>` on goes out as whole calls, and a call written whole in the thinking goes
+    out as a call too (tfq/decode/tools.py)."""
     tok = served.tokenizer
     yield shape.body([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                        "finish_reason": None} for i in range(len(ticket.requests))], chunk=True)
     results: list[Result | None] = [None] * len(ticket.requests)
-    split = [tools.CallStream() if shape.tools else None for _ in ticket.requests]
-    calls = [0] * len(ticket.requests)
+    choices = [ChoiceStream(shape) for _ in ticket.requests]
     async for event in _events(ticket):
         i = event.choice
         if isinstance(event, Token):
             out = event.output
             lp = None if out.logprob is None else chat_logprobs(tok, [out.logprob])
-            text, made = split[i].feed(out.text) if split[i] else (out.text, [])
-            delta = {"content": text}
-            if made:
-                delta["tool_calls"] = [c.openai(calls[i] + k) for k, c in enumerate(made)]
-                calls[i] += len(made)
-            yield shape.body([{"index": i, "delta": delta, "logprobs": lp, "finish_reason": None,
+            yield shape.body([{"index": i, "delta": choices[i].feed(out.text), "logprobs": lp, "finish_reason": None,
                                **extensions(shape, [out.token], [out.digest])}], chunk=True)
         else:
             results[i] = _check(event.result)
-            left = split[i].finish() if split[i] else ""
+            delta = choices[i].finish()
             reason = finish_reason(event.result)
-            reason = "tool_calls" if calls[i] and reason == "stop" else reason
-            yield shape.body([{"index": i, "delta": {"content": left} if left else {}, "logprobs": None,
-                               "finish_reason": reason, **receipt(shape, ticket.requests[i], event.result)}],
-                             chunk=True)
+            reason = "tool_calls" if choices[i].calls and reason == "stop" else reason
+            yield shape.body([{"index": i, "delta": delta, "logprobs": None, "finish_reason": reason,
+                               **receipt(shape, ticket.requests[i], event.result)}], chunk=True)
     last = _ended(served, shape, results, usage_of)
     if last is not None:
         yield last

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tfq.decode.thinking import opened, thinks
 from tfq.errors import TfqError
 from tfq.receipts.receipt import Issuer
 from tfq.serve.guard import Limits
@@ -97,17 +98,26 @@ def text_prompts(served: Served, prompt, special: bool = False) -> list[list[int
     return prompts
 
 
-def chat_prompt(served: Served, body: ChatBody) -> list[int]:
+@dataclass(frozen=True)
+class ChatPrompt:
+    ids: list[int]
+    # a thinking model's template (tfq/decode/thinking.py): whether the prompt leaves the reply inside its thinking
+    # block; None: the template does not think, and the reply is all answer
+    inside: bool | None = None
+
+
+def chat_prompt(served: Served, body: ChatBody) -> ChatPrompt:
     """The chat's ids as the template places its special tokens; the messages' own text is text (tfq.model.tokenizer:
     a message cannot write a special token)."""
+    tok = served.tokenizer
     try:
-        chat = served.tokenizer.chat(body.chat(), tools=body.tool_dicts)
+        chat = tok.chat(body.chat(), tools=body.tool_dicts, options=body.chat_template_kwargs)
     except TfqError as e:
         raise ApiError(400, f"messages: {e}", "messages") from None
     short_enough(served, chat.text, "messages")
-    prompt = served.tokenizer.ids(chat)
+    prompt = tok.ids(chat)
     fits(served, len(prompt), "messages")
-    return prompt
+    return ChatPrompt(prompt, opened(chat.text) if thinks(tok.chat_template) else None)
 
 
 def encode(served: Served, text: str, param: str, special: bool = False) -> list[int]:

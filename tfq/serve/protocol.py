@@ -309,6 +309,8 @@ class ChatBody(Sampling):
     tools: Optional[list[Tool]] = Field(None, max_length=MOST_TOOLS)
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: bool = True
+    # vLLM's: the chat template's own variables (Qwen3's enable_thinking); scalars, by name
+    chat_template_kwargs: Optional[dict[str, Union[bool, int, float, str, None]]] = Field(None, max_length=16)
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
@@ -319,6 +321,10 @@ class ChatBody(Sampling):
         if self.calling and (self.response_format is not None and self.response_format.type != "text"
                              or self.structured_outputs is not None):
             raise ValueError("tools with response_format or structured_outputs: give one of them")
+        bad = next((k for k in self.chat_template_kwargs or {} if not k.isidentifier()
+                    or k in ("messages", "tools", "add_generation_prompt")), None)
+        if bad is not None:
+            raise ValueError(f"chat_template_kwargs: {bad!r} is not a template variable a request may set")
         return self
 
     @property

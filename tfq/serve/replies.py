@@ -10,7 +10,9 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from tfq.decode import tools
 from tfq.decode.sampling import TokenLogprob
+from tfq.decode.thinking import ThinkStream, calls_in, split
 from tfq.decode.tools import parse
 from tfq.engine.stream import Finish, Request, Result
 from tfq.receipts.receipt import Issuer
@@ -31,13 +33,16 @@ class Shape:
     return_digests: bool = False
     tools: bool = False  # a chat's reply is parsed for tool calls
     issuer: Issuer | None = None  # each choice carries its receipt (tfq/receipts), signed by the issuer's key
+    # a thinking model's chat (tfq/decode/thinking.py): whether the reply starts inside its thinking block, which
+    # goes to reasoning_content; None: no thinking, the reply is all content
+    thinking: bool | None = None
 
     @classmethod
     def new(cls, kind: str, model: str, return_token_ids: bool = False, return_digests: bool = False,
-            tools: bool = False, issuer: Issuer | None = None) -> "Shape":
+            tools: bool = False, issuer: Issuer | None = None, thinking: bool | None = None) -> "Shape":
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         return cls(kind, model, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), return_token_ids, return_digests,
-                   tools, issuer)
+                   tools, issuer, thinking)
 
     def body(self, choices: list[dict], chunk: bool = False, usage: dict | None = None) -> dict:
         obj = {"chat": "chat.completion", "text": "text_completion"}[self.kind]
@@ -98,10 +103,15 @@ def receipt(shape: Shape, request: Request, result: Result) -> dict:
 
 def chat_choice(shape: Shape, tokenizer, index: int, result: Result) -> dict:
     message, reason = {"role": "assistant", "content": result.text}, finish_reason(result)
+    thinking = ""
+    if shape.thinking is not None:  # the thinking apart, as vLLM's and llama.cpp's servers give it
+        thinking, answer = split(result.text, shape.thinking)
+        message = {"role": "assistant", "content": answer, "reasoning_content": thinking or None}
     if shape.tools:
-        text, calls = parse(result.text)
+        text, calls = parse(message["content"])
+        calls = calls_in(thinking) + calls  # a call written in the thinking is a call too
         if calls:
-            message = {"role": "assistant", "content": text or None, "tool_calls": [c.openai() for c in calls]}
+            message = {**message, "content": text or None, "tool_calls": [c.openai() for c in calls]}
             reason = "tool_calls" if reason == "stop" else reason  # a call cut off by the budget: still length
     return {"index": index, "message": message,
             "logprobs": None if result.logprobs is None else chat_logprobs(tokenizer, result.logprobs),
@@ -118,3 +128,39 @@ def text_choice(shape: Shape, tokenizer, index: int, result: Result, prompt: lis
         logprobs = text_logprobs(tokenizer, tokens, scored, 0)
     return {"index": index, "text": prompt_text + text, "logprobs": logprobs, "finish_reason": finish_reason(result),
             **extensions(shape, result.ids, result.digests)}
+
+
+class ChoiceStream:
+    """One streamed choice's text as deltas: thinking apart, calls whole."""
+
+    def __init__(self, shape: Shape):
+        self.think = ThinkStream(shape.thinking) if shape.thinking is not None else None
+        self.split = tools.CallStream() if shape.tools else None
+        self.thought = ""  # the thinking so far, where calls are looked for
+        self.thought_calls = 0  # calls found in it so far
+        self.calls = 0
+
+    def feed(self, piece: str) -> dict:
+        thinking, answer = self.think.feed(piece) if self.think else ("", piece)
+        return self._delta(thinking, answer, False)
+
+    def finish(self) -> dict:
+        thinking, answer = self.think.finish() if self.think else ("", "")
+        return self._delta(thinking, answer, True)
+
+    def _delta(self, thinking: str, answer: str, last: bool) -> dict:
+        text, made = self.split.feed(answer) if self.split else (answer, [])
+        if last and self.split:
+            text += self.split.finish()
+        if self.split and thinking:
+            self.thought += thinking
+            found = calls_in(self.thought)
+            made = found[self.thought_calls:] + made
+            self.thought_calls = len(found)
+        delta: dict = {} if last and not text else {"content": text}
+        if thinking:
+            delta["reasoning_content"] = thinking
+        if made:
+            delta["tool_calls"] = [c.openai(self.calls + k) for k, c in enumerate(made)]
+            self.calls += len(made)
+        return delta
