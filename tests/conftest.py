@@ -93,3 +93,16 @@ def restored_threads(monkeypatch):
     monkeypatch.delenv("TFQ_THREADS", raising=False)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_5"])
+def thinker(request, tiny_dirs, tmp_path_factory):
+    """(family, folder, loaded): a tiny checkpoint of the family with a thinking chat template (tiny.TEMPLATES)."""
+    from tfq.model.load import load_model
+    from tiny import tiny_model_dir, write_thinking_model
+
+    family = request.param
+    source = tiny_dirs["qwen3"] if family == "qwen3" else tiny_model_dir(
+        tmp_path_factory, "qwen3_5", layers=4, layer_types=("linear_attention", "full_attention") * 2)
+    folder = write_thinking_model(source, tmp_path_factory.mktemp(f"thinking-{family}") / "model", family)
+    return family, folder, load_model(str(folder), progress=False)

@@ -358,6 +358,14 @@ def test_plan_counts_the_state_the_engine_allocates(hybrid_dir, hybrid, sets):
     assert "4 DeltaNet + 2 gated attention" not in lines and "4 Gated DeltaNet + 2 gated attention" in lines
 
 
+def test_a_hybrids_prefix_cache_is_refused_across_ranks(hybrid_dir, hybrid):
+    from tfq.plan import load_plan
+
+    plan = load_plan(None, {}, ["kv.pages=64", "kv.prefix_cache=on", "tp=2"]).replace(model=str(hybrid_dir))
+    with pytest.raises(TfqError, match="keeps its DeltaNet states in one process so far; use tp: 1"):
+        plan.layout(hybrid.config)
+
+
 def test_a_warm_hybrid_starts_from_the_state_kept_at_its_last_page(hybrid_dir, hybrid):
     """The prefix cache on a hybrid: a prompt's chunks end at page boundaries, where its DeltaNet state is kept; a
     second stream with the same prompt maps the pages up to the last kept state, starts its recurrence from it,

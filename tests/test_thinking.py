@@ -7,43 +7,14 @@ and `tfq chat` keep the two apart too, and a call written in the thinking is fou
 from __future__ import annotations
 
 import asyncio
-import json
 import re
-import shutil
-
-import pytest
 
 from cli import tfq
 from serve_load import EXTRA, Call, differences, fire
 from served import TINY_PLAN, replies_alone
-from tfq.model.load import load_model
 from tfq.plan.resolve import resolve_plan
 from tfq.serve.background import build_served, serving
-
-OFF = "{%- if enable_thinking is defined and not enable_thinking %}{{- '<think>\\n\\n</think>\\n\\n' }}"
-TEMPLATES = {  # the generation prompt of each family's template (the rest as the tiny template's)
-    "qwen3": "{{- '<|im_start|>assistant\\n' }}" + OFF + "{%- endif %}",
-    "qwen3_5": "{{- '<|im_start|>assistant\\n' }}" + OFF + "{%- else %}{{- '<think>\\n' }}{%- endif %}",
-}
-THOUGHT = "[a-z ]{4,24}</think>\n\n[a-z ]{4,24}"  # the reply's shape inside an opened block
-SHAPES = {"qwen3": "<think>" + THOUGHT, "qwen3_5": THOUGHT}
-
-
-@pytest.fixture(scope="module", params=["qwen3", "qwen3_5"])
-def thinker(request, tiny_dirs, tmp_path_factory):
-    """(family, folder, loaded): a tiny checkpoint of the family with its thinking template."""
-    from tiny import CHAT_TEMPLATE, tiny_model_dir
-
-    family = request.param
-    source = tiny_dirs["qwen3"] if family == "qwen3" else tiny_model_dir(
-        tmp_path_factory, "qwen3_5", layers=4, layer_types=("linear_attention", "full_attention") * 2)
-    folder = tmp_path_factory.mktemp(f"thinking-{family}") / "model"
-    shutil.copytree(source, folder)
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    head = CHAT_TEMPLATE[:CHAT_TEMPLATE.index("{%- if add_generation_prompt %}")]
-    config["chat_template"] = head + "{%- if add_generation_prompt %}" + TEMPLATES[family] + "{%- endif %}"
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return family, folder, load_model(str(folder), progress=False)
+from tiny import SHAPES
 
 
 def served(thinker):

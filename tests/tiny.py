@@ -576,3 +576,27 @@ def held_bytes(model) -> int:
         else:
             out += size(layer.q_norm) + size(layer.k_norm)
     return out
+
+
+# Thinking templates (tests/test_thinking.py, tests/test_responses.py): the generation prompt of each family's
+# template, the rest as the tiny template's; Qwen3's writes an empty closed block when thinking is off, Qwen3.5's
+# opens the block in the prompt
+OFF = "{%- if enable_thinking is defined and not enable_thinking %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+TEMPLATES = {  # the generation prompt of each family's template (the rest as the tiny template's)
+    "qwen3": "{{- '<|im_start|>assistant\\n' }}" + OFF + "{%- endif %}",
+    "qwen3_5": "{{- '<|im_start|>assistant\\n' }}" + OFF + "{%- else %}{{- '<think>\\n' }}{%- endif %}",
+}
+THOUGHT = "[a-z ]{4,24}</think>\n\n[a-z ]{4,24}"  # the reply's shape inside an opened block
+SHAPES = {"qwen3": "<think>" + THOUGHT, "qwen3_5": THOUGHT}
+
+
+def write_thinking_model(source: Path, folder: Path, family: str) -> Path:
+    """A copy of the tiny checkpoint `source` whose chat template thinks as `family`'s does."""
+    import shutil
+
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    head = CHAT_TEMPLATE[:CHAT_TEMPLATE.index("{%- if add_generation_prompt %}")]
+    config["chat_template"] = head + "{%- if add_generation_prompt %}" + TEMPLATES[family] + "{%- endif %}"
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder

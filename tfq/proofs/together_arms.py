@@ -25,8 +25,6 @@ DEFAULT_PAGE_ROWS = 256
 SMALL_PAGE_ROWS = KEY_TILE  # for windows too short to span several 256-row pages
 
 
-# ------------------------------------------------------------------------------------------------ arms
-
 @dataclass(frozen=True)
 class Context:
     """What the arms' plans are derived from: the suite's shape and the check's options."""
@@ -60,7 +58,7 @@ class Arm:
     snapshot_offset: int = 0  # a hybrid's prefix cache keeps its states this many rows past their page (a control)
 
     def applies(self, config, tp: int = 1) -> bool:
-        if self.reduce and tp == 1:
+        if self.reduce and tp == 1 or config.hybrid and tp > 1 and self.warm:  # a hybrid's states: one process
             return False
         if self.models == "moe":
             return config.moe is not None
@@ -131,8 +129,9 @@ def arms_for(arms: Sequence[Arm], config, named: bool, tp: int = 1) -> tuple[lis
     left_out = [a for a in arms if not a.applies(config, tp)]
     if left_out and named:
         a = left_out[0]
-        if a.reduce and tp == 1:
-            raise TfqError(f"arm {a.name} splits the model over ranks: run it with --set tp=2 (or more)")
+        if a.reduce and tp == 1 or a.warm and config.hybrid and tp > 1:
+            raise TfqError(f"arm {a.name} runs with tp " + ("2 or more" if a.reduce else "1 on a hybrid (its prefix "
+                           "cache keeps its states in one process)") + f": set tp, or leave {a.name} out of --arms")
         kinds = {"hybrid": "hybrid (qwen3_5)", "attention": "attention-only", "moe": "mixture-of-experts"}
         raise TfqError(f"arm {a.name} does not apply to this model: it runs on {kinds[a.models]} models; leave it "
                        f"out of --arms")
@@ -140,7 +139,8 @@ def arms_for(arms: Sequence[Arm], config, named: bool, tp: int = 1) -> tuple[lis
     left_out = [a for a in left_out if not a.reduce and a.models != "moe"]
     if not left_out or not config.hybrid:
         return kept, ""
-    why = "a control of attention's arithmetic under the prefix cache; a hybrid's is prefix-offset"
+    why = ("a hybrid's prefix cache keeps its DeltaNet states in one process: tp 1 only" if tp > 1 else
+           "a control of attention's arithmetic under the prefix cache; a hybrid's is prefix-offset")
     return kept, f"arms left out: {', '.join(a.name for a in left_out)} ({why})"
 
 
