@@ -29,6 +29,10 @@ def resolve_plan(
     plan = load_plan(path, os.environ, sets or ())
     if model is not None:
         plan = plan.set("model", model, "--model")
+    from tfq.model.hub import is_hub_name, local_model
+
+    if is_hub_name(plan.model):  # ORG/REPO[:QUANT]: its files fetched (or found in the cache) once, then a path
+        plan = plan.replace(model=local_model(plan.model))
     plan = size_lanes(plan, streams)
     config = model_config(plan.model)
     layout = plan.layout(config)
