@@ -75,7 +75,7 @@ def test_together_on_the_converters_quantized_file_every_arm(converted, tmp_path
     assert doc["versions"]["weights"] == weights
     arms = {a["arm"]: a for a in doc["arms"]}
     controls = {"partial", "paged-partial", "experts-by-load"} | (
-        {"deltanet-chunks"} if name == "qwen3_5_moe" else {"prefix-partial"})
+        {"deltanet-chunks", "prefix-offset"} if name == "qwen3_5_moe" else {"prefix-partial"})
     assert controls < set(arms) and {"whole", "paged", "chunked", "preempted", "drafted"} < set(arms)
     for arm_name, arm in arms.items():
         assert arm["verdict"] == ("RED" if arm_name in controls else "EXACT"), (arm_name, arm["note"])

@@ -67,7 +67,7 @@ def test_cli_refuses_a_file_not_utf8_before_any_model(tmp_path, monkeypatch, cap
 class Tokens:
     """Only what requests_for asks of a tokenizer."""
 
-    def chat_ids(self, messages, tools=None):
+    def chat_ids(self, messages, tools=None, options=None):
         return [len(m["content"]) for m in messages]
 
 

@@ -318,11 +318,11 @@ def test_together_on_a_mixture_every_arm(moe_dir, hybrid_moe_dir, tmp_path, monk
     assert code == 0, out + err
     arms = {a["arm"]: a for a in json.loads(summary.read_text())["arms"]}
     controls = {"partial", "paged-partial", "experts-by-load"}
-    exact = {"whole", "paged-alone", "paged", "paged-all", "chunked", "preempted", "drafted", "drafted-model"}
-    if family == "qwen3_moe":  # a hybrid keeps no prefix cache; its own control prefills by the chunked DeltaNet
-        exact, controls = exact | {"prefix"}, controls | {"prefix-partial"}
-    else:
-        controls |= {"deltanet-chunks"}
+    exact = {"whole", "paged-alone", "paged", "paged-all", "chunked", "preempted", "drafted", "drafted-model", "prefix"}
+    if family == "qwen3_moe":  # the prefix cache's control: attention's arithmetic under it
+        controls |= {"prefix-partial"}
+    else:  # a hybrid's: its states kept one row late, and the chunked DeltaNet prefill
+        controls |= {"prefix-offset", "deltanet-chunks"}
     assert set(arms) == exact | controls
     assert arms["experts-by-load"]["equal_logits"] < arms["experts-by-load"]["chats"]
     for name, arm in arms.items():

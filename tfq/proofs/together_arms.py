@@ -130,8 +130,8 @@ def arms_for(arms: Sequence[Arm], config, named: bool, tp: int = 1) -> tuple[lis
     if left_out and named:
         a = left_out[0]
         if a.reduce and tp == 1 or a.warm and config.hybrid and tp > 1:
-            raise TfqError(f"arm {a.name} runs with tp " + ("2 or more" if a.reduce else "1 on a hybrid (its prefix "
-                           "cache keeps its states in one process)") + f": set tp, or leave {a.name} out of --arms")
+            raise TfqError(f"arm {a.name} " + ("splits the model over ranks: run it with --set tp=2 (or more)" if
+                           a.reduce else "keeps a hybrid's states in one process: run it with tp 1"))
         kinds = {"hybrid": "hybrid (qwen3_5)", "attention": "attention-only", "moe": "mixture-of-experts"}
         raise TfqError(f"arm {a.name} does not apply to this model: it runs on {kinds[a.models]} models; leave it "
                        f"out of --arms")
