@@ -54,6 +54,10 @@ def test_a_reply_is_split_into_text_and_calls_the_same_whole_or_streamed():
         assert got + split.finish() == head and [(c.name, c.arguments) for c in out] == [("f", '{"a": [1, 2]}'),
                                                                                            ("g", "{}")]
     assert parse(text + f"\n{OPEN}\n{{\"name\": \"h\", \"argu")[1][-1].name == "g"  # a block cut off: dropped
+    blank = parse(text + "\n\n")
+    assert blank[0] == head and [c.name for c in blank[1]] == ["f", "g"]
+    split = CallStream()
+    assert split.feed(text + "\n")[0] == head and split.finish() == ""  # blank lines after the calls: dropped
     for broken in (f"{OPEN}\n{{not json}}\n{CLOSE}", f"{OPEN}\n[1]\n{CLOSE}", text + " and more words"):
         assert parse(broken) == (broken, [])  # not a call: all text
 

@@ -42,8 +42,9 @@ def block_call(block: str) -> ToolCall | None:
 
 
 def parse(text: str) -> tuple[str, list[ToolCall]]:
-    """(the text before the first call, the calls). A block cut off at the reply's end (its budget ran out) is
-    dropped; a reply with any other text after its first call, or a block that does not parse, is all text."""
+    """(the text before the first call, the calls). A block cut off at the reply's end (its budget ran out), and
+    blank lines after the last call, are dropped; a reply with any other text after its first call, or a block that
+    does not parse, is all text."""
     if OPEN not in text:
         return text, []
     split = CallStream()
@@ -90,9 +91,9 @@ class CallStream:
 
     def finish(self) -> str:
         """What is left as text at the end: a held prefix of `<tool_call>`, or text after the calls that is not
-        a call; a block cut off (it opened and never closed) is dropped."""
+        a call; a block cut off (it opened and never closed), and blank lines after the calls, are dropped."""
         left, self.held = self.held, ""
-        if self.calling and left.lstrip().startswith(OPEN) and CLOSE not in left:
+        if self.calling and (not left.strip() or left.lstrip().startswith(OPEN) and CLOSE not in left):
             return ""
         return left
 
