@@ -66,3 +66,15 @@ def test_hub_names_fetch_then_run_from_the_cache_offline(files, tmp_path):
                         (uncached, "tiny/other is not in the cache")):
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1 and words in lines[0], done.stderr
+
+
+def test_a_cached_hub_model_keeps_its_hub_name():
+    """What the server calls a hub model, and what a receipt names it by: its hub name, not the cache's path."""
+    from tfq.cli.serve import served_name
+    from tfq.model.hub import hub_name
+
+    folder = "/home/u/.cache/huggingface/hub/models--Qwen--Qwen3-8B/snapshots/0123abcd"
+    assert hub_name(folder) == "Qwen/Qwen3-8B" and served_name(folder) == "Qwen/Qwen3-8B"
+    gguf = "/h/hub/models--Qwen--Qwen3-8B-GGUF/snapshots/ab/Qwen3-8B-Q4_K_M.gguf"
+    assert hub_name(gguf) == "Qwen/Qwen3-8B-GGUF:Qwen3-8B-Q4_K_M" and served_name(gguf) == "Qwen/Qwen3-8B-GGUF"
+    assert hub_name("/data/models/qwen") is None and served_name("/data/models/qwen") == "qwen"

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import re
 
+import pytest
+
 from cli import tfq
 from serve_load import EXTRA, Call, differences, fire
 from served import TINY_PLAN, replies_alone
@@ -40,6 +42,11 @@ def test_the_server_keeps_thinking_apart_streamed_or_not_and_off_on_request(thin
         chunks = list(client.chat.completions.create(model="thinker", stream=True,
                                                      **body(family, "why is the sea salty")))
         off = client.chat.completions.create(model="thinker", **body(family, "why is the sea salty", off=True))
+        from openai import BadRequestError
+
+        with pytest.raises(BadRequestError) as refused:  # a special token's variable is the tokenizer's own
+            client.chat.completions.create(model="thinker", messages=[{"role": "user", "content": "hi"}],
+                                           extra_body={"chat_template_kwargs": {"eos_token": "<|im_start|>"}})
     m = whole.choices[0].message.model_dump()
     assert m["reasoning_content"] and m["content"] and "</think>" not in m["content"] + m["reasoning_content"]
     deltas = [c.choices[0].delta.model_dump() for c in chunks if c.choices]
@@ -48,6 +55,7 @@ def test_the_server_keeps_thinking_apart_streamed_or_not_and_off_on_request(thin
     o = off.choices[0].message.model_dump()
     assert o["reasoning_content"] is None and o["content"]
     assert off.usage.prompt_tokens > whole.usage.prompt_tokens  # the template wrote the empty, closed block
+    assert refused.value.body["param"] == "chat_template_kwargs" and "'eos_token'" in refused.value.body["message"]
 
 
 def test_thinking_replies_under_load_equal_their_runs_alone(thinker):

@@ -313,6 +313,8 @@ BAD_OVERRIDES = [
     ({"TFQ_KV_PREFIX_STORE": "/tmp/pages"}, [], "kv.prefix_store (set by TFQ_KV_PREFIX_STORE) keeps the prefix "
                                                 "cache's pages on disk, and the prefix cache is off; set "
                                                 "kv.prefix_cache: on"),
+    ({"TFQ_KV_PREFIX_STORE": "/tmp/pages"}, ["kv.pages=64", "kv.prefix_cache=on", "tp=2"],
+     "pages read back from disk reach one process's heads so far; use tp: 1"),
     ({"TFQ_LOGITS_ROWS": "none"}, [], "TFQ_LOGITS_ROWS=none: logits_rows must be auto or a positive number of rows"),
     ({}, ["logits_rows=7", "draft=ngram:3"], "logits_rows 7 (set by --set) is fewer than the rows every lane draws "
                                              "from at once (8 lanes x 4); set logits_rows to 32 or more, or auto"),

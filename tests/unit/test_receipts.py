@@ -103,6 +103,10 @@ def test_receipts_are_read_as_one_object_a_list_or_lines(tmp_path):
     ("{not json", "not JSON"), ("[]", "holds no receipt"), ('{"format": "tfq-receipt/9"}', "is not 'tfq-receipt/1'"),
     (json.dumps({**issued(), "digests": ["a1"]}), "3 reply tokens but 1 digests"),
     (json.dumps({k: v for k, v in issued().items() if k != "prompt"}), "field 'prompt' is missing"),
+    (json.dumps({**issued(), "arithmetic": {"weights": "gguf"}}), "arithmetic lacks 'kv_dtype'"),
+    (json.dumps({**issued(), "prompt": [1, "two"]}), "prompt and reply are token ids"),
+    (json.dumps({**issued(), "sampling": {**issued()["sampling"], "temperature": -1}}), "not a request's"),
+    (json.dumps({**issued(), "sampling": {**issued()["sampling"], "max_tokens": None}}), "not a request's"),
 ])
 def test_a_file_that_is_not_receipts_is_one_line(tmp_path, content, words):
     bad = tmp_path / "bad.json"

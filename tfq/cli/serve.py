@@ -16,8 +16,11 @@ from tfq.serve.guard import Limits, allowed_hosts
 
 
 def served_name(spec: str) -> str:
-    """The model's name in the API: `default` for the shipped model, else the folder's or file's name."""
-    return spec if spec == "default" else Path(spec).name
+    """The model's name in the API: `default` for the shipped model, a hub model's hub name, else the folder's or
+    file's name."""
+    from tfq.model.hub import hub_name
+
+    return spec if spec == "default" else (hub_name(spec) or Path(spec).name).split(":")[0]
 
 
 @app.command()

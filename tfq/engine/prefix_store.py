@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from tfq.errors import TfqError
+
 log = logging.getLogger(__name__)
 
 MAGIC = b"TFQPAGE1"
@@ -61,12 +63,16 @@ def checksum(payload: bytes) -> str:
 class PrefixStore:
     def __init__(self, folder: str | Path, root: bytes, shapes: list[Shape], most_bytes: int):
         """shapes: the kinds of file kept (a page's; a hybrid's state too)."""
-        self.folder = Path(folder) / root.hex()  # one folder a root: another model's pages are never listed
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder = Path(folder).expanduser() / root.hex()  # one folder a root: other models' files never listed
         self.root, self.most_bytes = root, most_bytes
         self.shapes = {s.kind: s for s in shapes}
         self.loaded = self.written = self.ignored = 0  # pages read back, written, and refused (counters)
-        self._bytes = sum(f.stat().st_size for f in self._files())
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self._bytes = sum(f.stat().st_size for f in self._files())
+        except OSError as e:
+            raise TfqError(f"kv.prefix_store {folder}: cannot use it ({e.strerror or e}); give a folder this process "
+                           f"may write, or kv.prefix_store: off") from None
         self._queue: queue.Queue = queue.Queue(QUEUED)
         self._writer = threading.Thread(target=self._write_loop, name="tfq-prefix-store", daemon=True)
         self._writer.start()
@@ -137,7 +143,7 @@ class PrefixStore:
             key, rows, kind = self._queue.get()
             try:
                 self._write(key, rows, kind)
-            except OSError as e:
+            except Exception as e:  # the thread goes on: a page not kept is computed again later
                 log.warning("prefix store: cannot write %s %s in %s (%s)", kind, key.hex(), self.folder, e)
             finally:
                 self._queue.task_done()

@@ -20,6 +20,17 @@ def is_hub_name(spec: str) -> bool:
     return spec != "default" and bool(NAME.match(spec)) and not Path(spec).expanduser().exists()
 
 
+def hub_name(path: str) -> str | None:
+    """The hub name a path of huggingface_hub's cache stands for (`ORG/REPO`, or `ORG/REPO:STEM` for a .gguf file,
+    which finds that file again), or None for any other path."""
+    parts = Path(path).parts
+    at = next((i for i, p in enumerate(parts) if p.startswith("models--")), None)
+    if at is None or len(parts) < at + 3 or parts[at + 1] != "snapshots":
+        return None
+    repo = parts[at][len("models--"):].replace("--", "/", 1)
+    return f"{repo}:{Path(path).stem}" if path.endswith(".gguf") else repo
+
+
 def local_model(spec: str) -> str:
     """The local path of hub model `spec`: its snapshot folder, or its .gguf file of the quantization named."""
     repo, _, quant = spec.partition(":")
@@ -34,9 +45,12 @@ def local_model(spec: str) -> str:
     if not found:
         raise TfqError(f"{repo} has no .gguf file of quantization {quant}; name one its file names hold (Q4_K_M, "
                        f"Q8_0, ...)")
-    if len(found) > 1 or re.search(r"-\d+-of-\d+\.gguf$", found[0].name):
-        raise TfqError(f"{repo}:{quant} is {len(found)} files ({found[0].name}, ...); tfq reads one .gguf file: join "
-                       f"them with llama.cpp's gguf-split --merge, and give the file")
+    if re.search(r"-\d+-of-\d+\.gguf$", found[0].name):
+        raise TfqError(f"{repo}:{quant} is split into {len(found)} files ({found[0].name}, ...); tfq reads one .gguf "
+                       f"file: join them with llama.cpp's gguf-split --merge, and give the file")
+    if len(found) > 1:
+        raise TfqError(f"{repo}:{quant} matches {len(found)} files ({', '.join(f.name for f in found)}); name one "
+                       f"exactly (its quantization as the file name writes it)")
     return str(found[0])
 
 

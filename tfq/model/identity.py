@@ -18,7 +18,9 @@ def weights_sha256(spec: str) -> str:
 
     if spec == "default":
         return default.SHA256  # the joined file is checked against it when it is made
-    path = _existing(spec)
+    from tfq.model.hub import is_hub_name, local_model
+
+    path = _existing(local_model(spec) if is_hub_name(spec) else spec)
     if not path.is_dir():
         return file_sha256(path, progress=False)
     from tfq.model.weights import safetensors_files

@@ -200,7 +200,13 @@ class Tokenizer:
         return dict(zip(found, free))
 
     def _render(self, messages, add_generation_prompt: bool, tools, options: dict) -> str:
-        """options: the template's own variables (chat_template_kwargs: Qwen3's enable_thinking)."""
+        """options: the template's own variables (chat_template_kwargs: Qwen3's enable_thinking); never the
+        tokenizer's special tokens or the template's functions, whose text would become special tokens."""
+        taken = next((k for k in options if k in self.special or k in ("raise_exception", "strftime_now", "range",
+                                                                         "namespace", "dict", "cycler", "joiner")),
+                     None)
+        if taken is not None:
+            raise TfqError(f"chat_template_kwargs: {taken!r} is the template's own; a request may set other variables")
         if not self.chat_template:
             raise TfqError("this model's tokenizer_config.json has no chat_template; tfq cannot format a chat for it")
         import jinja2
@@ -210,7 +216,7 @@ class Tokenizer:
         try:
             return self._template.render(**{**self.special, **options}, messages=messages,
                                          add_generation_prompt=add_generation_prompt, tools=tools or None)
-        except jinja2.TemplateError as e:
+        except (jinja2.TemplateError, TypeError, ValueError) as e:  # a template variable of the wrong kind too
             raise TfqError(f"the chat template refused these messages: {e}") from None
 
     def stream(self, skip_special: bool = False) -> "StreamDecoder":

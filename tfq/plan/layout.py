@@ -261,6 +261,9 @@ def compute_layout(plan: PlanView, config: ModelConfig) -> Layout:
     if config.hybrid and getattr(plan.kv, "prefix_cache", "off") == "on" and getattr(plan, "tp", 1) > 1:
         raise fail(f"kv.prefix_cache: on{tag(plan, 'kv.prefix_cache')} with tp {plan.tp}{tag(plan, 'tp')}: a hybrid's "
                    f"prefix cache keeps its DeltaNet states in one process so far; use tp: 1, or kv.prefix_cache: off")
+    if getattr(plan.kv, "prefix_store", "off") != "off" and getattr(plan, "tp", 1) > 1:
+        raise fail(f"kv.prefix_store{tag(plan, 'kv.prefix_store')} with tp {plan.tp}{tag(plan, 'tp')}: pages read back "
+                   f"from disk reach one process's heads so far; use tp: 1, or kv.prefix_store: off")
     if getattr(plan.kv, "prefix_store", "off") != "off" and getattr(plan.kv, "prefix_cache", "off") != "on":
         raise fail(f"kv.prefix_store{tag(plan, 'kv.prefix_store')} keeps the prefix cache's pages on disk, and the "
                    f"prefix cache is off; set kv.prefix_cache: on (with kv.pages), or kv.prefix_store: off")

@@ -66,7 +66,10 @@ class Issuer:
     @classmethod
     def of(cls, plan, layout, loaded, key: bytes | None = None) -> "Issuer":
         """The issuer of an engine built from this plan, layout and loaded model (tfq.model.load.LoadedModel)."""
-        return cls(plan.model, arithmetic(loaded.weights, plan.kv.dtype, plan.attention, layout.device), key)
+        from tfq.model.hub import hub_name
+
+        name = hub_name(plan.model) or plan.model  # a hub model by its hub name, which finds it on another machine
+        return cls(name, arithmetic(loaded.weights, plan.kv.dtype, plan.attention, layout.device), key)
 
     @cached_property
     def model(self) -> dict:
@@ -134,6 +137,16 @@ def check(doc, where: str) -> dict:
     missing = [k for k in _SAMPLING if k not in doc["sampling"]]
     if missing or not {"name", "sha256"} <= doc["model"].keys():
         raise TfqError(f"{where}: " + (f"sampling lacks {missing[0]!r}" if missing else "model lacks name or sha256"))
+    lacking = [k for k in ("weights", "kv_dtype", "attention", "device", "recipe") if k not in doc["arithmetic"]]
+    if lacking:
+        raise TfqError(f"{where}: arithmetic lacks {lacking[0]!r}")
+    ids = doc["prompt"] + doc["reply"]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids) or not doc["prompt"]:
+        raise TfqError(f"{where}: prompt and reply are token ids (integers from 0), the prompt at least one")
+    try:
+        request_of(doc).validate()
+    except (TfqError, TypeError, ValueError, AttributeError) as e:
+        raise TfqError(f"{where}: its sampling settings are not a request's ({e})") from None
     if len(doc["digests"]) != len(doc["reply"]) or not doc["reply"]:
         raise TfqError(f"{where}: {len(doc['reply'])} reply tokens but {len(doc['digests'])} digests; a receipt "
                        f"has one digest a token, and at least one token")

@@ -128,7 +128,7 @@ def _run(group: Group, docs: list[dict], sets: Sequence[str]) -> list:
     from tfq.plan.resolve import resolve_plan
 
     a = group.settings
-    window = max(len(d["prompt"]) + len(d["reply"]) for d in docs) + 1
+    window = max(len(d["prompt"]) + len(d["reply"]) for d in docs)  # the last token is drawn, never fed
     plan, _, layout = resolve_plan(None, group.name, [
         *sets, f"weights={a['weights']}", f"kv.dtype={a['kv_dtype']}", f"attention={a['attention']}",
         f"device={a['device']}", f"window={window}"], True, None, Streams.of(len(docs), "receipt"))

@@ -113,6 +113,8 @@ def chat_prompt(served: Served, body: ChatBody) -> ChatPrompt:
     try:
         chat = tok.chat(body.chat(), tools=body.tool_dicts, options=body.chat_template_kwargs)
     except TfqError as e:
+        if str(e).startswith("chat_template_kwargs"):
+            raise ApiError(400, str(e), "chat_template_kwargs") from None
         raise ApiError(400, f"messages: {e}", "messages") from None
     short_enough(served, chat.text, "messages")
     prompt = tok.ids(chat)

@@ -20,6 +20,7 @@ from tfq.serve.responses import (
     ResponsesBody,
     ResponseStore,
     chat_fields,
+    input_messages,
     reply_messages,
     sse_event,
     stream_events,
@@ -60,8 +61,8 @@ async def respond(served: Served, compiles: Compiles, store: ResponseStore, body
     ticket = submit(served, requests, matchers)
     builder = Builder(served.model)
 
-    def keep(message: dict) -> None:
-        store.put(builder.id, fields["messages"] + reply_messages(message))
+    def keep(message: dict) -> None:  # the conversation without this request's instructions: they do not carry over
+        store.put(builder.id, history + input_messages(body) + reply_messages(message))
 
     if body.stream:
         async def deltas():
@@ -71,9 +72,9 @@ async def respond(served: Served, compiles: Compiles, store: ResponseStore, body
                     yield stream.feed(event.output.text), None
                 else:
                     result = _check(event.result)
-                    yield stream.finish(), result
-                    keep(chat_choice(shape, served.tokenizer, 0, result)["message"])
+                    keep(chat_choice(shape, served.tokenizer, 0, result)["message"])  # kept before it is told
                     finished(served, [result])
+                    yield stream.finish(), result
 
         async def events():
             try:

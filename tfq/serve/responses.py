@@ -215,6 +215,8 @@ class Events:
         self.builder = builder
         self.open: str | None = None  # the kind of the item now streaming: reasoning, message, or none
         self.text = ""  # that item's text so far
+        self.calls: list[dict] = []  # calls, sent as items at the end: after the message, as a whole response has them
+        self.answered = False
 
     @property
     def index(self) -> int:
@@ -223,6 +225,7 @@ class Events:
     def delta(self, kind: str, text: str) -> list[tuple[str, dict]]:
         """A piece of thinking (kind reasoning) or of the answer (message)."""
         events = []
+        self.answered |= kind == "message"
         if self.open != kind:
             events += self.close()
             item = self.builder.reasoning("") if kind == "reasoning" else self.builder.message("", "in_progress")
@@ -240,8 +243,8 @@ class Events:
                                      delta=text, **extra))]
 
     def call(self, c: dict) -> list[tuple[str, dict]]:
-        events = self.close()
         item = self.builder.call(c)
+        events = []
         self.builder.items.append(item)
         i = self.index
         started = {**item, "arguments": "", "status": "in_progress"}
@@ -273,8 +276,10 @@ class Events:
 
     def end(self) -> list[tuple[str, dict]]:
         events = self.close()
-        if not self.builder.items:  # an empty answer is still a message
+        if not self.answered and not self.calls:  # an empty answer is still a message
             events += self.delta("message", "") + self.close()
+        for c in self.calls:
+            events += self.call(c)
         return events
 
 
@@ -292,8 +297,7 @@ async def stream_events(builder: Builder, body: ResponsesBody, deltas: AsyncIter
     async for delta, result in deltas:
         events = items.delta("reasoning", delta["reasoning_content"]) if delta.get("reasoning_content") else []
         events += items.delta("message", delta["content"]) if delta.get("content") else []
-        for c in delta.get("tool_calls") or []:
-            events += items.call(c)
+        items.calls += delta.get("tool_calls") or []
         if result is not None:
             events += items.end()
             events.append(("response.completed", dict(response=builder.response(body, "completed", result,
