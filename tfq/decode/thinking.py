@@ -11,7 +11,7 @@ import re
 
 from tfq.decode.tools import CLOSE as CALL_CLOSE
 from tfq.decode.tools import OPEN as CALL_OPEN
-from tfq.decode.tools import ToolCall, block_call
+from tfq.decode.tools import ToolCall, block_call, held_prefix
 
 OPEN, CLOSE = "<think>", "</think>"
 
@@ -25,11 +25,6 @@ def opened(prompt_text: str) -> bool:
     """Whether the rendered prompt leaves the reply inside a thinking block (Qwen3.5's generation prompt ends with
     `<think>\\n`; Qwen3's with thinking off ends with an empty, closed block)."""
     return prompt_text.rstrip().endswith(OPEN)
-
-
-def _held(text: str, tag: str) -> int:
-    """Characters at the end of `text` that may begin `tag`."""
-    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-k:])), 0)
 
 
 class ThinkStream:
@@ -56,7 +51,7 @@ class ThinkStream:
             if self.state == "in":
                 end = text.find(CLOSE)
                 if end < 0:
-                    keep = _held(text, CLOSE)
+                    keep = held_prefix(text, CLOSE)
                     self.held = text[len(text) - keep:]
                     return thinking + text[:len(text) - keep], answer
                 thinking += text[:end]

@@ -54,6 +54,11 @@ def parse(text: str) -> tuple[str, list[ToolCall]]:
     return head, calls
 
 
+def held_prefix(text: str, tag: str) -> int:
+    """Characters at the end of `text` that may begin `tag` (a streamed split holds them until the next piece)."""
+    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-k:])), 0)
+
+
 class CallStream:
     """A streamed reply's text split as it comes: text before the first call goes out at once (except what may
     begin `<tool_call>`); from there on, text is held and each call goes out whole when its block closes."""
@@ -67,8 +72,7 @@ class CallStream:
         if not self.calling:
             start = self.held.find(OPEN)
             if start < 0:
-                keep = next((k for k in range(min(len(OPEN) - 1, len(self.held)), 0, -1)
-                             if OPEN.startswith(self.held[-k:])), 0)
+                keep = held_prefix(self.held, OPEN)
                 text, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
                 return text, []
             self.calling = True

@@ -141,12 +141,7 @@ class StateCache:
 
     def keep(self, key: bytes, slot: int) -> None:
         """The slot's state as it is now (after the rows the page `key` ends), kept under that key."""
-        if not (self.spare or self.kept) or key in self.kept:
-            return
-        at = self.spare.pop() if self.spare else self.kept.popitem(last=False)[1]
-        for kept, state in zip(self.kept_conv + self.kept_rec, self.conv + self.rec):
-            kept[at].copy_(state[slot])
-        self.kept[key] = at
+        self.take(key, [state[slot] for state in self.conv + self.rec])
 
     def kept_state(self, key: bytes) -> list[torch.Tensor]:
         """The state kept under `key`: each layer's convolution window, then each layer's recurrence (views)."""
@@ -154,7 +149,8 @@ class StateCache:
         return [t[at] for t in self.kept_conv + self.kept_rec]
 
     def take(self, key: bytes, state: list[torch.Tensor]) -> None:
-        """A state read back from disk, kept under `key` (as `kept_state` lists it)."""
+        """`state` (as `kept_state` lists it: a slot's, or one read back from disk) copied and kept under `key`,
+        in a spare snapshot or the least recently used one."""
         if key in self.kept or not (self.spare or self.kept):
             return
         at = self.spare.pop() if self.spare else self.kept.popitem(last=False)[1]

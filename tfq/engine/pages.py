@@ -46,7 +46,6 @@ class PagePool:
         self.prefix = prefix
         self.store = None  # tfq.engine.prefix_store.PrefixStore: named pages kept on disk too
         self.rows_of = None  # what holds the pages' rows (tfq.engine.cache.KVCache: page_rows, fill_page)
-
         self.states = None  # tfq.engine.cache.StateCache: a hybrid's DeltaNet states kept at page boundaries
         self.snapshot_offset = 0  # rows past its boundary a state is kept at: 0; a check's control sets 1
 

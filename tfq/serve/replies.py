@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from tfq.decode import tools
 from tfq.decode.sampling import TokenLogprob
 from tfq.decode.thinking import ThinkStream, calls_in, split
+from tfq.decode.tools import CLOSE as CALL_CLOSE
 from tfq.decode.tools import parse
 from tfq.engine.stream import Finish, Request, Result
 from tfq.receipts.receipt import Issuer
@@ -154,9 +155,10 @@ class ChoiceStream:
             text += self.split.finish()
         if self.split and thinking:
             self.thought += thinking
-            found = calls_in(self.thought)
-            made = found[self.thought_calls:] + made
-            self.thought_calls = len(found)
+            if CALL_CLOSE in self.thought[-len(thinking) - len(CALL_CLOSE):]:  # a block closed: look again
+                found = calls_in(self.thought)
+                made = found[self.thought_calls:] + made
+                self.thought_calls = len(found)
         delta: dict = {} if last and not text else {"content": text}
         if thinking:
             delta["reasoning_content"] = thinking

@@ -166,11 +166,9 @@ class Builder:
         return {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
                 "content": [{"type": "reasoning_text", "text": text}], "status": "completed"}
 
-    def message(self, text: str, status: str = "completed") -> dict:
-        content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" \
-            else []
-        return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
-                "content": content}
+    def message(self, text: str) -> dict:
+        return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "completed", "role": "assistant",
+                "content": [_part(text)]}
 
     def call(self, c: dict) -> dict:
         return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": c["id"],
@@ -228,7 +226,7 @@ class Events:
         self.answered |= kind == "message"
         if self.open != kind:
             events += self.close()
-            item = self.builder.reasoning("") if kind == "reasoning" else self.builder.message("", "in_progress")
+            item = self.builder.reasoning("") if kind == "reasoning" else self.builder.message("")
             self.builder.items.append({**item, "content": [], "status": "in_progress"})
             self.open, self.text = kind, ""
             events.append(("response.output_item.added", dict(output_index=self.index, item=dict(item, content=[],
