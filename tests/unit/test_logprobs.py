@@ -106,8 +106,8 @@ def test_the_sampler_sorts_only_the_head_yet_draws_what_the_whole_order_draws():
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_a_row_with_a_nan_or_an_infinity_anywhere_is_not_finite(bad):
-    """finite() reads a row's sum; a NaN or an infinity in any position makes it say so, and a row whose finite
-    values overflow the sum (the control: its sum is inf) is still finite, by the test of each value."""
+    """finite() reads a row's largest and least value; a NaN or an infinity in any position makes it say so, and a
+    row of finite values as large as a float32 holds (whose sum overflows) is still finite."""
     from tfq.decode.sampling import finite
 
     row = torch.randn(151936, generator=torch.Generator().manual_seed(0))

@@ -100,7 +100,8 @@ def test_receipts_are_read_as_one_object_a_list_or_lines(tmp_path):
 
 
 @pytest.mark.parametrize("content, words", [
-    ("{not json", "not JSON"), ("[]", "holds no receipt"), ('{"format": "tfq-receipt/9"}', "is not 'tfq-receipt/1'"),
+    ("{not json", "not JSON"), ("[]", "holds no receipt"), ('{"format": "tfq-receipt/9"}', "is not 'tfq-receipt/2'"),
+    ('{"format": "tfq-receipt/1"}', "holds sha256 digests"),
     (json.dumps({**issued(), "digests": ["a1"]}), "3 reply tokens but 1 digests"),
     (json.dumps({k: v for k, v in issued().items() if k != "prompt"}), "field 'prompt' is missing"),
     (json.dumps({**issued(), "arithmetic": {"weights": "gguf"}}), "arithmetic lacks 'kv_dtype'"),

@@ -15,23 +15,25 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import xxhash
 
 from tfq.errors import TfqError
 from tfq.nearest import BLOCK, exp32, log64
 
 
 def digest(logits: torch.Tensor) -> str:
-    """A short hash of a logits row's exact bits."""
-    return hashlib.sha256(logits.contiguous().numpy()).hexdigest()[:16]  # hashed in place, not copied
+    """A short hash of a logits row's exact bits: XXH3's 64 bits, in hex. Each digest is compared with one computed
+    again from logits (a replay, a record, another arm), never trusted as a commitment on its own, so the hash
+    needs no cryptographic strength; sha256 of a 152k-float row took 0.4-0.5 ms of a 25 ms step, XXH3 takes 15 us."""
+    return xxhash.xxh3_64_hexdigest(memoryview(logits.contiguous().numpy()).cast("B"))  # hashed in place
 
 
 def finite(logits: torch.Tensor) -> bool:
-    """Whether every value of a logits row is finite, from its sum (a NaN or an infinity anywhere makes the sum NaN
-    or infinite): several times cheaper than a test of each value, which runs only where finite values overflow
-    the sum. numpy's sum, on this thread: torch's may start a parallel region, costly on a busy machine."""
-    with np.errstate(over="ignore", invalid="ignore"):  # an overflowing sum or inf - inf: what it asks about
-        total = float(logits.numpy().sum())
-    return math.isfinite(total) or bool(torch.isfinite(logits).all())
+    """Whether every value of a logits row is finite, from its largest and least (numpy's max and min carry a NaN
+    anywhere into their answer, an infinity shows as one or the other): two vector passes on this thread, several
+    times cheaper than a sum or a test of each value (torch's may start a parallel region, costly on a busy machine)."""
+    x = logits.numpy()
+    return math.isfinite(float(x.max())) and math.isfinite(float(x.min()))
 
 
 def draw_key(seed: int, position: int) -> int:

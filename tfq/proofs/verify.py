@@ -24,7 +24,7 @@ TOP = 3  # top log-probabilities each token
 WEIGHTS = ("gguf-q8", "gguf", "fp32")  # the default model's arithmetics: the default (its blocks, activations in 8
 # bits), its blocks with fp32 sums, and their fp32 values
 SAMPLED = {"temperature": 1.0, "top_p": 0.9, "seed": 7}  # a second sampled chat: the suite's first, drawn
-FORMAT = 1
+FORMAT = 2  # 1: each digest a sha256 (to 2026-12-05); 2: XXH3 (tfq/decode/sampling.py: digest)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from tfq.engine.stream import Finish, Request, Result
 from tfq.errors import TfqError
 from tfq.kernels.contract import RECIPE
 
-FORMAT = "tfq-receipt/1"
+FORMAT = "tfq-receipt/2"  # /1 (2026-12-05): the same fields, each digest a sha256
 SIGNATURE = "hmac-sha256"
 _CHAIN_ROOT = hashlib.sha256(b"tfq receipt chain").hexdigest()
 
@@ -128,6 +128,9 @@ def check(doc, where: str) -> dict:
     """A receipt as read from JSON, its shape checked (one line naming what is wrong)."""
     if not isinstance(doc, dict):
         raise TfqError(f"{where}: not a receipt (a JSON object with format {FORMAT!r})")
+    if doc.get("format") == "tfq-receipt/1":
+        raise TfqError(f"{where}: a tfq-receipt/1 receipt holds sha256 digests, which this tfq no longer computes "
+                       f"({FORMAT}: XXH3 digests); replay it with the tfq that issued it")
     if doc.get("format") != FORMAT:
         raise TfqError(f"{where}: format {doc.get('format')!r} is not {FORMAT!r}; this tfq replays {FORMAT} "
                        f"receipts")
