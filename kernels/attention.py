@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
 import torch
 
 from . import cpu_build
@@ -63,23 +64,24 @@ def attention_tables(batch: AttentionBatch, rows: int) -> tuple[torch.Tensor, to
 
 def key_tables(batch: AttentionBatch, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every query row's keys as (table, offsets, lengths): row n attends to the cache rows
-    table[offsets[n] : offsets[n] + lengths[n]], in position order."""
-    parts, offsets, lengths = [], torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long)
+    table[offsets[n] : offsets[n] + lengths[n]], in position order. Built in numpy: a handful of small arrays,
+    each torch op of which would cost microseconds once a forward has streamed the weights through the caches."""
+    parts, offsets, lengths = [], np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
     start = 0
     if batch.decode is not None:
         d = batch.decode
         b, lpad = d.cache_rows.shape
-        parts.append(d.cache_rows.reshape(-1))
-        offsets[d.q_rows] = torch.arange(b) * lpad
-        lengths[d.q_rows] = d.lengths
+        parts.append(d.cache_rows.numpy().reshape(-1))
+        offsets[d.q_rows.numpy()] = np.arange(b) * lpad
+        lengths[d.q_rows.numpy()] = d.lengths.numpy()
         start = b * lpad
     for c in batch.chunks:
-        parts.append(c.cache_rows)
+        parts.append(c.cache_rows.numpy())
         offsets[c.q_start:c.q_start + c.count] = start
-        lengths[c.q_start:c.q_start + c.count] = torch.arange(c.first_pos + 1, c.first_pos + c.count + 1)
+        lengths[c.q_start:c.q_start + c.count] = np.arange(c.first_pos + 1, c.first_pos + c.count + 1)
         start += len(c.cache_rows)
-    table = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
-    return table.contiguous(), offsets, lengths
+    table = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    return torch.from_numpy(np.ascontiguousarray(table)), torch.from_numpy(offsets), torch.from_numpy(lengths)
 
 
 def write(cache_k: torch.Tensor, cache_v: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

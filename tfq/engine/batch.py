@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tfq.engine.cache import KVCache
@@ -59,14 +60,14 @@ def step_rows(cache: KVCache, feeds: list[Feed], arithmetic: Arithmetic) -> Step
         segments.append(Segment(row, n, f.placement.slot, f.start == 0, f.guesses > 0))
         ids.extend(f.tokens)
         positions.extend(range(f.start, f.start + n))
-        write_rows.append(cache.rows(f.placement, f.start, n))
+        write_rows.append(cache.row_array(f.placement, f.start, n))
         if n == 1:
             decode.append((row, f))
         else:
             chunks.append(Chunk(row, n, f.start, cache.key_rows(f.placement, f.start + n)))
         logit_rows.extend(range(row + n - f.logits, row + n))
         row += n
-    return StepRows(torch.tensor(ids), torch.tensor(positions), torch.cat(write_rows),
+    return StepRows(torch.tensor(ids), torch.tensor(positions), torch.from_numpy(np.concatenate(write_rows)),
                     AttentionBatch(_decode_group(cache, decode), chunks, arithmetic.partial),
                     torch.tensor(logit_rows, dtype=torch.long), [f.logits for f in feeds],
                     Segments.of(segments, arithmetic.chunked_deltanet, arithmetic.experts_by_load))
@@ -84,8 +85,8 @@ def _decode_group(cache: KVCache, decode: list[tuple[int, Feed]]) -> DecodeGroup
     if not decode:
         return None
     lengths = [f.start + 1 for _, f in decode]
-    keys = [cache.key_rows(f.placement, n) for (_, f), n in zip(decode, lengths)]
-    rows = torch.zeros(len(keys), max(len(k) for k in keys), dtype=torch.long)
+    keys = [cache.key_row_array(f.placement, n) for (_, f), n in zip(decode, lengths)]
+    rows = np.zeros((len(keys), max(len(k) for k in keys)), dtype=np.int64)
     for i, k in enumerate(keys):
         rows[i, :len(k)] = k  # past a stream's own tiles: row 0, masked
-    return DecodeGroup(torch.tensor([r for r, _ in decode]), rows, torch.tensor(lengths))
+    return DecodeGroup(torch.tensor([r for r, _ in decode]), torch.from_numpy(rows), torch.tensor(lengths))

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tfq.engine.pages import PagePool, Placement
@@ -89,20 +90,24 @@ class KVCache:
 
     def rows(self, p: Placement, start: int, count: int) -> torch.Tensor:
         """Store rows of positions [start, start + count)."""
-        if count <= 8:  # a decode step's rows: the same sums in Python's integers, one small tensor made
-            return torch.tensor([p.blocks[q // p.block_rows] + q % p.block_rows for q in range(start, start + count)],
-                                dtype=torch.long)
-        pos = torch.arange(start, start + count)
-        blocks = torch.tensor(p.blocks, dtype=torch.long)
-        return blocks[pos // p.block_rows] + pos % p.block_rows
+        return torch.from_numpy(self.row_array(p, start, count))
 
     def key_rows(self, p: Placement, length: int) -> torch.Tensor:
         """Store rows of every key tile covering positions [0, length); the tail of the last tile stays
         inside the store (masked by attention, so any finite row serves)."""
+        return torch.from_numpy(self.key_row_array(p, length))
+
+    def row_array(self, p: Placement, start: int, count: int) -> np.ndarray:
+        """`rows` as a numpy array (a forward's tables are built in numpy: each torch op costs microseconds cold,
+        between forwards that streamed the weights through the caches)."""
+        pos = np.arange(start, start + count)
+        return np.asarray(p.blocks, dtype=np.int64)[pos // p.block_rows] + pos % p.block_rows
+
+    def key_row_array(self, p: Placement, length: int) -> np.ndarray:
         padded = tile_count(length) * KEY_TILE
         if not p.paged:
-            return (p.blocks[0] + torch.arange(padded)).clamp_(max=self.rows_total - 1)
-        return self.rows(p, 0, padded)  # page rows are a multiple of the tile: a tile never straddles pages
+            return np.minimum(p.blocks[0] + np.arange(padded), self.rows_total - 1)
+        return self.row_array(p, 0, padded)  # page rows are a multiple of the tile: a tile never straddles pages
 
     def write(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.backend.store(self.k[layer], self.v[layer], rows.to(self.backend.device), k, v, self.dtype_name)
