@@ -218,8 +218,9 @@ def test_every_rank_proves_its_own_shard(tiny_dirs):
 
 
 def test_a_rank_that_dies_is_one_line_not_a_hang(tiny_dirs):
-    """A rank killed mid-run: rank 0's next forward says so in one line (a TfqError), instead of waiting on a
-    collective for ever or printing a traceback."""
+    """A rank killed mid-run: rank 0 stops the others at once (they idle in a receive and would not notice; a
+    collective could then wait through them for gloo's 30 minutes), and its next forward says so in one line (a
+    TfqError), instead of waiting on a collective or printing a traceback."""
     from tfq.engine.stream import Request
     from tfq.parallel.ranks import ranks
 
@@ -229,6 +230,8 @@ def test_a_rank_that_dies_is_one_line_not_a_hang(tiny_dirs):
     group = ranks(4, torch.device("cpu"))
     group.processes[1].kill()
     group.processes[1].wait()
+    for p in group.processes[2:]:  # stopped by rank 0's watch; left alone they would wait for its next message
+        p.wait(timeout=120)
     with pytest.raises(TfqError, match="a tensor-parallel rank stopped") as e:
         engine.generate([Request(prompt=(1, 2, 3), max_tokens=2)])
     assert "\n" not in str(e.value)
@@ -249,7 +252,7 @@ class Mkdir:
 
 
 def test_a_message_is_unpickled_only_under_the_runs_mac(tmp_path):
-    from tfq.parallel.ranks import opened, sealed
+    from tfq.parallel.sealing import opened, sealed
 
     secret = secrets.token_bytes(32)
     payload = pickle.dumps(("stop", Mkdir(tmp_path / "read")))
@@ -543,7 +546,7 @@ def test_a_forged_or_oversized_length_is_refused_before_anything_is_allocated():
         forged.receive()
     assert "\n" not in str(e.value) and forged.pg.asked == [48]
 
-    from tfq.parallel.ranks import MAX_MESSAGE, header
+    from tfq.parallel.sealing import MAX_MESSAGE, header
 
     big = _wired(secret, header(secret, 1, MAX_MESSAGE + 1))
     with pytest.raises(TfqError, match=f"{MAX_MESSAGE + 1} bytes") as e:

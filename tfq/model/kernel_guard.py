@@ -61,7 +61,7 @@ def check_rows(f: LinearFn, n_in: int, what: str, rows: int = 64, g: torch.Gener
 
 def _row_digests(out: torch.Tensor) -> list[int]:
     """Each row's bits hashed (XXH3, 64 bits)."""
-    return [xxhash.xxh3_64_intdigest(memoryview(row.numpy()).cast("B")) for row in out.cpu().contiguous()]
+    return [xxhash.xxh3_64_intdigest(row.numpy()) for row in out.cpu().contiguous().view(torch.uint8)]
 
 
 def check_layers(layers: dict, backend) -> None:

@@ -34,12 +34,12 @@ import atexit
 import contextlib
 import datetime
 import hmac
+import logging
 import os
 import pickle
 import secrets
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -49,14 +49,13 @@ from dataclasses import dataclass
 import torch
 
 from tfq.errors import TfqError, Unservable
+from tfq.parallel.sealing import HEAD_BYTES, MAC_BYTES, MAX_MESSAGE, header, opened, read_header, sealed
+
+log = logging.getLogger(__name__)
 
 TIMEOUT = datetime.timedelta(minutes=30)  # a collective waits this long for a peer (a rank 0 that stopped)
 SECRET_BYTES = 32
-MAC_BYTES = 32  # HMAC-SHA256
 STOP_WAIT = datetime.timedelta(seconds=10)  # a rank that does not take the stop in this long is killed
-FIELDS = struct.Struct("<qq")  # a message's header: its payload's length, then its number (1, 2, ...)
-HEAD_BYTES = FIELDS.size + MAC_BYTES  # the fields and their MAC: what a rank reads before it trusts a length
-MAX_MESSAGE = 1 << 30  # the most a rank allocates for one message (a step's inputs: kilobytes to megabytes)
 INTERFACE = "TFQ_TP_INTERFACE"  # names the network interface gloo uses instead of 127.0.0.1
 
 
@@ -178,6 +177,17 @@ class Ranks:
         self.loaded: dict[ModelSpec, object] = {}
         self.stopped = False
         atexit.register(self.stop)
+        for rank, p in enumerate(self.processes, 1):
+            threading.Thread(target=self._watch, args=(rank, p), daemon=True, name=f"tfq rank {rank}").start()
+
+    def _watch(self, rank: int, p: subprocess.Popen) -> None:
+        """A rank that exits unasked leaves the others in a collective rank 0 may wait on through live peers (a
+        ring passes the loss on only as far as a peer that reads from it; one run waited out gloo's 30 minutes):
+        the rest are stopped too, so whatever rank 0 waits on fails at once, and its next forward says so."""
+        code = p.wait()
+        if not self.stopped:
+            log.error("tensor-parallel rank %d exited (%s); stopping the group", rank, code)
+            self.kill()
 
     def load(self, what: ModelSpec, load_shard, progress: bool = True):
         """Every rank's shard of a model (rank 0's returned: a LoadedModel whose model is a ShardedQwen).
@@ -331,51 +341,6 @@ def admit(store, secret: bytes, processes: list[subprocess.Popen]) -> None:
         if not hmac.compare_digest(store.get(joined_key(rank)), proof(secret, rank)):
             raise TfqError(f"a process that does not know this run's secret joined as tensor-parallel rank {rank} "
                            f"(store port {store.port}): refused; is another program using this port? try again")
-
-
-def _mac(secret: bytes, kind: bytes, data: bytes) -> bytes:
-    """kind (b"head" or b"body") keeps a header's MAC from passing for a payload's, or the reverse."""
-    return hmac.new(secret, kind + data, "sha256").digest()
-
-
-def _forged() -> TfqError:
-    return TfqError("a message failed its HMAC check (not sent by this run's rank 0): refused unread; this rank "
-                    "stops, start the run again")
-
-
-def header(secret: bytes, number: int, length: int) -> bytes:
-    """What comes before message `number`: its payload's length and its number, then their MAC."""
-    fields = FIELDS.pack(length, number)
-    return fields + _mac(secret, b"head", fields)
-
-
-def read_header(secret: bytes, number: int, data: bytes) -> int:
-    """The length of message `number`'s payload, from its header: trusted (and allocated) only once the MAC
-    proves rank 0 of this run wrote it, the number is the one due and the length within MAX_MESSAGE."""
-    fields, mac = data[:FIELDS.size], data[FIELDS.size:]
-    if len(data) != HEAD_BYTES or not hmac.compare_digest(mac, _mac(secret, b"head", fields)):
-        raise _forged()
-    length, got = FIELDS.unpack(fields)
-    if got != number:
-        raise TfqError(f"message {got} of this run arrived when message {number} was due (replayed or out of "
-                       "order): refused unread; this rank stops, start the run again")
-    if not 0 <= length <= MAX_MESSAGE:
-        raise TfqError(f"message {got} announced {length} bytes, not within the 0 to {MAX_MESSAGE} a rank takes: "
-                       "refused unread; this rank stops, start the run again")
-    return length
-
-
-def sealed(secret: bytes, number: int, payload: bytes) -> bytes:
-    """Message `number`'s payload after its MAC (over the number too: no other message's payload passes)."""
-    return _mac(secret, b"body", FIELDS.pack(len(payload), number) + payload) + payload
-
-
-def opened(secret: bytes, number: int, data: bytes):
-    """Message `number`, unpickled only once its MAC proves rank 0 of this run sent it as that number."""
-    mac, payload = data[:MAC_BYTES], data[MAC_BYTES:]
-    if not hmac.compare_digest(mac, _mac(secret, b"body", FIELDS.pack(len(payload), number) + payload)):
-        raise _forged()
-    return pickle.loads(payload)
 
 
 @contextlib.contextmanager
