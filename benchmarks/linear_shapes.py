@@ -11,6 +11,10 @@ suffix computes it by `gguf-q8` (activations rounded to 8 bits). Each row count 
 fastest is kept, split by layer, with the bytes the kernels read a step over its time, beside the machine's
 bandwidth measured by the bench's probes in the same run (the highest of them: the roofline `tfq bench` uses).
 `--json FILE` writes the same. Speed is measured here, never asserted in tests.
+
+`--prefetch 384:2048,4096:8192` times each `-q8` row count once per pair of prefetch distances (bytes ahead into
+L1 and into L2, kernels/cpu/quant_q8.cpp), the pairs in turn within each repeat, so they are compared side by
+side on a noisy machine; the fastest of the repeats per pair, as above.
 """
 from __future__ import annotations
 
@@ -50,19 +54,38 @@ def step_bytes(layers: dict, head) -> int:
     return sum(size(f) for fs in layers.values() for f in fs) + size(head)
 
 
-def time_rows(layers: dict, head, rows: int, repeats: int, rng: np.random.Generator) -> dict[str, float]:
-    """The fastest of `repeats` passes over every layer at `rows` rows: seconds by layer name."""
-    best: dict[str, float] | None = None
-    for _ in range(repeats):
-        times = {}
-        for name, fs in [*layers.items(), ("head", [head])]:
-            x = torch.from_numpy(rng.standard_normal((rows, fs[0].in_features), dtype=np.float32))
-            t0 = time.perf_counter()
-            for f in fs:
-                f(x)
-            times[name] = time.perf_counter() - t0
-        if best is None or sum(times.values()) < sum(best.values()):
-            best = times
+def one_pass(layers: dict, head, xs: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Seconds by layer name of one pass over every layer."""
+    times = {}
+    for name, fs in [*layers.items(), ("head", [head])]:
+        t0 = time.perf_counter()
+        for f in fs:
+            f(xs[name])
+        times[name] = time.perf_counter() - t0
+    return times
+
+
+def time_rows(layers: dict, head, rows: int, repeats: int, rng: np.random.Generator,
+              reaches: list[tuple[int, int] | None]) -> list[dict[str, float]]:
+    """For each prefetch pair (None: the kernels' own), the fastest of `repeats` passes at `rows` rows: seconds
+    by layer name. The pairs take turns within a repeat."""
+    from tfq.kernels.cpu_build import op
+
+    xs = {name: torch.from_numpy(rng.standard_normal((rows, fs[0].in_features), dtype=np.float32))
+          for name, fs in [*layers.items(), ("head", [head])]}
+    own = tuple(op("q8_prefetch")()) if any(reaches) else None
+    best: list[dict[str, float] | None] = [None] * len(reaches)
+    try:
+        for _ in range(repeats):
+            for i, reach in enumerate(reaches):
+                if own is not None:
+                    op("q8_prefetch")(*(reach or own))
+                times = one_pass(layers, head, xs)
+                if best[i] is None or sum(times.values()) < sum(best[i].values()):
+                    best[i] = times
+    finally:
+        if own is not None:
+            op("q8_prefetch")(*own)
     return best
 
 
@@ -73,6 +96,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--prefetch", default=None, help="L1:L2 byte pairs for the -q8 kernels, e.g. 384:2048,4096:8192")
     a = ap.parse_args()
     from tfq.bench.measure import measure_bandwidth
     from tfq.kernels.backend import torch_backend
@@ -86,16 +110,21 @@ def main() -> None:
         layers = {name: [make_linear(weights, n, k, rng) for _ in range(a.layers)] for name, (n, k) in SHAPES.items()}
         head = make_linear(weights, *HEAD, rng)
         nbytes = step_bytes(layers, head)
+        reaches = [None]
+        if a.prefetch and weights.endswith("-q8"):
+            reaches = [tuple(int(v) for v in pair.split(":")) for pair in a.prefetch.split(",")]
         for rows in (int(r) for r in a.rows.split(",")):
-            best = time_rows(layers, head, rows, a.repeats, rng)
-            total = sum(best.values())
-            results.append({"weights": weights, "rows": rows, "ms": total * 1e3, "bytes": nbytes,
-                            "gb_s": nbytes / total / 1e9, "of_bandwidth": nbytes / total / bandwidth,
-                            "by_layer_ms": {name: s * 1e3 for name, s in best.items()}})
-            parts = "  ".join(f"{name} {s * 1e3:.1f}" for name, s in best.items())
-            print(f"{weights:>8} {rows} rows: {total * 1e3:6.1f} ms  {nbytes / 1e9:.2f} GB  "
-                  f"{nbytes / total / 1e9:5.1f} GB/s ({nbytes / total / bandwidth:4.0%} of the probe)  {parts}",
-                  flush=True)
+            for reach, best in zip(reaches, time_rows(layers, head, rows, a.repeats, rng, reaches)):
+                total = sum(best.values())
+                results.append({"weights": weights, "rows": rows, "prefetch": reach, "ms": total * 1e3,
+                                "bytes": nbytes, "gb_s": nbytes / total / 1e9,
+                                "of_bandwidth": nbytes / total / bandwidth,
+                                "by_layer_ms": {name: s * 1e3 for name, s in best.items()}})
+                parts = "  ".join(f"{name} {s * 1e3:.1f}" for name, s in best.items())
+                ahead = f" prefetch {reach[0]}:{reach[1]}" if reach else ""
+                print(f"{weights:>8} {rows} rows{ahead}: {total * 1e3:6.1f} ms  {nbytes / 1e9:.2f} GB  "
+                      f"{nbytes / total / 1e9:5.1f} GB/s ({nbytes / total / bandwidth:4.0%} of the probe)  {parts}",
+                      flush=True)
         del layers, head
     if a.json:
         with open(a.json, "w") as f:

@@ -46,6 +46,23 @@ def test_q8_layer_is_the_recipe_at_every_row_count(q8, bias):
     assert torch.equal(f(x.flip(0)), full.flip(0)), q8.kind
 
 
+def test_how_far_the_kernel_prefetches_never_changes_its_bits(q8):
+    """The prefetch distances differ by CPU (kernels/cpu/quant_q8.cpp: Reach): a hint to the memory system, so the
+    same rows give the same bits at any pair, none, or one that reaches past the weights' end."""
+    f = QuantLinear(q8)
+    x = awkward_rows(9, q8.shape[1])
+    own = tuple(cpu_build.op("q8_prefetch")())
+    try:
+        outs = []
+        for pair in [(0, 0), (64, 128), (384, 2048), (4096, 8192), (1 << 20, 1 << 21)]:
+            assert tuple(cpu_build.op("q8_prefetch")(*pair)) == pair
+            outs.append(f(x))
+    finally:
+        cpu_build.op("q8_prefetch")(*own)
+    assert tuple(cpu_build.op("q8_prefetch")()) == own
+    assert all(torch.equal(o, outs[0]) for o in outs) and torch.equal(outs[0], reference(x, q8)), q8.kind
+
+
 def test_the_rounding_of_the_activations():
     """Ties go to even, a zero or tiny block is zero, a NaN makes its block's scale NaN."""
     x = torch.zeros(1, 96)

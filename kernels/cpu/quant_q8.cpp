@@ -47,13 +47,25 @@ using tfq::V;
 constexpr int64_t OUT = 16;    // outputs a panel
 constexpr int64_t BLOCK = 32;  // inputs sharing an activation scale
 constexpr float TINY = 7.8886091e-31f;  // 2^-100: a block below it is zero
-// Bytes a tile prefetches ahead of its stream, into L1 and into L2. Near is better for L1 here: on a 2-core Zen 4
-// one thread read a 160 MB Q4_K matrix at one row at 29-32 GB/s with 192-384 bytes, 15 GB/s with 1,536 (no
-// prefetch at all: 11); Q5_0, Q6_K and Q8_0 the same way (30 against 25-27); the default model's linear layers at
-// one row on two threads took 9.7-11.3 ms against 11.7-13.3. The L2 request further on helps a small cold matrix
-// (a mixture's expert, 1536 x 2048) get going: 8 of 160 a call went from 25.7 to 27.1 GB/s with it (1,536 alone:
-// 27.9, but half the rate on large ones).
-constexpr int64_t AHEAD = 384, AHEAD_L2 = 2048;
+// Bytes a tile prefetches ahead of its stream, into L1 and into L2: a hint, never the bits. How far pays depends
+// on the core. On a 2-core Zen 4 near was better for L1: one thread read a 160 MB Q4_K matrix at one row at 29-32
+// GB/s with 192-384 bytes, 15 GB/s with 1,536 (no prefetch at all: 11); Q5_0, Q6_K and Q8_0 the same way (30
+// against 25-27). The L2 request further on helps a small cold matrix (a mixture's expert, 1536 x 2048) get going:
+// 8 of 160 a call went from 25.7 to 27.1 GB/s with it. On a 2-core Xeon (AVX-512, AMX) far was better: the default
+// model's linear layers at one row on two threads, Q4_K 16.1-17.5 ms with 384 and 2,048 against 12.9-14.5 with
+// 4,096 and 8,192, Q8_0 21.6 against 18.6, Q6_K 22.7 against 16.8, each pair measured side by side in one process
+// (benchmarks/linear_shapes.py --prefetch). So Intel's cores take the far pair, the others the near one;
+// `q8_prefetch` sets another pair for the process (the benchmark's sweep).
+struct Reach {
+  int64_t l1, l2;
+};
+Reach first_reach() {
+#if defined(__x86_64__) || defined(__i386__)
+  if (__builtin_cpu_is("intel")) return {4096, 8192};
+#endif
+  return {384, 2048};
+}
+Reach reach = first_reach();
 constexpr int64_t CHUNK = 32;  // panels a thread takes at a time (fewer for a small layer)
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 constexpr int TILE = 8;  // rows a tile: each of them an int32 and an fp32 accumulator
@@ -291,7 +303,7 @@ void tile(const Header& h, const uint8_t* panel, const Rounded& x, int64_t row0,
           int64_t N, int64_t outputs) {
   constexpr int64_t G = BITS == 6 ? 16 : 32;  // GGUF's groups: Q6_K's 16, the others' 32
   constexpr int chunks = BITS == 8 ? G / 4 : G / 8;
-  const int64_t K = h.k;
+  const int64_t K = h.k, ahead = reach.l1, ahead_l2 = reach.l2;
   const int32_t zero = h.zero;
   const int8_t* xq[R];
   const int32_t* xs[R];
@@ -305,18 +317,18 @@ void tile(const Header& h, const uint8_t* panel, const Rounded& x, int64_t row0,
   for (int i = 0; i < R; i++) acc[i] = tfq::vzero();
   for (int64_t g = 0; g < K / G; g++) {
     const Scales sc = scales_at<OFF>(h, panel, g);
-    TFQ_PREFETCH(sc.ints - OUT * 2 + AHEAD);  // the group's scales, ahead
+    TFQ_PREFETCH(sc.ints - OUT * 2 + ahead);  // the group's scales, ahead
     const int64_t k0 = g * G;
     I dot[R];
     for (int i = 0; i < R; i++) dot[i] = izero();
     B plane;
     if (BITS == 5 || BITS == 6) {
-      TFQ_PREFETCH(sc.ints + 64 * chunks + AHEAD);
+      TFQ_PREFETCH(sc.ints + 64 * chunks + ahead);
       plane = bload(sc.ints + 64 * chunks);
     }
     for (int c = 0; c < chunks; c++) {
-      TFQ_PREFETCH(sc.ints + 64 * c + AHEAD);
-      TFQ_PREFETCH_L2(sc.ints + 64 * c + AHEAD_L2);
+      TFQ_PREFETCH(sc.ints + 64 * c + ahead);
+      TFQ_PREFETCH_L2(sc.ints + 64 * c + ahead_l2);
       const B a = bload(sc.ints + 64 * c);
       if (BITS == 8) {
         for (int i = 0; i < R; i++) {
@@ -535,12 +547,19 @@ at::Tensor qpack_q8(const at::Tensor& q, const at::Tensor& s, const c10::optiona
   return out;
 }
 
+// the prefetch distances (bytes into L1, into L2): set where both are >= 0; the pair in force either way
+std::vector<int64_t> q8_prefetch(int64_t l1, int64_t l2) {
+  if (l1 >= 0 && l2 >= 0) reach = {l1, l2};
+  return {reach.l1, reach.l2};
+}
+
 }  // namespace
 }  // namespace tfq::q8
 
 TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) {
   m.def("qpack_q8(Tensor q, Tensor s, Tensor? o, int bits, int group, int zero, Tensor? sd=None, Tensor? sq=None, "
         "Tensor? od=None, Tensor? oq=None) -> Tensor");
+  m.def("q8_prefetch(int l1=-1, int l2=-1) -> int[]", tfq::q8::q8_prefetch);
 }
 TORCH_LIBRARY_IMPL(tfq_cpu, CPU, m) {
   m.impl("qpack_q8", tfq::q8::qpack_q8);
