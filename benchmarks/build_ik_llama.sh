@@ -7,10 +7,9 @@
 #   nice -n 10 bash benchmarks/build_ik_llama.sh      # 10-20 minutes on two cores; prints where it put things
 #
 # Lands in $TFQ_CACHE/ik_llama/ (default ~/.cache/tfq/ik_llama/), where tfq looks (or set TFQ_IK_LLAMA to another
-# folder that holds ik_llama_cpp/). The build names the CPU's instruction sets itself instead of -march=native: on
-# some machines (x86-64 with AVX-512 and AMX in a VM) a native build dies with an illegal instruction. ik_llama.cpp
-# has no AMX code and no AMX options; its iqk kernels take their fast AVX-512 path only with F, BW, VL, DQ and VNNI
-# all on, and its cmake names only F and BW, so the rest go in as compiler flags.
+# folder that holds ik_llama_cpp/). The build names the CPU's instruction sets (ggml_flags.sh) instead of
+# -march=native. ik_llama.cpp has no AMX code and no AMX options; its iqk kernels take their fast AVX-512 path only
+# with F, BW, VL, DQ and VNNI all on, and its cmake names only F and BW, so the rest go in as compiler flags.
 set -euo pipefail
 dest="${TFQ_IK_LLAMA:-${TFQ_CACHE:-$HOME/.cache/tfq}/ik_llama}"
 work="$(mktemp -d)"
@@ -20,14 +19,10 @@ tar xzf "$work"/ik_llama_cpp_python-*.tar.gz -C "$work"
 pkg="$(echo "$work"/ik_llama_cpp_python-*/)"
 pkg="${pkg%/}"
 src="$pkg/vendor/ik_llama.cpp"
-flags=(-DGGML_NATIVE=OFF)
+read -ra flags <<< "$(bash "$(dirname "$0")/ggml_flags.sh")"  # this CPU's instruction sets (ik_llama.cpp ignores AMX's)
 extra=()
 cpu="$(grep -m1 -E '^(flags|Features)' /proc/cpuinfo || true)"
 has() { [[ " $cpu " == *" $1 "* ]]; }
-for pair in avx:GGML_AVX avx2:GGML_AVX2 fma:GGML_FMA f16c:GGML_F16C avx512f:GGML_AVX512 \
-            avx512vbmi:GGML_AVX512_VBMI avx512_vnni:GGML_AVX512_VNNI avx512_bf16:GGML_AVX512_BF16; do
-  if has "${pair%%:*}"; then flags+=("-D${pair##*:}=ON"); else flags+=("-D${pair##*:}=OFF"); fi
-done
 if has avx512f; then
   for isa in avx512vl avx512dq avx512cd; do has "$isa" && extra+=("-m$isa"); done
 fi

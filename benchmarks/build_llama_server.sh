@@ -5,9 +5,8 @@
 #   bash benchmarks/build_llama_server.sh          # minutes on two cores; prints the binary's path
 #
 # The binary lands in $TFQ_CACHE/llama-server/ (default ~/.cache/tfq/llama-server/), where tfq looks for it
-# (or set TFQ_LLAMA_SERVER to another build). The build names the CPU's instruction sets itself instead of
-# -march=native: on some machines (x86-64 with AVX-512 and AMX in a VM) a native build dies with an illegal
-# instruction, while GGML_NATIVE=OFF with AVX-512 on and AMX off runs. No web UI: the build reaches no network.
+# (or set TFQ_LLAMA_SERVER to another build). The build names the CPU's instruction sets (ggml_flags.sh) instead
+# of -march=native. No web UI: the build reaches no network.
 set -euo pipefail
 dest="${TFQ_CACHE:-$HOME/.cache/tfq}/llama-server"
 work="$(mktemp -d)"
@@ -15,11 +14,7 @@ trap 'rm -rf "$work"' EXIT
 python -m pip download llama-cpp-python --no-binary :all: --no-deps -q -d "$work"
 tar xzf "$work"/llama_cpp_python-*.tar.gz -C "$work"
 src="$(echo "$work"/llama_cpp_python-*/vendor/llama.cpp)"
-flags=(-DGGML_NATIVE=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
-cpu="$(grep -m1 -E '^(flags|Features)' /proc/cpuinfo || true)"
-for pair in avx:GGML_AVX avx2:GGML_AVX2 fma:GGML_FMA f16c:GGML_F16C avx512f:GGML_AVX512; do
-  if [[ " $cpu " == *" ${pair%%:*} "* ]]; then flags+=("-D${pair##*:}=ON"); else flags+=("-D${pair##*:}=OFF"); fi
-done
+read -ra flags <<< "$(bash "$(dirname "$0")/ggml_flags.sh")"  # this CPU's instruction sets, AMX off
 cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_SERVER=ON \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF \
   -DLLAMA_USE_PREBUILT_UI=OFF "${flags[@]}" > "$work/cmake.log" 2>&1 || { tail -30 "$work/cmake.log"; exit 1; }
