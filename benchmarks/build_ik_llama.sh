@@ -19,7 +19,8 @@ tar xzf "$work"/ik_llama_cpp_python-*.tar.gz -C "$work"
 pkg="$(echo "$work"/ik_llama_cpp_python-*/)"
 pkg="${pkg%/}"
 src="$pkg/vendor/ik_llama.cpp"
-read -ra flags <<< "$(bash "$(dirname "$0")/ggml_flags.sh")"  # this CPU's instruction sets (ik_llama.cpp ignores AMX's)
+isa="$(bash "$(dirname "$0")/ggml_flags.sh")"  # a plain assignment: set -e stops on its failure (AMX flags ignored)
+read -ra flags <<< "$isa"
 extra=()
 cpu="$(grep -m1 -E '^(flags|Features)' /proc/cpuinfo || true)"
 has() { [[ " $cpu " == *" $1 "* ]]; }

@@ -14,7 +14,8 @@ trap 'rm -rf "$work"' EXIT
 python -m pip download llama-cpp-python --no-binary :all: --no-deps -q -d "$work"
 tar xzf "$work"/llama_cpp_python-*.tar.gz -C "$work"
 src="$(echo "$work"/llama_cpp_python-*/vendor/llama.cpp)"
-read -ra flags <<< "$(bash "$(dirname "$0")/ggml_flags.sh")"  # this CPU's instruction sets, AMX off
+isa="$(bash "$(dirname "$0")/ggml_flags.sh")"  # a plain assignment: set -e stops on its failure
+read -ra flags <<< "$isa"
 cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_SERVER=ON \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF \
   -DLLAMA_USE_PREBUILT_UI=OFF "${flags[@]}" > "$work/cmake.log" 2>&1 || { tail -30 "$work/cmake.log"; exit 1; }

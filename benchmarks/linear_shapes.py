@@ -89,6 +89,14 @@ def time_rows(layers: dict, head, rows: int, repeats: int, rng: np.random.Genera
     return best
 
 
+def prefetch_pair(text: str) -> tuple[int, int]:
+    """'L1:L2' in bytes, each 0 or more."""
+    l1, sep, l2 = text.partition(":")
+    if not sep or not l1.strip().isdigit() or not l2.strip().isdigit():
+        raise SystemExit(f"--prefetch {text!r}: give pairs of byte counts as L1:L2, e.g. 384:2048,4096:8192")
+    return int(l1), int(l2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,4,8")
@@ -98,6 +106,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--prefetch", default=None, help="L1:L2 byte pairs for the -q8 kernels, e.g. 384:2048,4096:8192")
     a = ap.parse_args()
+    pairs = [prefetch_pair(pair) for pair in a.prefetch.split(",")] if a.prefetch else []
     from tfq.bench.measure import measure_bandwidth
     from tfq.kernels.backend import torch_backend
 
@@ -110,9 +119,7 @@ def main() -> None:
         layers = {name: [make_linear(weights, n, k, rng) for _ in range(a.layers)] for name, (n, k) in SHAPES.items()}
         head = make_linear(weights, *HEAD, rng)
         nbytes = step_bytes(layers, head)
-        reaches = [None]
-        if a.prefetch and weights.endswith("-q8"):
-            reaches = [tuple(int(v) for v in pair.split(":")) for pair in a.prefetch.split(",")]
+        reaches = pairs if pairs and weights.endswith("-q8") else [None]
         for rows in (int(r) for r in a.rows.split(",")):
             for reach, best in zip(reaches, time_rows(layers, head, rows, a.repeats, rng, reaches)):
                 total = sum(best.values())

@@ -46,9 +46,10 @@ def test_q8_layer_is_the_recipe_at_every_row_count(q8, bias):
     assert torch.equal(f(x.flip(0)), full.flip(0)), q8.kind
 
 
-def test_how_far_the_kernel_prefetches_never_changes_its_bits(q8):
-    """The prefetch distances differ by CPU (kernels/cpu/quant_q8.cpp: Reach): a hint to the memory system, so the
-    same rows give the same bits at any pair, none, or one that reaches past the weights' end."""
+def test_the_prefetch_pair_is_set_and_restored_and_the_bits_stay(q8):
+    """The prefetch distances differ by CPU (kernels/cpu/quant_q8.cpp): q8_prefetch sets a pair and reads it back,
+    refuses half a pair or a negative one, and the same rows give the recipe's bits at any pair, from (0, 0) (the
+    current line) to one that reaches past the weights' end."""
     f = QuantLinear(q8)
     x = awkward_rows(9, q8.shape[1])
     own = tuple(cpu_build.op("q8_prefetch")())
@@ -57,6 +58,10 @@ def test_how_far_the_kernel_prefetches_never_changes_its_bits(q8):
         for pair in [(0, 0), (64, 128), (384, 2048), (4096, 8192), (1 << 20, 1 << 21)]:
             assert tuple(cpu_build.op("q8_prefetch")(*pair)) == pair
             outs.append(f(x))
+        for bad in [(-1, 2048), (384, -5)]:
+            with pytest.raises(RuntimeError, match="two distances in bytes"):
+                cpu_build.op("q8_prefetch")(*bad)
+            assert tuple(cpu_build.op("q8_prefetch")()) == pair  # a refused pair changes nothing
     finally:
         cpu_build.op("q8_prefetch")(*own)
     assert tuple(cpu_build.op("q8_prefetch")()) == own

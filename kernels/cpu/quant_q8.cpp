@@ -48,24 +48,20 @@ constexpr int64_t OUT = 16;    // outputs a panel
 constexpr int64_t BLOCK = 32;  // inputs sharing an activation scale
 constexpr float TINY = 7.8886091e-31f;  // 2^-100: a block below it is zero
 // Bytes a tile prefetches ahead of its stream, into L1 and into L2: a hint, never the bits. How far pays depends
-// on the core. On a 2-core Zen 4 near was better for L1: one thread read a 160 MB Q4_K matrix at one row at 29-32
-// GB/s with 192-384 bytes, 15 GB/s with 1,536 (no prefetch at all: 11); Q5_0, Q6_K and Q8_0 the same way (30
-// against 25-27). The L2 request further on helps a small cold matrix (a mixture's expert, 1536 x 2048) get going:
-// 8 of 160 a call went from 25.7 to 27.1 GB/s with it. On a 2-core Xeon (AVX-512, AMX) far was better: the default
-// model's linear layers at one row on two threads, Q4_K 16.1-17.5 ms with 384 and 2,048 against 12.9-14.5 with
-// 4,096 and 8,192, Q8_0 21.6 against 18.6, Q6_K 22.7 against 16.8, each pair measured side by side in one process
-// (benchmarks/linear_shapes.py --prefetch). So Intel's cores take the far pair, the others the near one;
-// `q8_prefetch` sets another pair for the process (the benchmark's sweep).
-struct Reach {
-  int64_t l1, l2;
-};
-Reach first_reach() {
+// on the core: near (384, 2,048) on a 2-core Zen 4, where 1,536 into L1 halved a large matrix's rate; far (4,096,
+// 8,192) on a 2-core Xeon VM with AVX-512 and AMX, 11-26% faster in every format there. Measured on those two
+// machines only (docs/quantized.md); other Intel cores take the Xeon's pair untested. `q8_prefetch` sets a pair for
+// the process (benchmarks/linear_shapes.py --prefetch). Atomics: a benchmark may set it while a kernel runs.
+namespace {
+std::atomic<int64_t> reach_l1{384}, reach_l2{2048};
+[[maybe_unused]] const bool reach_chosen = [] {
 #if defined(__x86_64__) || defined(__i386__)
-  if (__builtin_cpu_is("intel")) return {4096, 8192};
+  __builtin_cpu_init();  // needed before __builtin_cpu_is during static initialisation
+  if (__builtin_cpu_is("intel")) reach_l1 = 4096, reach_l2 = 8192;
 #endif
-  return {384, 2048};
-}
-Reach reach = first_reach();
+  return true;
+}();
+}  // namespace
 constexpr int64_t CHUNK = 32;  // panels a thread takes at a time (fewer for a small layer)
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 constexpr int TILE = 8;  // rows a tile: each of them an int32 and an fp32 accumulator
@@ -303,7 +299,8 @@ void tile(const Header& h, const uint8_t* panel, const Rounded& x, int64_t row0,
           int64_t N, int64_t outputs) {
   constexpr int64_t G = BITS == 6 ? 16 : 32;  // GGUF's groups: Q6_K's 16, the others' 32
   constexpr int chunks = BITS == 8 ? G / 4 : G / 8;
-  const int64_t K = h.k, ahead = reach.l1, ahead_l2 = reach.l2;
+  const int64_t K = h.k, ahead = reach_l1.load(std::memory_order_relaxed),
+                ahead_l2 = reach_l2.load(std::memory_order_relaxed);
   const int32_t zero = h.zero;
   const int8_t* xq[R];
   const int32_t* xs[R];
@@ -547,10 +544,12 @@ at::Tensor qpack_q8(const at::Tensor& q, const at::Tensor& s, const c10::optiona
   return out;
 }
 
-// the prefetch distances (bytes into L1, into L2): set where both are >= 0; the pair in force either way
+// the prefetch distances (bytes into L1, into L2): set by a pair of values >= 0, read by (-1, -1); the pair in force
 std::vector<int64_t> q8_prefetch(int64_t l1, int64_t l2) {
-  if (l1 >= 0 && l2 >= 0) reach = {l1, l2};
-  return {reach.l1, reach.l2};
+  TORCH_CHECK((l1 == -1 && l2 == -1) || (l1 >= 0 && l2 >= 0),
+              "tfq q8_prefetch: two distances in bytes, each 0 or more (or neither, to read them)");
+  if (l1 >= 0) reach_l1 = l1, reach_l2 = l2;
+  return {reach_l1.load(), reach_l2.load()};
 }
 
 }  // namespace

@@ -29,8 +29,9 @@ LOAD_TIMEOUT_S = 1800.0  # mapping a 16 GB file and repacking its Q4_K tensors, 
 EXIT_TIMEOUT_S = 30.0  # from the end of the child's output, or a close, to its exit
 # llama.cpp's native build dies with an illegal instruction on some machines (x86-64 with AVX-512 and AMX in a
 # VM); one that names the instruction sets runs (benchmarks/ggml_flags.sh names them, AMX off)
+FLAGS_SCRIPT = Path(tfq.__file__).resolve().parents[1] / "benchmarks" / "ggml_flags.sh"
 REBUILD = ('reinstall llama-cpp-python built for this CPU without -march=native: CMAKE_ARGS="$(bash '
-           'benchmarks/ggml_flags.sh)" pip install --force-reinstall --no-cache-dir llama-cpp-python')
+           f'{FLAGS_SCRIPT})" pip install --force-reinstall --no-cache-dir llama-cpp-python')
 IK_REBUILD = "rebuild ik_llama.cpp for this CPU with: nice -n 10 bash benchmarks/build_ik_llama.sh"
 STDERR_TAIL = 64 * 1024  # bytes of the child's stderr kept: drained always, so llama.cpp's noise never blocks it
 
