@@ -2,9 +2,10 @@
 take the most time (tfq.bench.breakdown; `tfq bench` puts the same split in its JSON).
 
     python benchmarks/profile_step.py --lanes 1,8 --steps 8
+    python benchmarks/profile_step.py --model shape.gguf --lanes 1 --steps 20   # a shape (write_shape.py)
 
-Each lane count gets its own engine on the default model (whole plan, 128-token prompts of random ids). The
-prompts are prefilled, then `--steps` decode steps are timed without the profiler and as many under it.
+Each lane count gets its own engine on the default model or `--model` (whole plan, 128-token prompts of random
+ids). The prompts are prefilled, then `--steps` decode steps are timed without the profiler and as many under it.
 `--json FILE` writes the same as JSON. Speed is measured here, never asserted in tests.
 """
 from __future__ import annotations
@@ -35,15 +36,17 @@ def main() -> None:
     ap.add_argument("--lanes", default="1,8")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--model", default="default", help="the default model, a folder or a GGUF file")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     from tfq.model.load import load_model
 
-    loaded = load_model("default", progress=False)
+    loaded = load_model(a.model, progress=False)
     results = [profile_lanes(loaded, int(n), a.steps, a.prompt_tokens) for n in a.lanes.split(",")]
     for r in results:
         print(f"lanes {r['lanes']}: {r['step_ms']:.1f} ms a step = linear {r['linear_ms']:.1f} + attention "
-              f"{r['attention_ms']:.1f} + rest {r['rest_ms']:.1f} (threads {torch.get_num_threads()})")
+              f"{r['attention_ms']:.1f} + experts {r['experts_ms']:.1f} + rest {r['rest_ms']:.2f} "
+              f"(threads {torch.get_num_threads()})")
         for op in r["top_ops"][:10]:
             print(f"    {op['op']:<36} {op['calls_per_step']:>5} calls {op['self_ms_per_step']:>8.2f} ms")
     if a.json:

@@ -32,6 +32,29 @@ inline void check_attention(const at::Tensor& x, const OptTensor& q_norm, const 
   tfq::checks::indices("tfq layer", "rows", rows, n, k_cache.size(0), "cache rows");
 }
 
+// Qwen3's q and k norms, each head's row of D normed in place in qkv's output (its first H + Hkv heads): the
+// recipe of tfq's rms_norm (lanes.h) a head at a time, as the layer op by op norms the q and k slices. In place,
+// because a layer's small ops each cost microseconds on caches a linear layer has just flushed: no copies of the
+// slices, no concatenation.
+inline void norm_heads(at::Tensor& qkv, const at::Tensor& q_norm, const at::Tensor& k_norm, int64_t H, int64_t Hkv,
+                       int64_t D, double eps) {
+  tfq::checks::vector_of("tfq layer", "q_norm", q_norm, D, "head_dim");
+  tfq::checks::vector_of("tfq layer", "k_norm", k_norm, D, "head_dim");
+  TORCH_CHECK(qkv.is_contiguous() && qkv.size(1) >= (H + Hkv) * D, "tfq layer: norm_heads layout");
+  float* p = qkv.data_ptr<float>();
+  const float* qn = q_norm.data_ptr<float>();
+  const float* kn = k_norm.data_ptr<float>();
+  const int64_t rows = qkv.size(0), width = qkv.size(1);
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++)
+      for (int64_t h = 0; h < H + Hkv; h++) {
+        float* x = p + r * width + h * D;
+        tfq::rms_norm_row(x, h < H ? qn : kn, D, e, x);
+      }
+  });
+}
+
 // The attention half: x [N, hidden] -> the attention's output projected by o [N, hidden]; keys and values of the
 // N rows go to the cache at `rows`. Rotary turns each head's first cos.size(-1) dimensions; `gated` (a hybrid's
 // attention): qkv's last rows are a gate, and the attention's output is times sigmoid(gate).
@@ -52,9 +75,7 @@ inline at::Tensor attention_part(const at::Tensor& x, const at::Tensor& input_no
   }
   at::Tensor qk = mixed_qkv.slice(1, 0, q_out + kv_out).reshape({n, heads + kv_heads, head_dim});
   at::Tensor v = mixed_qkv.slice(1, q_out + kv_out, q_out + 2 * kv_out).reshape({n, kv_heads, head_dim});
-  if (q_norm.has_value()) {
-    qk = at::cat({rms_norm(qk.slice(1, 0, heads), *q_norm, eps), rms_norm(qk.slice(1, heads), *k_norm, eps)}, 1);
-  }
+  if (q_norm.has_value()) norm_heads(mixed_qkv, *q_norm, *k_norm, heads, kv_heads, head_dim, eps);
   at::Tensor q;  // cache first: new keys are read back like old ones
   if (k_cache.scalar_type() == at::kFloat && saturate <= 0) {
     q = rotary_store(qk, v, cos, sin, k_cache, v_cache, rows, heads, kv_heads, head_dim);

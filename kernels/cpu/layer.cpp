@@ -154,7 +154,7 @@ std::tuple<at::Tensor, int64_t, at::Tensor> stack_forward(
     }
     const auto [ids, weights, unsure] = tfq::moe::moe_route(logits, s->chosen, s->normalized);
     if (unsure.numel() > 0) return {x2, i, h2};
-    h = x2 + tfq::moe::moe_mixture(h2, ids, weights, s->banks[i], s->moe_intermediate, clock);
+    h = tfq::moe::moe_mixture(h2, ids, weights, s->banks[i], s->moe_intermediate, clock, x2);
   }
   return {h, n, at::empty({0}, x.options())};
 }

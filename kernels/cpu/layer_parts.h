@@ -116,7 +116,8 @@ inline at::Tensor silu_mul(const at::Tensor& gu, int64_t I) {
   auto y = at::empty({rows, I}, gu.options());
   const float* gp = gu.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) {
+  // a decode step's few rows inline: starting the threads costs more than the work
+  at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / std::max<int64_t>(I, 1)), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; r++) {
       const float* g = gp + r * 2 * I;
       const float* u = g + I;

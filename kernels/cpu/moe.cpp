@@ -26,5 +26,9 @@ TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) {
 }
 TORCH_LIBRARY_IMPL(tfq_cpu, CPU, m) {
   m.impl("moe_route", tfq::moe::moe_route);
-  m.impl("moe_mixture", tfq::moe::moe_mixture);
+  m.impl("moe_mixture", [](const at::Tensor& h, const at::Tensor& ids, const at::Tensor& weights,
+                           const c10::intrusive_ptr<ExpertBank>& bank, int64_t intermediate,
+                           const c10::optional<at::Tensor>& clock) {
+    return tfq::moe::moe_mixture(h, ids, weights, bank, intermediate, clock);
+  });
 }

@@ -30,15 +30,6 @@ inline bool exp32(double d, float& out) {
   return true;
 }
 
-// A mixture's experts, held once: a call passes one object instead of two lists of `experts` tensors (whose
-// conversion from Python cost tens of microseconds a layer)
-struct ExpertBank : torch::CustomClassHolder {
-  std::vector<at::Tensor> gate_ups, downs;
-  ExpertBank(std::vector<at::Tensor> g, std::vector<at::Tensor> d) : gate_ups(std::move(g)), downs(std::move(d)) {
-    TORCH_CHECK(gate_ups.size() == downs.size(), "tfq ExpertBank: a gate_up and a down an expert");
-  }
-};
-
 // A blob's layout: its first header's magic (a blob's segments share their layout; segments_of checks the rest),
 // or 0 for fp32 panels
 inline int32_t magic_of(const at::Tensor& w) {
@@ -48,12 +39,30 @@ inline int32_t magic_of(const at::Tensor& w) {
   return magic == tfq::blob::MAGIC || magic == tfq::blob::MAGIC_Q8 ? magic : 0;
 }
 
-// Its segments, for a product [*, k] -> [*, n]
-inline std::vector<tfq::blob::Segment> checked(const at::Tensor& w, int64_t k, int64_t n) {
-  std::vector<tfq::blob::Segment> segs = tfq::blob::segments_of(w);
+// A blob's segments, for a product [*, k] -> [*, n]
+inline const std::vector<tfq::blob::Segment>& checked(const std::vector<tfq::blob::Segment>& segs, int64_t k,
+                                                      int64_t n) {
   TORCH_CHECK(segs[0].h.k == k && segs.back().first + segs.back().h.n == n, "tfq moe_mixture: an expert's shape");
   return segs;
 }
+
+// A mixture's experts, held once: a call passes one object instead of two lists of `experts` tensors (whose
+// conversion from Python cost tens of microseconds a layer). Blobs' segments are read here once: read at every
+// step, sixteen experts' headers a layer were as many cache and TLB misses after the weights streamed by.
+struct ExpertBank : torch::CustomClassHolder {
+  std::vector<at::Tensor> gate_ups, downs;
+  std::vector<int32_t> magics;  // an expert's blobs' layout where its two share one, else 0 (fp32 panels)
+  std::vector<std::vector<tfq::blob::Segment>> gate_up_segs, down_segs;  // empty where its magic is 0
+  ExpertBank(std::vector<at::Tensor> g, std::vector<at::Tensor> d) : gate_ups(std::move(g)), downs(std::move(d)) {
+    TORCH_CHECK(gate_ups.size() == downs.size(), "tfq ExpertBank: a gate_up and a down an expert");
+    for (size_t e = 0; e < gate_ups.size(); e++) {
+      const int32_t magic = magic_of(gate_ups[e]) == magic_of(downs[e]) ? magic_of(gate_ups[e]) : 0;
+      magics.push_back(magic);
+      gate_up_segs.push_back(magic ? tfq::blob::segments_of(gate_ups[e]) : std::vector<tfq::blob::Segment>());
+      down_segs.push_back(magic ? tfq::blob::segments_of(downs[e]) : std::vector<tfq::blob::Segment>());
+    }
+  }
+};
 
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t chosen,
                                                                 bool normalized) {
@@ -106,9 +115,11 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_route(const at::Tensor
   return {ids, weights, which};
 }
 
+// `residual`, where given, is added to each row's sum last (one rounding, as `residual + mixture` would): the
+// layer's residual in the combine's pass rather than one more op
 inline at::Tensor moe_mixture(const at::Tensor& h, const at::Tensor& ids, const at::Tensor& weights,
                               const c10::intrusive_ptr<ExpertBank>& bank, int64_t intermediate,
-                              const OptTensor& clock) {
+                              const OptTensor& clock, const OptTensor& residual = c10::nullopt) {
   const std::vector<at::Tensor>& gate_ups = bank->gate_ups;
   const std::vector<at::Tensor>& downs = bank->downs;
   TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && ids.scalar_type() == at::kLong &&
@@ -123,10 +134,14 @@ inline at::Tensor moe_mixture(const at::Tensor& h, const at::Tensor& ids, const 
   std::vector<int64_t> order(pairs);  // the pairs grouped by expert, in (row, rank) order within a group
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ip[a] < ip[b]; });
-  auto picked = at::empty({pairs, hidden}, x.options());
   const float* xp = x.data_ptr<float>();
-  float* pp = picked.data_ptr<float>();
-  for (int64_t q = 0; q < pairs; q++) std::memcpy(pp + q * hidden, xp + (order[q] / chosen) * hidden, hidden * 4);
+  at::Tensor picked;  // each pair's row, grouped by expert; one row is every pair's (a decode step's lane)
+  if (rows > 1) {
+    picked = at::empty({pairs, hidden}, x.options());
+    float* pp = picked.data_ptr<float>();
+    for (int64_t q = 0; q < pairs; q++) std::memcpy(pp + q * hidden, xp + (order[q] / chosen) * hidden, hidden * 4);
+  }
+  const auto row_of = [&](int64_t q) { return rows > 1 ? picked.data_ptr<float>() + q * hidden : xp; };
   struct Group {
     int64_t expert, start, end;
   };
@@ -138,9 +153,9 @@ inline at::Tensor moe_mixture(const at::Tensor& h, const at::Tensor& ids, const 
   auto grouped = at::empty({pairs, hidden}, x.options());
   // every chosen expert in blobs of one layout (quant.cpp's or quant_q8.cpp's): all their products in one
   // parallel region, by that layout's linear_many
-  int32_t magic = groups.empty() ? 0 : magic_of(gate_ups[groups[0].expert]);
+  int32_t magic = groups.empty() ? 0 : bank->magics[groups[0].expert];
   for (const Group& g : groups)
-    if (magic_of(gate_ups[g.expert]) != magic || magic_of(downs[g.expert]) != magic) magic = 0;
+    if (bank->magics[g.expert] != magic) magic = 0;
   const auto many = magic == tfq::blob::MAGIC      ? &tfq::quant::linear_many
                     : magic == tfq::blob::MAGIC_Q8 ? &tfq::q8::linear_many
                                                    : nullptr;
@@ -148,7 +163,8 @@ inline at::Tensor moe_mixture(const at::Tensor& h, const at::Tensor& ids, const 
     auto gu = at::empty({pairs, 2 * intermediate}, x.options());
     std::vector<tfq::quant::Product> products;
     for (const Group& g : groups)
-      products.push_back({pp + g.start * hidden, g.end - g.start, checked(gate_ups[g.expert], hidden, 2 * intermediate),
+      products.push_back({row_of(g.start), g.end - g.start,
+                          checked(bank->gate_up_segs[g.expert], hidden, 2 * intermediate),
                           gu.data_ptr<float>() + g.start * 2 * intermediate, 2 * intermediate, nullptr});
     {
       Clock c(clock, 2);
@@ -158,7 +174,8 @@ inline at::Tensor moe_mixture(const at::Tensor& h, const at::Tensor& ids, const 
     products.clear();
     for (const Group& g : groups)
       products.push_back({act.data_ptr<float>() + g.start * intermediate, g.end - g.start,
-                          checked(downs[g.expert], intermediate, hidden), grouped.data_ptr<float>() + g.start * hidden,
+                          checked(bank->down_segs[g.expert], intermediate, hidden),
+                          grouped.data_ptr<float>() + g.start * hidden,
                           hidden, nullptr});
     Clock c(clock, 2);
     many(products);
@@ -167,7 +184,8 @@ inline at::Tensor moe_mixture(const at::Tensor& h, const at::Tensor& ids, const 
       at::Tensor gu, y;
       {
         Clock c(clock, 2);
-        gu = linear(picked.slice(0, g.start, g.end), gate_ups[g.expert], c10::nullopt, 2 * intermediate);
+        gu = linear(rows > 1 ? picked.slice(0, g.start, g.end) : x, gate_ups[g.expert], c10::nullopt,
+                    2 * intermediate);
       }
       const at::Tensor act = silu_mul(gu, intermediate);
       {
@@ -180,6 +198,10 @@ inline at::Tensor moe_mixture(const at::Tensor& h, const at::Tensor& ids, const 
   std::vector<int64_t> at_pair(pairs);  // (row, rank) -> its place among the grouped outputs
   for (int64_t q = 0; q < pairs; q++) at_pair[order[q]] = q;
   auto out = at::empty({rows, hidden}, x.options());
+  const at::Tensor base = residual.has_value() ? residual->contiguous() : at::Tensor();
+  TORCH_CHECK(!base.defined() || (base.sizes() == out.sizes() && base.scalar_type() == at::kFloat),
+              "tfq moe_mixture: the residual ", base.sizes(), ", not the rows' ", out.sizes());
+  const float* bp = base.defined() ? base.data_ptr<float>() : nullptr;
   const float* gp = grouped.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -194,6 +216,8 @@ inline at::Tensor moe_mixture(const at::Tensor& h, const at::Tensor& ids, const 
         const float wj = wp[r * chosen + j];
         for (int64_t i = 0; i < hidden; i++) total[i] = total[i] + y[i] * wj;
       }
+      if (bp)
+        for (int64_t i = 0; i < hidden; i++) total[i] = bp[r * hidden + i] + total[i];
     }
   });
   return out;
