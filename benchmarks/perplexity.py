@@ -106,10 +106,9 @@ def main() -> None:
     a = ap.parse_args()
     import torch
 
-    from tfq.cli.together import default_suite
     from tfq.model.load import load_model
     from tfq.model.source import gguf_path
-    from tfq.suite import load_prompts
+    from tfq.suite import default_suite, load_prompts
 
     console = Console(stderr=True)
     models = {w: load_model("default", progress=False, weights=w) for w in ("gguf", "fp32")}

@@ -21,7 +21,7 @@ def test_bench_serve_writes_both_levels(tiny_dirs, tmp_path, monkeypatch, capsys
     assert "tfq bench serve" in out and "3/3" in out
     report = json.loads(path.read_text())
     assert set(report) >= {"settings", "plan", "machine", "levels", "reference"}
-    assert report["settings"]["served_name"] == "qwen2"  # tfq.cli.serve.served_name: the folder's name
+    assert report["settings"]["served_name"] == "qwen2"  # tfq.serve.background.served_name: the folder's name
     assert report["plan"]["plan"]["lanes"] == 4 and report["plan"]["lines"]
     assert report["machine"]["torch_threads"] >= 1
     # the long review chat cannot fit the tiny plan's window of 512 rows: left out, and said why

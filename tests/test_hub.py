@@ -70,8 +70,8 @@ def test_hub_names_fetch_then_run_from_the_cache_offline(files, tmp_path):
 
 def test_a_cached_hub_model_keeps_its_hub_name():
     """What the server calls a hub model, and what a receipt names it by: its hub name, not the cache's path."""
-    from tfq.cli.serve import served_name
     from tfq.model.hub import hub_name
+    from tfq.serve.background import served_name
 
     folder = "/home/u/.cache/huggingface/hub/models--Qwen--Qwen3-8B/snapshots/0123abcd"
     assert hub_name(folder) == "Qwen/Qwen3-8B" and served_name(folder) == "Qwen/Qwen3-8B"

@@ -47,7 +47,7 @@ def test_a_wheel_install_finds_the_suite(tmp_path):
     import site
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), *site.getsitepackages()])}
-    code = "import tfq, tfq.kernels.backend; from tfq.cli.together import default_suite; " \
+    code = "import tfq, tfq.kernels.backend; from tfq.suite import default_suite; " \
            "from tfq.suite import load_suite; from tfq.proofs import verify as v; p = default_suite(); " \
            "assert v.read(v.REFERENCE)['suite_sha256'] == v.suite_sha(p); print(tfq.__file__, p, len(load_suite(p)))"
     run = subprocess.run([sys.executable, "-S", "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,

@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tfq.cli.together import DEFAULT_TOKENS, default_suite
+from tfq.cli.together import DEFAULT_TOKENS
 from tfq.decode.sampling import TokenLogprob
 from tfq.engine.stream import Result
 from tfq.errors import TfqError
 from tfq.plan import ENV_FLAGS, ENV_VALUES, Plan, load_plan
 from tfq.proofs.together import ARMS, EXACT, FAIL, RED, Check, CheckSuite, arm_names, select_arms
 from tfq.proofs.together_arms import compare, judge
-from tfq.suite import load_suite, parse_suite, requests_for
+from tfq.suite import default_suite, load_suite, parse_suite, requests_for
 from tiny import CORPUS
 
 WORDS = CORPUS.split()

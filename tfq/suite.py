@@ -143,3 +143,22 @@ def _own_shaping(chat: Chat) -> dict:
     """The penalties and grammar a chat sets itself (they win over the command line's)."""
     own = {"penalties": chat.penalties} if chat.penalties else {}
     return {**own, "constraint": chat.constraint} if chat.constraint is not None else own
+
+
+def default_suite() -> Path:
+    """The shipped 12-chat suite: examples/chats.yaml in a source checkout, else the copy the wheel carries
+    (package tfq.examples)."""
+    import tfq
+
+    path = Path(tfq.__file__).resolve().parent.parent / "examples" / "chats.yaml"
+    if path.is_file():
+        return path
+    try:
+        from importlib.resources import files
+
+        shipped = files("tfq.examples") / "chats.yaml"
+        if shipped.is_file():
+            return Path(str(shipped))
+    except ModuleNotFoundError:
+        pass
+    raise TfqError(f"the shipped suite is not there ({path}, nor package tfq.examples); pass --suite SUITE.yaml")

@@ -13,7 +13,7 @@ TOP_LEVEL = 8
 # docs/architecture.md's layers, the highest first: a module may import its own layer's modules and any below.
 # A name stands for itself and every module under it; the longest name that matches decides.
 LAYERS = (
-    ("tfq", "tfq.__main__", "tfq.cli"),  # the commands
+    ("tfq", "tfq.__main__", "tfq.cli", "tfq.ray"),  # the commands, and serving them on Ray
     ("tfq.serve", "tfq.bench", "tfq.llm", "tfq.parallel.rank_main"),  # servers, benches, the Python API, a rank's main
     ("tfq.proofs", "tfq.suite", "tfq.receipts"),  # the checks (tfq together, verify, kernels), their chats, receipts
     ("tfq.engine",),  # engine, scheduler, runner, streams, pages, caches, drafting, the layer guard

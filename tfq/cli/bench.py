@@ -287,12 +287,11 @@ def bench_serve_command(
         tfq_level,
         total_requests,
     )
-    from tfq.cli.serve import served_name
-    from tfq.cli.together import default_suite
     from tfq.engine.threads import fix_threads
     from tfq.model.load import load_model
     from tfq.plan.resolve import resolve_plan
-    from tfq.suite import load_prompts
+    from tfq.serve.background import served_name
+    from tfq.suite import default_suite, load_prompts
 
     err = Console(stderr=True)
     settings = ServeSettings(concurrency=parse_concurrency(concurrency), requests_per_level=requests_per_level,

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import signal
 import socket
-from pathlib import Path
 from typing import List, Optional
 
 import typer
@@ -13,14 +12,6 @@ from tfq.cli.app import app
 from tfq.engine.threads import fix_threads
 from tfq.errors import TfqError
 from tfq.serve.guard import Limits, allowed_hosts
-
-
-def served_name(spec: str) -> str:
-    """The model's name in the API: `default` for the shipped model, a hub model's hub name, else the folder's or
-    file's name."""
-    from tfq.model.hub import hub_name
-
-    return spec if spec == "default" else (hub_name(spec) or Path(spec).name).split(":")[0]
 
 
 @app.command()
@@ -58,13 +49,18 @@ def serve(
     receipt_key: Optional[str] = typer.Option(None, "--receipt-key", help="A file holding a secret (16 bytes or "
                                               "more) that signs every receipt (an HMAC); `tfq replay --key` checks "
                                               "it."),
+    ray_address: Optional[str] = typer.Option(None, "--ray", help="Serve on Ray (pip install 'tfq[ray]'): 'local' "
+                                              "(a new cluster on this machine), 'auto' (the one `ray start` runs "
+                                              "here) or a cluster's address; docs/scale-out.md."),
+    replicas: int = typer.Option(0, "--replicas", help="Engine replicas behind one ingress, on Ray (implies --ray "
+                                 "local); each takes traffic after its self-check gives the same bits."),
 ) -> None:
     """Serve the model over OpenAI's API (chat completions, completions, models) with /health and /metrics.
     Every reply is the one its request gets alone."""
     from tfq.model.load import load_model
     from tfq.plan.resolve import resolve_plan
     from tfq.receipts.receipt import read_key
-    from tfq.serve.background import ServeOptions, build_served, uvicorn_server
+    from tfq.serve.background import ServeOptions, build_served, served_name, uvicorn_server
     from tfq.serve.loop import STUCK_AFTER_S
 
     err = Console(stderr=True)
@@ -78,12 +74,17 @@ def serve(
         raise TfqError(f"--max-prompt-tokens {max_prompt_tokens}: give 0 (the window) or a positive number")
     key = read_key(receipt_key, "--receipt-key")
     start_logging(log_level)
+    limits = Limits(max_body_bytes, max_prompt_tokens, max_stop_chars)
+    if ray_address is not None or replicas:
+        options = ServeOptions(queue, tuple(k for k in api_keys if k), limits, None, log_prompts,
+                               stuck_after or STUCK_AFTER_S, key)
+        return serve_on_ray(ray_address, replicas, dict(plan=plan, model=model, sets=tuple(sets), name=name,
+                                                        options=options, threads=threads), host, port, err)
     fix_threads(threads)
     sock = listening_socket(host, port)  # before the model loads: a taken port fails at once
     the_plan, config, layout = resolve_plan(plan, model, sets, quiet, err)
     with err.status("loading the model"):
         loaded = load_model(the_plan.model, device=layout.device, weights=the_plan.weights, tp=the_plan.tp)
-    limits = Limits(max_body_bytes, max_prompt_tokens, max_stop_chars)
     served = build_served(the_plan, layout, loaded, name or served_name(the_plan.model), ServeOptions(
         queue, tuple(k for k in api_keys if k), limits, allowed_hosts(host, tuple(extra_hosts)), log_prompts,
         stuck_after or STUCK_AFTER_S, key))
@@ -101,6 +102,27 @@ def serve(
     if served.loop.dead:  # never serve "ok" with a dead engine: a supervisor sees the exit and restarts
         typer.echo(f"tfq serve: the engine stopped ({served.loop.dead}); exiting", err=True)
         raise typer.Exit(1)
+    err.print("stopped")
+
+
+def serve_on_ray(address: str | None, replicas: int, spec: dict, host: str, port: int, err: Console) -> None:
+    """`tfq serve --ray`: the same app on `replicas` replicas behind Ray Serve's proxy (tfq/ray); `spec`: what each
+    replica builds (tfq.ray.ReplicaSpec's fields)."""
+    if replicas < 0 or (address is not None and not address.strip()):
+        raise TfqError(f"--replicas {replicas} --ray {address!r}: give 1 or more replicas and an address, 'auto' or "
+                       f"'local'")
+    try:
+        import tfq.ray as on_ray
+    except ImportError as e:
+        raise TfqError(f"--ray needs Ray Serve ({e.msg}); install it with pip install 'tfq[ray]'") from None
+    if not 0 < port < 65536:
+        raise TfqError(f"--port {port}: Ray Serve's proxy needs a port from 1 to 65535")
+    where = None if address in (None, "local") else address
+    count = max(replicas, 1)
+    err.print(f"starting {count} replica(s) on Ray ({address or 'local'}); each joins after its self-check")
+    on_ray.run(on_ray.ReplicaSpec(**spec), count, where, host, port, on_ready=lambda: err.print(
+        f"serving at http://{host}:{port}/v1 on Ray, {count} replica(s) (/health says which bits they were checked "
+        f"against); Ctrl-C stops"))
     err.print("stopped")
 
 

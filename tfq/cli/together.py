@@ -36,25 +36,6 @@ DEFAULT_GROUP = 4
 SHOWN_PARTINGS = 3
 
 
-def default_suite() -> Path:
-    """The shipped 12-chat suite: examples/chats.yaml in a source checkout, else the copy the wheel carries
-    (package tfq.examples)."""
-    import tfq
-
-    path = Path(tfq.__file__).resolve().parent.parent / "examples" / "chats.yaml"
-    if path.is_file():
-        return path
-    try:
-        from importlib.resources import files
-
-        shipped = files("tfq.examples") / "chats.yaml"
-        if shipped.is_file():
-            return Path(str(shipped))
-    except ModuleNotFoundError:
-        pass
-    raise TfqError(f"the shipped suite is not there ({path}, nor package tfq.examples); pass --suite SUITE.yaml")
-
-
 @app.command()
 def together(
     suite: Optional[str] = typer.Option(None, "--suite",
@@ -78,7 +59,7 @@ def together(
     """The exactness check: every arm must equal the chats alone, token ids and logits bits; controls must differ."""
     from tfq.model.load import load_model
     from tfq.plan.resolve import resolve_plan
-    from tfq.suite import load_suite, requests_for
+    from tfq.suite import default_suite, load_suite, requests_for
 
     err = Console(stderr=True)
     if tokens < 1:

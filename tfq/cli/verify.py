@@ -34,13 +34,12 @@ def verify(
 ) -> None:
     """The same bits on every CPU: run the suite here and compare ids, logits digests and log-probabilities with
     the record, chat by chat. Exit 0 only when every chat is equal (1 when one parts)."""
-    from tfq.cli.together import default_suite
     from tfq.model.load import load_model
     from tfq.plan import Streams
     from tfq.plan.resolve import resolve_plan
     from tfq.proofs import verify as v
     from tfq.proofs.facts import build_facts
-    from tfq.suite import load_suite
+    from tfq.suite import default_suite, load_suite
 
     kinds = list(v.WEIGHTS) if weights is None else [w.strip() for w in weights.split(",") if w.strip()]
     if not kinds:

@@ -6,6 +6,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator
 
 from tfq.engine.core import Engine
@@ -29,6 +30,14 @@ class ServeOptions:
     log_prompts: bool = False
     stuck_after_s: float = STUCK_AFTER_S
     receipt_key: bytes | None = None  # signs every receipt (an HMAC), so its issuer can vouch for it
+
+
+def served_name(spec: str) -> str:
+    """The model's name in the API: `default` for the shipped model, a hub model's hub name, else the folder's or
+    file's name."""
+    from tfq.model.hub import hub_name
+
+    return spec if spec == "default" else (hub_name(spec) or Path(spec).name).split(":")[0]
 
 
 def build_served(plan, layout, loaded, name: str, options: ServeOptions = ServeOptions(), **engine_kw) -> Served:
