@@ -63,15 +63,20 @@ def _choice_record(chat: bool, choice: dict) -> dict:
             "finish": choice["finish_reason"], "receipt": choice.get("receipt")}
 
 
-async def send(client, model: str, call: Call) -> list[dict]:
-    """One call's choices, each as {ids, logprobs, digests, finish, receipt}."""
+async def send(client, model: str, call: Call, after_chunk=None) -> list[dict]:
+    """One call's choices, each as {ids, logprobs, digests, finish, receipt}. after_chunk(k), when given, is awaited
+    after the k-th chunk of a stream (a test's moment to act mid-reply)."""
     create = client.chat.completions.create if call.chat else client.completions.create
     if not call.stream:
         r = (await create(model=model, **call.body)).model_dump()
         return [_choice_record(call.chat, c) for c in sorted(r["choices"], key=lambda c: c["index"])]
     n = call.body.get("n", 1)
     got = [{"ids": [], "logprobs": [], "digests": [], "finish": None} for _ in range(n)]
+    k = 0
     async for chunk in await create(model=model, stream=True, **call.body):
+        k += 1
+        if after_chunk is not None:
+            await after_chunk(k)
         for c in chunk.model_dump()["choices"]:
             rec = got[c["index"]]
             part = _choice_record(call.chat, {**c, "token_ids": c.get("token_ids") or [],

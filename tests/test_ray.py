@@ -1,10 +1,14 @@
 """tfq on Ray (tfq/ray): two engine replicas on a two-node cluster on this machine (ray.cluster_utils.Cluster, one
 CPU a node, so Ray places one replica on each), behind the ingress and Ray Serve's proxy: replies under load equal
-`tfq serve`'s run alone, and a replica whose bits differ is refused before it takes traffic."""
+`tfq serve`'s run alone; a replica killed mid-reply, its streams go on elsewhere with the same bits; and a replica
+whose bits differ is refused before it takes traffic."""
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import random
+import signal
 import socket
 import sys
 import urllib.request
@@ -17,9 +21,11 @@ serve = pytest.importorskip("ray.serve")
 
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from serve_load import calls, differences, fire  # noqa: E402
-from served import POOL, TINY_PLAN, replies_alone, server, tiny_served  # noqa: E402
+from serve_load import Call, calls, corpus_text, differences, fire, send  # noqa: E402
+from served import TINY_PLAN, replies_alone, server, tiny_served  # noqa: E402
 from tfq.ray import ReplicaSpec, application, refusal_of  # noqa: E402
+from tfq.ray.ingress import prompt_ids  # noqa: E402
+from tfq.ray.routing import ranked, route_key  # noqa: E402
 from tfq.serve.background import ServeOptions  # noqa: E402
 
 
@@ -43,7 +49,9 @@ def cluster(tiny_dirs):
     ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    spec = ReplicaSpec(TINY_PLAN, str(tiny_dirs["qwen2"]), (f"kv.pool={POOL}",), "tiny", ServeOptions(), 1)
+    # eight lanes and pages enough for them: every stream of a test runs at once (the bits do not depend on it: the
+    # one-process server they are compared with keeps the tests' small pool)
+    spec = ReplicaSpec(TINY_PLAN, str(tiny_dirs["qwen2"]), ("lanes=8", "kv.pool=64"), "tiny", ServeOptions(), 1)
     serve.run(application(spec, replicas=2, cpus=1), name="tfq", route_prefix="/")
     yield spec, f"http://127.0.0.1:{port}"
     serve.shutdown()
@@ -51,17 +59,27 @@ def cluster(tiny_dirs):
     c.shutdown()
 
 
+def health(base: str) -> dict:
+    return json.loads(urllib.request.urlopen(f"{base}/health", timeout=60).read())
+
+
+def replicas() -> dict[str, dict]:
+    """Each replica's facts, by its id: the router spreads calls without a key over the idle replicas, so asking a
+    few times hears from both."""
+    handle = serve.get_deployment_handle("tfq-replica", "tfq")
+    seen: dict[str, dict] = {}
+    for _ in range(64):
+        facts = handle.facts.remote().result()
+        seen[facts["replica"]] = facts
+        if len(seen) == 2:
+            break
+    return seen
+
+
 def test_the_replicas_are_on_two_nodes_and_checked_before_traffic(cluster):
     _, base = cluster
-    health = json.loads(urllib.request.urlopen(f"{base}/health", timeout=60).read())
-    assert health["status"] == "ok" and health["self_check"].startswith("the first replica's bits")
-    handle = serve.get_deployment_handle("tfq-replica", "tfq")
-    nodes = set()
-    for _ in range(64):  # the router spreads requests without a key over both: until each has answered once
-        nodes.add(handle.facts.remote().result()["where"])
-        if len(nodes) == 2:
-            break
-    assert len(nodes) == 2, nodes
+    assert health(base)["status"] == "ok" and health(base)["self_check"].startswith("the first replica's bits")
+    assert len({f["where"] for f in replicas().values()}) == 2
 
 
 def test_replies_under_load_equal_tfq_serve_alone(cluster, tiny_dirs, tiny_models):
@@ -83,3 +101,43 @@ def test_control_a_replica_whose_bits_differ_is_refused_with_its_chat_step_and_n
     line = refusal_of("control", refused.value)
     assert "parted from the first replica's bits" in line and "chat " in line and "reply step 0" in line, line
     assert "node " in line
+
+
+def test_a_replica_killed_mid_reply_its_streams_go_on_elsewhere_with_the_same_bits(cluster, tiny_dirs, tiny_models):
+    """Eight streamed chats (greedy and sampled, log-probabilities) share their first page, so they start on its
+    replica; when each has had a few chunks that replica is killed (SIGKILL). Every stream completes, each equal to
+    its chat alone on a one-process server in ids, log-probabilities and digests, and the ingress counts the moves."""
+    _, base = cluster
+    tok = tiny_models["qwen2"].tokenizer
+    text = corpus_text(random.Random(0), 300, 0)
+    load = [Call(f"s{i}", True, True, 0.0, {"messages": [{"role": "user", "content": f"{text} {i}"}],
+                                             "max_tokens": 150, "temperature": 0.8 if i % 2 else 0.0, "seed": i,
+                                             "logprobs": True, "top_logprobs": 2,
+                                             "extra_body": {"return_token_ids": True, "return_digests": True}})
+            for i in range(8)]
+    facts = replicas()
+    page = next(iter(facts.values()))["page_rows"]
+    ids = prompt_ids(tok, "v1/chat/completions", {"model": "tiny", "messages": load[0].body["messages"]})
+    assert len(ids) >= page
+    home = facts[ranked(list(facts), route_key(ids, page))[0][0]]
+    moved_before = health(base)["moved"]
+    arrived, killed = [0], asyncio.Event()
+
+    async def after_chunk(k: int) -> None:  # every stream waits at its third chunk until the kill
+        if k == 3:
+            arrived[0] += 1
+            if arrived[0] == len(load):
+                os.kill(home["pid"], signal.SIGKILL)
+                killed.set()
+            await killed.wait()
+
+    async def streams():
+        from openai import AsyncOpenAI
+
+        async with AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=600) as client:
+            return await asyncio.gather(*(send(client, "tiny", call, after_chunk) for call in load))
+
+    together = asyncio.run(streams())
+    tiny = tiny_served(tiny_dirs, tiny_models)
+    assert differences(together, replies_alone(lambda: server(tiny), "tiny", load), load) == []
+    assert health(base)["moved"] > moved_before

@@ -318,6 +318,9 @@ def test_sigterm_finishes_what_is_in_flight_and_exits_0(tiny_dirs):
     (["--log-level", "loud"], "--log-level loud: give debug, info, warning or error"),
     (["--max-body-bytes", "0"], "--max-body-bytes 0: give a positive number"),
     (["--max-prompt-tokens", "-1"], "--max-prompt-tokens -1"),
+    (["--replicas", "-1"], "give 1 or more replicas"),
+    (["--ray", " "], "give 1 or more replicas and an address"),
+    (["--replicas", "2", "--port", "0"], "Ray Serve's proxy needs a port from 1 to 65535"),
 ])
 def test_serve_bad_options_are_one_line_exit_2(tiny_dirs, args, words):
     r = subprocess.run([sys.executable, "-m", "tfq", "serve", "--model", str(tiny_dirs["qwen2"]), *args],

@@ -167,6 +167,17 @@ class Engine:
                     decoder=self.tokenizer.stream() if self.tokenizer else None)
         self._next_id += 1
         self.streams[st.id] = st
+        for token in request.resumed:  # its text, stops and budget as the stream that drew them had them
+            if not 0 <= token < self.model.config.vocab_size or st.finish is not None:
+                st.fail(f"{request.label or 'request'}: resumed token {token} is not a token of a reply going on "
+                        f"(an id in [0, {self.model.config.vocab_size}), none after its end)")
+                st.status = Status.FINISHED
+                return st.id
+            st.append(token, self.eos_ids, self.settings.window)
+        if st.finish is not None:  # the resumed tokens ended it (EOS, a stop, the window)
+            st.fail(f"{request.label or 'request'}: the resumed reply had already ended ({st.finish}); nothing to draw")
+            st.status = Status.FINISHED
+            return st.id
         if request.constraint is not None:
             try:
                 st.grammar = grammar or self.grammars.matcher(request.constraint)

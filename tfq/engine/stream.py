@@ -48,6 +48,8 @@ class Request:
     penalties: Penalties = Penalties()  # on the row before the draw (tfq/decode/penalties.py)
     constraint: Constraint | None = None  # a grammar the reply follows (tfq/decode/grammar.py)
     cache_salt: str = ""  # streams share prefix-cache pages only with streams of the same salt (a server's tenant)
+    resumed: tuple[int, ...] = ()  # reply tokens drawn before (by a replica that died): the stream goes on after them
+    # as a stream preempted there would (its draws keyed by position, penalties and grammar by its reply)
 
     def validate(self) -> None:
         """Bad settings are refused before anything runs."""
@@ -65,6 +67,11 @@ class Request:
             if k is not None and (not isinstance(k, int) or not 0 <= k <= MOST_TOP_LOGPROBS):
                 raise TfqError(f"{name}: {key} must be an integer from 0 to {MOST_TOP_LOGPROBS}, got {k!r}")
         self.penalties.validate(name)
+        if len(self.resumed) >= self.max_tokens:
+            raise TfqError(f"{name}: {len(self.resumed)} resumed tokens leave none of max_tokens {self.max_tokens} "
+                           f"to draw; resume a reply that has not ended")
+        if self.resumed and (self.prompt_logprobs is not None):
+            raise TfqError(f"{name}: a resumed reply cannot score its prompt again; leave prompt_logprobs out")
 
 
 def choices(prompts: list[list[int]], n: int, seed: int, **settings) -> list[Request]:

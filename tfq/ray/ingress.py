@@ -1,34 +1,47 @@
 """The ingress: OpenAI's API on Ray Serve's HTTP proxy, each request relayed to a replica (tfq/ray/replica.py)
 chosen by its prompt's first full page and by load (tfq/ray/router.py), its response streamed back as the replica's
-app sends it. A request whose replica dies before answering is sent again to another one, not failed.
+app sends it. A request whose replica dies before answering is sent again to another one, not failed; a streamed
+reply whose replica dies mid-way is resumed on another from the tokens already sent (tfq/ray/splice.py), and the
+client's stream goes on with the bits it would have had.
 
 (No `from __future__ import annotations` here: FastAPI reads the routes' annotations at run time.)
 """
 
+import asyncio
 import json
 import logging
+import time
 from typing import Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorUnavailableError, RayActorError
 
-from tfq.ray.replica import Head, ReplicaSpec
+from tfq.ray.replica import ReplicaSpec
 from tfq.ray.routing import route_key
+from tfq.ray.splice import DONE, Splice
 
 log = logging.getLogger(__name__)
-TRIES = 3  # replicas a request that has not started is offered to
+PATIENCE_S = 120.0  # how long a request waits for a replica that answers: its first, or one to resume it on
+GONE = (RayActorError, ActorUnavailableError)  # a replica died, or stopped answering
 app = FastAPI(title="tfq on Ray", docs_url=None, redoc_url=None)
 
 
-def prompt_ids(tokenizer, path: str, body: bytes) -> Optional[list[int]]:
+def parsed(body: bytes) -> Optional[dict]:
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def prompt_ids(tokenizer, path: str, doc: Optional[dict]) -> Optional[list[int]]:
     """The prompt's ids as the replica will make them, or None where the body is not one the router can read (the
     replica then answers it: a refusal, or a prompt the router just does not place)."""
     from tfq.serve.protocol import ChatBody
 
     try:
-        doc = json.loads(body)
         if path.endswith("chat/completions"):
             chat = ChatBody(**doc)
             return list(tokenizer.ids(tokenizer.chat(chat.chat(), tools=chat.tool_dicts,
@@ -39,6 +52,19 @@ def prompt_ids(tokenizer, path: str, body: bytes) -> Optional[list[int]]:
         return list(prompt) if isinstance(prompt, list) else list(tokenizer.encode(prompt))
     except Exception:  # noqa: BLE001 (anything unreadable is the replica's to refuse)
         return None
+
+
+def resumable(path: str, doc: Optional[dict]) -> Optional[Splice]:
+    """A Splice for a streamed reply the ingress can resume on another replica (one choice, no echo), else None."""
+    if not doc or not path.endswith("completions") or doc.get("stream") is not True or doc.get("n", 1) != 1 \
+            or doc.get("echo") or doc.get("resume_token_ids"):
+        return None
+    return Splice(wants_ids=doc.get("return_token_ids") is True)
+
+
+def error_event(message: str) -> bytes:
+    return f"data: {json.dumps({'error': {'message': message, 'type': 'server_error', 'param': None, 'code': None}})}"\
+        f"\n\n".encode() + DONE
 
 
 @serve.deployment(max_ongoing_requests=1024)
@@ -54,6 +80,7 @@ class Ingress:
         self.tokenizer = Tokenizer.from_folder(resolve_model(plan.model, progress=False, weights=False))
         self.facts: Optional[dict] = None
         self.requeued = 0  # requests sent again because their replica died before answering
+        self.moved = 0  # streams resumed on another replica because theirs died mid-reply
 
     async def _facts(self) -> dict:
         if self.facts is None:
@@ -64,32 +91,66 @@ class Ingress:
     async def health(self) -> JSONResponse:
         facts = await self._facts()
         return JSONResponse({"status": "ok", "model": facts["model"], "self_check": facts["reference"],
-                             "requeued": self.requeued})
+                             "requeued": self.requeued, "moved": self.moved})
+
+    async def _start(self, call: tuple, body: bytes, key: Optional[str]):
+        """(the replica's Head, the rest of its stream) from the first replica that answers, or (None, None) when
+        none has in PATIENCE_S (replicas that died are restarted by Ray Serve meanwhile)."""
+        deadline = time.monotonic() + PATIENCE_S
+        while time.monotonic() < deadline:
+            stream = self.replicas.options(stream=True).relay.remote(*call, body, route=key)
+            try:
+                return await stream.__anext__(), stream
+            except GONE as e:  # died before it answered: the request has not started
+                self.requeued += 1
+                log.warning("a replica died before answering (%s); sending the request again", type(e).__name__)
+                await asyncio.sleep(0.5)  # back off while Ray Serve notices and replaces it
+        return None, None
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
     async def relay(self, request: Request, path: str):
         body = await request.body()
         facts = await self._facts()
-        ids = prompt_ids(self.tokenizer, path, body) if request.method == "POST" else None
+        doc = parsed(body) if request.method == "POST" else None
+        ids = prompt_ids(self.tokenizer, path, doc) if doc else None
         key = route_key(ids, facts["page_rows"]) if ids else None
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in ("host", "content-length")]
-        for attempt in range(TRIES):
-            stream = self.replicas.options(stream=True).relay.remote(
-                request.method, "/" + path, request.url.query, headers, body, route=key)
-            try:
-                head = await stream.__anext__()
-                break
-            except RayActorError as e:  # died before it answered: the request has not started
-                self.requeued += 1
-                log.warning("a replica died before answering (%s); sending the request again", e)
-                if attempt == TRIES - 1:
-                    return JSONResponse({"error": {"message": f"no replica answered in {TRIES} tries",
-                                                   "type": "server_error", "param": None, "code": None}}, 503)
-        assert isinstance(head, Head)
-
-        async def rest():
-            async for chunk in stream:
-                yield chunk
-
+        call = (request.method, "/" + path, request.url.query, headers)
+        splice = resumable(path, doc)
+        head, stream = await self._start(call, json.dumps({**doc, "return_token_ids": True}).encode()
+                                         if splice else body, key)
+        if head is None:
+            return JSONResponse({"error": {"message": f"no replica answered in {PATIENCE_S:.0f} s",
+                                           "type": "server_error", "param": None, "code": None}}, 503)
         kept = {k: v for k, v in head.headers if k.lower() not in ("content-length", "transfer-encoding")}
-        return StreamingResponse(rest(), status_code=head.status, headers=kept)
+        if splice is None or head.status != 200:
+            return StreamingResponse(self._as_sent(stream), status_code=head.status, headers=kept)
+        return StreamingResponse(self._spliced(stream, splice, call, doc, key), status_code=head.status, headers=kept)
+
+    @staticmethod
+    async def _as_sent(stream):
+        async for chunk in stream:
+            yield chunk
+
+    async def _spliced(self, stream, splice: Splice, call: tuple, doc: dict, key: Optional[str]):
+        """The reply's events; where its replica dies before the end, the reply resumed on another replica from the
+        tokens sent so far, joined on (tfq/ray/splice.py)."""
+        while True:
+            try:
+                async for chunk in stream:
+                    for event in splice.feed(chunk):
+                        yield event
+                return
+            except GONE as e:
+                if splice.ended:
+                    return
+                self.moved += 1
+                log.warning("a replica died mid-reply (%s); resuming it after %d tokens", type(e).__name__,
+                            len(splice.ids))
+                splice.resume()
+                head, stream = await self._start(call, json.dumps(
+                    {**doc, "return_token_ids": True, "resume_token_ids": splice.ids}).encode(), key)
+                if head is None or head.status != 200:
+                    detail = f"status {head.status}" if head else f"none answered in {PATIENCE_S:.0f} s"
+                    yield error_event(f"the replica serving this reply died and it could not be resumed ({detail})")
+                    return

@@ -5,6 +5,7 @@ the one `tfq serve` gives. It takes traffic only after its self-check (tfq/ray/s
 from __future__ import annotations
 
 import asyncio
+import os
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
@@ -59,9 +60,13 @@ class Replica:
         self.served.loop.start()
 
     def facts(self) -> dict:
-        """What the ingress routes by, and what the self-check compared with."""
+        """What the ingress routes by, what the self-check compared with, and which replica this is (its id as the
+        router ranks it, its node and process)."""
+        from ray import serve
+
         return {"page_rows": self.page_rows, "reference": self.verdict.reference, "model": self.served.model,
-                "where": where_am_i()}
+                "where": where_am_i(), "replica": serve.get_replica_context().replica_id.unique_id,
+                "pid": os.getpid()}
 
     def check_health(self) -> None:  # Ray Serve's health check: a dead engine loop makes the replica unhealthy
         if self.served.loop.dead:

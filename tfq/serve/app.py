@@ -39,6 +39,7 @@ from tfq.serve.intake import (
     Served,
     chat_prompt,
     check_model,
+    check_resume,
     check_stops,
     error_body,
     text_prompts,
@@ -137,6 +138,7 @@ def build_app(served: Served) -> FastAPI:
     async def completions(body: CompletionBody, http: HttpRequest):
         check_model(served, body)
         check_stops(served, body)
+        check_resume(served, body)
         prompts = await asyncio.to_thread(text_prompts, served, body.prompt, body.parse_special_tokens)
         if body.stream and body.echo and body.logprobs is not None:
             raise ApiError(400, "echo with logprobs is returned whole; set stream to false", "stream")
@@ -158,6 +160,7 @@ def build_app(served: Served) -> FastAPI:
     async def chat_completions(body: ChatBody, http: HttpRequest):
         check_model(served, body)
         check_stops(served, body)
+        check_resume(served, body)
         chat = await asyncio.to_thread(chat_prompt, served, body)
         prompt = chat.ids
         logprobs = (body.top_logprobs or 0) if body.logprobs else None

@@ -70,6 +70,18 @@ def check_model(served: Served, body: Sampling) -> None:
                        f"(GET /v1/models)", "model")
 
 
+def check_resume(served: Served, body: Sampling) -> None:
+    """A resumed reply (resume_token_ids) goes on one choice, from reply tokens of this model, leaving room to draw."""
+    ids = body.resume_token_ids
+    if not ids:
+        return
+    if body.n != 1 or getattr(body, "echo", False):
+        raise ApiError(400, "resume_token_ids: a reply is resumed alone; give n = 1 and no echo", "resume_token_ids")
+    if any(not 0 <= t < served.vocab for t in ids) or len(ids) >= served.window:
+        raise ApiError(400, f"resume_token_ids: give fewer than {served.window} token ids in [0, {served.vocab})",
+                       "resume_token_ids")
+
+
 def check_stops(served: Served, body: Sampling) -> None:
     most = served.limits.stop_chars
     for s in body.stops:

@@ -108,6 +108,8 @@ class Sampling(BaseModel):
     return_token_ids: bool = False
     return_digests: bool = False
     receipt: bool = False  # each choice's receipt (tfq/receipts): in its body, or its last chunk when streamed
+    # the reply's tokens already sent (by a replica that died: tfq/ray/ingress.py); the reply goes on after them
+    resume_token_ids: Optional[list[int]] = None
 
     @model_validator(mode="before")
     @classmethod
@@ -183,7 +185,8 @@ class Sampling(BaseModel):
                  prompt_logprobs: Optional[int] = None, constraint: Constraint | None = None) -> list[Request]:
         """One engine request per (prompt, choice); without max_tokens a reply may fill the window. constraint:
         a grammar of the server's own (tool calls), else the body's."""
-        return [replace(r, max_tokens=max_tokens or max(window - len(r.prompt), 1))
+        return [replace(r, max_tokens=max_tokens or max(window - len(r.prompt), 1),
+                        resumed=tuple(self.resume_token_ids or ()))
                 for r in choices(prompts, self.n, self.seed, temperature=self.temperature, top_p=self.top_p,
                                  stop=self.stops, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                                  penalties=self.penalties, constraint=constraint or self.constraint)]
