@@ -1,7 +1,8 @@
 """tfq on Ray (tfq/ray): two engine replicas on a two-node cluster on this machine (ray.cluster_utils.Cluster, one
 CPU a node, so Ray places one replica on each), behind the ingress and Ray Serve's proxy: replies under load equal
-`tfq serve`'s run alone; a replica killed mid-reply, its streams go on elsewhere with the same bits; and a replica
-whose bits differ is refused before it takes traffic."""
+`tfq serve`'s run alone; a replica killed mid-reply, its streams go on elsewhere with the same bits; a replica
+whose bits differ is refused before it takes traffic; and tp 2 with its second rank on the other node equals one
+process."""
 from __future__ import annotations
 
 import asyncio
@@ -45,7 +46,7 @@ def nudged(loaded) -> None:
 def cluster(tiny_dirs):
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the control travels to the replica
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    c.add_node(num_cpus=1)
+    c.add_node(num_cpus=1, resources={"tfq_rank": 1})  # the node a tensor-parallel rank may take
     ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -141,3 +142,30 @@ def test_a_replica_killed_mid_reply_its_streams_go_on_elsewhere_with_the_same_bi
     tiny = tiny_served(tiny_dirs, tiny_models)
     assert differences(together, replies_alone(lambda: server(tiny), "tiny", load), load) == []
     assert health(base)["moved"] > moved_before
+
+
+def test_tp_2_with_its_second_rank_on_the_other_node_equals_one_process(cluster, tiny_models):
+    """Ranks placed by Ray (tfq/ray/ranks.py): this process is rank 0 on the head node, rank 1 an actor on the node
+    that alone offers `tfq_rank`. Every forward's logits equal one process's bit for bit; the all-reduce split's
+    differ (RED by construction)."""
+    import engines
+    from tfq.engine.stream import Request
+    from tfq.model.load import load_model
+    from tfq.parallel.ranks import place_ranks, ranks
+    from tfq.ray.ranks import place_on_ray
+
+    folder = str(tiny_models["qwen3"].folder)
+    requests = [Request(prompt=tuple(range(5 + 3 * i, 40 + 7 * i)), max_tokens=5) for i in range(4)]
+    place_on_ray({"tfq_rank": 1})
+    try:
+        runs = {name: engines.run(loaded.model, requests, window=256, lanes=3, keep_logits=True)
+                for name, loaded in (("one", tiny_models["qwen3"]), ("tp2", load_model(folder, progress=False, tp=2)),
+                                     ("reduce", load_model(folder, progress=False, tp=2, reduce=True)))}
+        group = ranks(2, torch.device("cpu"))
+        assert ray.get(group.processes[0].node) != ray.get_runtime_context().get_node_id()
+        group.stop()
+    finally:
+        place_ranks(None)
+    for one, tp2, reduce in zip(runs["one"], runs["tp2"], runs["reduce"]):
+        assert one.ids == tp2.ids and all(torch.equal(a, b) for a, b in zip(one.logits, tp2.logits))
+        assert not torch.equal(one.logits[0], reduce.logits[0])

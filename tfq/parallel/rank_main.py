@@ -21,13 +21,19 @@ def rank_main(rank: int, world: int, port: int, device: str) -> None:
     """A spawned rank: load what rank 0 loads, run the forwards it runs, until it says stop (or is orphaned)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when this rank stops: its stop, or its death
     threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True).start()
-    secret = _secret(rank)
+    serve_rank(rank, world, "127.0.0.1", port, device, _secret(rank))
+
+
+def serve_rank(rank: int, world: int, store_host: str, port: int, device: str, secret: bytes,
+               host: str | None = None) -> None:
+    """Join rank 0's group (its store at store_host:port, gloo on `host`: tfq.parallel.ranks.Group), then do what
+    it says until it says stop: a process started here, or an actor Ray placed on another node (tfq/ray/ranks.py)."""
     fixed = os.environ.get("TFQ_THREADS", "").strip()  # --threads N on rank 0 fixes every rank's count
     torch.set_num_threads(int(fixed) if fixed.isdigit() else max(1, (os.cpu_count() or 1) // world))
-    store = torch.distributed.TCPStore("127.0.0.1", port, world, False, timeout=TIMEOUT)
+    store = torch.distributed.TCPStore(store_host, port, world, False, timeout=TIMEOUT)
     store.set(joined_key(rank), proof(secret, rank))
     try:
-        group = Group(rank, world, store, rank_device(torch.device(device), rank), secret)
+        group = Group(rank, world, store, rank_device(torch.device(device), rank), secret, host)
     except TfqError as e:  # a TFQ_TP_INTERFACE gloo cannot use (rank 0 says so too)
         _refuse(f"tfq rank {rank}: {e}")
     models: dict[ModelSpec, object] = {}

@@ -11,7 +11,8 @@ each number once and in order (a replayed forward would write stale keys and val
 before unpickling it, so nothing else that reaches the group's sockets can make a rank run code or allocate.
 The store is bound (on 127.0.0.1 only) before its port is handed out, gloo's connections stay on 127.0.0.1 (all
 ranks run on this machine; TFQ_TP_INTERFACE names another interface), and a rank proves it knows the secret
-before rank 0 takes it in the group.
+before rank 0 takes it in the group. Ranks may instead be placed on other machines by Ray (tfq/ray/ranks.py,
+`place_ranks`): the store and gloo then use the nodes' addresses, and the rest is the same.
 
 A forward's inputs are the step's tensors (tfq/engine/batch.py); the page pool and the scheduler live on rank 0 only,
 so a rank's cache is only its key/value heads, with the same rows as rank 0's (made on the first forward that
@@ -73,7 +74,8 @@ class Group:
     """One rank's end of the group: the collectives the model and the messages use. store: the group's
     TCPStore (rank 0's made by listening_store); secret: the run's, that every message is signed with."""
 
-    def __init__(self, rank: int, world: int, store, device: torch.device, secret: bytes):
+    def __init__(self, rank: int, world: int, store, device: torch.device, secret: bytes, host: str | None = None):
+        """host: the address gloo uses on this rank's machine (None: gloo_device's choice, this machine's own)."""
         self.rank, self.world, self.device, self.store, self.secret = rank, world, device, store, secret
         self.sent = self.heard = 0  # the number of the last message rank 0 sent, and of the last this rank took
         self.broken = ""  # why the group was torn down ("" while it is in step)
@@ -83,7 +85,7 @@ class Group:
             self.pg = torch.distributed.ProcessGroupNCCL(store, rank, world)
         else:
             options = torch.distributed.ProcessGroupGloo._Options()
-            options._devices, options._timeout, options._threads = [gloo_device()], TIMEOUT, 2
+            options._devices, options._timeout, options._threads = [gloo_device(host)], TIMEOUT, 2
             self.pg = torch.distributed.ProcessGroupGloo(store, rank, world, options)
 
     def gather(self, t: torch.Tensor, widths: list[int]) -> torch.Tensor:
@@ -171,8 +173,10 @@ class Group:
 class Ranks:
     """Rank 0's handle on a group of `world` ranks: it starts them, sends them work, stops them at exit."""
 
-    def __init__(self, world: int, device: torch.device):
-        self.group, self.processes = start_group(world, device)
+    def __init__(self, world: int, device: torch.device, start=None):
+        """start(world, device) -> (rank 0's Group, the other ranks as processes to watch, kill and wait on):
+        start_group's processes on this machine by default."""
+        self.group, self.processes = (start or start_group)(world, device)
         self.group.on_torn_down = self.kill
         self.loaded: dict[ModelSpec, object] = {}
         self.stopped = False
@@ -226,13 +230,20 @@ class Ranks:
                     p.kill()
 
 
-_RANKS: dict[tuple[int, str], Ranks] = {}  # one group a process for each world size and device type
+_RANKS: dict[tuple, Ranks] = {}  # one group a process for each world size, device type and placement
+_PLACE: list = [None]  # how ranks 1 .. start: None for start_group's processes here, or place_ranks' function
+
+
+def place_ranks(start) -> None:
+    """Where the ranks of the groups started from now on run: start(world, device) -> (Group, processes), as
+    start_group (None: start_group, this machine); tfq/ray/ranks.py places them on a Ray cluster's nodes."""
+    _PLACE[0] = start
 
 
 def ranks(world: int, device: torch.device) -> Ranks:
-    key = (world, device.type)
+    key = (world, device.type, _PLACE[0])
     if key not in _RANKS or _RANKS[key].stopped:
-        _RANKS[key] = Ranks(world, device)
+        _RANKS[key] = Ranks(world, device, _PLACE[0])
     return _RANKS[key]
 
 
@@ -250,9 +261,12 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def gloo_device():
-    """gloo's end on 127.0.0.1, or on the interface TFQ_TP_INTERFACE names: not where the hostname resolves
-    (gloo's default), nor where GLOO_SOCKET_IFNAME points for other jobs; every rank runs on this machine."""
+def gloo_device(host: str | None = None):
+    """gloo's end on `host` where given (a Ray node's address), else on 127.0.0.1, or on the interface
+    TFQ_TP_INTERFACE names: not where the hostname resolves (gloo's default), nor where GLOO_SOCKET_IFNAME points
+    for other jobs; every rank runs on this machine."""
+    if host:
+        return torch.distributed.ProcessGroupGloo.create_device(hostname=host)
     interface = os.environ.get(INTERFACE, "").strip()
     if not interface:
         return torch.distributed.ProcessGroupGloo.create_device(hostname="127.0.0.1")
@@ -292,14 +306,14 @@ def start_group(world: int, device: torch.device, **popen) -> tuple[Group, list[
         raise
 
 
-def listening_store(world: int):
-    """Rank 0's TCPStore, already listening on a free port of 127.0.0.1 (its `port`): no other process can take
-    the port between its choice and the ranks' start, and no other machine can reach it."""
+def listening_store(world: int, host: str = "127.0.0.1"):
+    """Rank 0's TCPStore, already listening on a free port of `host` (its `port`): no other process can take the
+    port between its choice and the ranks' start; on 127.0.0.1 (the default) no other machine can reach it."""
     sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+    sock.bind((host, 0))
     sock.listen(64)
     port = sock.getsockname()[1]
-    return torch.distributed.TCPStore("127.0.0.1", port, world, True, timeout=TIMEOUT, wait_for_workers=False,
+    return torch.distributed.TCPStore(host, port, world, True, timeout=TIMEOUT, wait_for_workers=False,
                                       master_listen_fd=sock.detach())  # the store closes it
 
 

@@ -48,6 +48,10 @@ class Replica:
 
         fix_threads(spec.threads)
         plan, _, layout = resolve_plan(spec.plan, spec.model, list(spec.sets), True, Console(stderr=True, quiet=True))
+        if plan.tp > 1:  # the replica is rank 0; Ray places its other ranks (tfq/ray/ranks.py)
+            from tfq.ray.ranks import place_on_ray
+
+            place_on_ray()
         loaded = load_model(plan.model, progress=False, device=layout.device, weights=plan.weights, tp=plan.tp)
         if spec.harm is not None:
             spec.harm(loaded)
