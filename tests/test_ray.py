@@ -142,6 +142,8 @@ def test_a_replica_killed_mid_reply_its_streams_go_on_elsewhere_with_the_same_bi
     tiny = tiny_served(tiny_dirs, tiny_models)
     assert differences(together, replies_alone(lambda: server(tiny), "tiny", load), load) == []
     assert health(base)["moved"] > moved_before
+    metrics = urllib.request.urlopen(f"{base}/metrics", timeout=60).read().decode()
+    assert f"tfq_ray_streams_moved_total {float(health(base)['moved'])}" in metrics and "tfq_prompt_tokens" in metrics
 
 
 def test_tp_2_with_its_second_rank_on_the_other_node_equals_one_process(cluster, tiny_models):

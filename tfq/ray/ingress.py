@@ -14,7 +14,7 @@ import time
 from typing import Optional
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 
@@ -93,6 +93,16 @@ class Ingress:
         return JSONResponse({"status": "ok", "model": facts["model"], "self_check": facts["reference"],
                              "requeued": self.requeued, "moved": self.moved})
 
+    def counters(self) -> bytes:
+        """The ingress's own counts in Prometheus' text format."""
+        lines = []
+        for name, value, what in (("tfq_ray_streams_moved_total", self.moved,
+                                   "streamed replies resumed on another replica after theirs died"),
+                                  ("tfq_ray_requests_requeued_total", self.requeued,
+                                   "requests sent again because their replica died before answering")):
+            lines += [f"# HELP {name} {what}", f"# TYPE {name} counter", f"{name} {float(value)}"]
+        return ("\n".join(lines) + "\n").encode()
+
     async def _start(self, call: tuple, body: bytes, key: Optional[str]):
         """(the replica's Head, the rest of its stream) from the first replica that answers, or (None, None) when
         none has in PATIENCE_S (replicas that died are restarted by Ray Serve meanwhile)."""
@@ -123,6 +133,8 @@ class Ingress:
             return JSONResponse({"error": {"message": f"no replica answered in {PATIENCE_S:.0f} s",
                                            "type": "server_error", "param": None, "code": None}}, 503)
         kept = {k: v for k, v in head.headers if k.lower() not in ("content-length", "transfer-encoding")}
+        if path == "metrics" and head.status == 200:  # the replica's (its key checked there), then the ingress's
+            return Response(b"".join([chunk async for chunk in stream]) + self.counters(), headers=kept)
         if splice is None or head.status != 200:
             return StreamingResponse(self._as_sent(stream), status_code=head.status, headers=kept)
         return StreamingResponse(self._spliced(stream, splice, call, doc, key), status_code=head.status, headers=kept)
