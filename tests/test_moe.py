@@ -232,6 +232,11 @@ def test_the_mixture_on_kept_blocks_is_the_loops_bits(activations):
         loop = combine(expert_outputs(mix, h, routes, silu_fixed), routes.weights)
         ids = torch.from_numpy(routes.experts)
         assert torch.equal(mixture_fixed(h, ids, routes.weights, mix.bank, inter), loop)
+    # one row naming an expert twice (the op takes any ids; the router never repeats one): each pair its own row
+    twice = Routes(np.array([[2, 2, 5]]), torch.tensor([[0.5, 0.3, 0.2]]))
+    loop_twice = combine(expert_outputs(mix, h[:1], twice, silu_fixed), twice.weights)
+    assert torch.equal(mixture_fixed(h[:1], torch.from_numpy(twice.experts), twice.weights, mix.bank, inter),
+                       loop_twice)
     shifted = dataclasses.replace(mix, experts=mix.experts[1:] + mix.experts[:1]).bank
     assert not torch.equal(mixture_fixed(h, ids, routes.weights, shifted, inter), loop)  # RED
 

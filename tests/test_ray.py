@@ -96,10 +96,13 @@ def test_replies_under_load_equal_tfq_serve_alone(cluster, tiny_dirs, tiny_model
 
 def test_control_a_replica_whose_bits_differ_is_refused_with_its_chat_step_and_node(cluster):
     spec, _ = cluster
-    with pytest.raises(RuntimeError) as refused:
-        serve.run(application(ReplicaSpec(**{**spec.__dict__, "harm": nudged}), replicas=1), name="control",
-                  route_prefix="/control")
-    line = refusal_of("control", refused.value)
+    try:
+        with pytest.raises(RuntimeError) as refused:
+            serve.run(application(ReplicaSpec(**{**spec.__dict__, "harm": nudged}), replicas=1), name="control",
+                      route_prefix="/control")
+        line = refusal_of("control", refused.value)
+    finally:
+        serve.delete("control")  # no more tries of its self-check beside the other tests
     assert "parted from the first replica's bits" in line and "chat " in line and "reply step 0" in line, line
     assert "node " in line
 

@@ -3,14 +3,20 @@ mid-stream) goes on with the uninterrupted reply's bits: the same next tokens, l
 text and finish, greedy and sampled, with penalties and grammars, cut anywhere."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import http.client
+import json
 
 import pytest
 
 from engines import one_by_one
+from serve_load import EXTRA, Call, fire
+from served import NAME, server, tiny_served
 from test_structured import shaped_requests, tiny_engine
 from tfq.engine.stream import Request
 from tfq.errors import TfqError
+from tfq.serve.background import serving
 
 
 @pytest.fixture(scope="module")
@@ -53,3 +59,40 @@ def test_a_resume_with_nothing_left_to_draw_is_refused_in_one_line(tiny):
         dataclasses.replace(request, resumed=(5,) * request.max_tokens).validate()
     out = tiny_engine(tiny).generate([dataclasses.replace(request, resumed=(tiny.config.vocab_size + 3,))])[0]
     assert out.error and "resumed token" in out.error
+
+
+@pytest.mark.parametrize("extra, words", [
+    ({"stream": False}, "set stream to true"),
+    ({"n": 2}, "give one prompt, n = 1"),
+    ({"receipt": True}, "leave receipt out"),
+    ({"resume_token_ids": [10 ** 6]}, "token ids in [0,"),
+    ({"resume_token_ids": [5] * 600}, "leave no room in the window"),
+])
+def test_a_resume_the_server_cannot_go_on_with_is_a_400_in_one_line(tiny_dirs, tiny_models, extra, words):
+    body = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "stream": True,
+            "resume_token_ids": [5, 6], **extra}
+    with serving(server(tiny_served(tiny_dirs, tiny_models))) as base:
+        conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=60)
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(body),
+                     headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 400 and words in json.loads(r.read())["error"]["message"]
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_a_stream_resumed_through_the_server_sends_the_uninterrupted_streams_tail(tiny_dirs, tiny_models, chat):
+    """What the Ray ingress relies on: a streamed reply sent again with its first k tokens as resume_token_ids
+    streams exactly the rest of the uninterrupted reply (ids, log-probabilities, digests, finish)."""
+    text = "The quick brown fox jumps over the lazy dog. " * 3
+    body = {"max_tokens": 40, "temperature": 0.8, "seed": 3, "extra_body": EXTRA,
+            **({"messages": [{"role": "user", "content": text}], "logprobs": True, "top_logprobs": 2} if chat else
+               {"prompt": text, "logprobs": 2})}
+    call = Call("resumed", chat, True, 0.0, body)
+    with serving(server(tiny_served(tiny_dirs, tiny_models))) as base:
+        whole = asyncio.run(fire(base, NAME, [call]))[0][0]
+        k = len(whole["ids"]) // 2
+        later = dataclasses.replace(call, body={**body, "extra_body": {**EXTRA, "resume_token_ids": whole["ids"][:k]}})
+        rest = asyncio.run(fire(base, NAME, [later]))[0][0]
+    assert 0 < k < len(whole["ids"])
+    assert rest["ids"] == whole["ids"][k:] and rest["digests"] == whole["digests"][k:]
+    assert rest["logprobs"] == whole["logprobs"][k:] and rest["finish"] == whole["finish"]

@@ -95,3 +95,33 @@ def test_llm_and_chat_keep_thinking_apart_and_find_calls_inside_it(thinker, monk
     assert code == 0 and out.strip(), err
     code, _, err = tfq([*args, "--thinking", "maybe"], monkeypatch, capsys)
     assert code == 2 and "--thinking 'maybe': give show, hide or off" in err
+
+
+def sse_chunks(base: str, doc: dict) -> list[dict]:
+    """A streamed chat's chunks, as JSON (the `[DONE]` left out)."""
+    import http.client
+    import json
+
+    conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=120)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(doc), headers={"Content-Type": "application/json"})
+    events = conn.getresponse().read().decode().split("\n\n")
+    return [json.loads(e[len("data: "):]) for e in events if e.startswith("data: {")]
+
+
+def test_a_resumed_thinking_stream_sends_the_uninterrupted_streams_chunks(thinker):
+    """A stream resumed after k tokens (resume_token_ids: a replica's death on Ray, docs/scale-out.md) sends what the
+    uninterrupted one sent after its k-th token, chunk for chunk: thinking and answer deltas, calls, logprobs, ids,
+    digests and the finish reason (its thinking and call state primed with the text already sent, unsent)."""
+    family = thinker[0]
+    spec = body(family, "why is the sea salty", temperature=0.8, seed=4, logprobs=True, top_logprobs=2)
+    doc = {"model": "thinker", "stream": True, **{k: v for k, v in spec.items() if k != "extra_body"},
+           **spec["extra_body"]}
+    with serving(served(thinker)) as base:
+        whole = sse_chunks(base, doc)
+        ids = [t for c in whole for t in c["choices"][0].get("token_ids") or []]
+        parts = [c["choices"][0] for c in whole]
+        cuts = [k for k in (1, len(ids) // 2, len(ids) - 2) if 0 < k < len(ids)]
+        for k in cuts:
+            rest = [c["choices"][0] for c in sse_chunks(base, {**doc, "resume_token_ids": ids[:k]})]
+            assert rest[1:] == parts[1 + k:], k  # after the opening chunk, token by token, then the last
+    assert any("reasoning_content" in p["delta"] for p in parts) and len(cuts) == 3

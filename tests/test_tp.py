@@ -648,7 +648,7 @@ def test_a_fault_on_rank_0_between_collectives_tears_the_group_down(tiny_dirs, t
     give one process's bits."""
     import tfq.parallel.ranks as ranks_module
 
-    key = (2, "cpu")
+    key = (2, "cpu", None)  # the group tfq starts on this machine (not placed by Ray)
     monkeypatch.delitem(ranks_module._RANKS, key, raising=False)  # a group of this test's own
     folder = str(tiny_dirs["qwen3"])
     model = load_model(folder, progress=False, tp=2).model

@@ -134,14 +134,6 @@ inline at::Tensor moe_mixture(const at::Tensor& h, const at::Tensor& ids, const 
   std::vector<int64_t> order(pairs);  // the pairs grouped by expert, in (row, rank) order within a group
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ip[a] < ip[b]; });
-  const float* xp = x.data_ptr<float>();
-  at::Tensor picked;  // each pair's row, grouped by expert; one row is every pair's (a decode step's lane)
-  if (rows > 1) {
-    picked = at::empty({pairs, hidden}, x.options());
-    float* pp = picked.data_ptr<float>();
-    for (int64_t q = 0; q < pairs; q++) std::memcpy(pp + q * hidden, xp + (order[q] / chosen) * hidden, hidden * 4);
-  }
-  const auto row_of = [&](int64_t q) { return rows > 1 ? picked.data_ptr<float>() + q * hidden : xp; };
   struct Group {
     int64_t expert, start, end;
   };
@@ -150,6 +142,17 @@ inline at::Tensor moe_mixture(const at::Tensor& h, const at::Tensor& ids, const 
     for (end = start + 1; end < pairs && ip[order[end]] == ip[order[start]];) end++;
     groups.push_back({ip[order[start]], start, end});
   }
+  // each pair's row, grouped by expert; where one row chose each of its experts once (a decode step's lane), every
+  // group is that row alone, read where it is
+  const float* xp = x.data_ptr<float>();
+  const bool in_place = rows == 1 && static_cast<int64_t>(groups.size()) == pairs;
+  at::Tensor picked;
+  if (!in_place) {
+    picked = at::empty({pairs, hidden}, x.options());
+    float* pp = picked.data_ptr<float>();
+    for (int64_t q = 0; q < pairs; q++) std::memcpy(pp + q * hidden, xp + (order[q] / chosen) * hidden, hidden * 4);
+  }
+  const auto row_of = [&](int64_t q) { return in_place ? xp : picked.data_ptr<float>() + q * hidden; };
   auto grouped = at::empty({pairs, hidden}, x.options());
   // every chosen expert in blobs of one layout (quant.cpp's or quant_q8.cpp's): all their products in one
   // parallel region, by that layout's linear_many
@@ -184,7 +187,7 @@ inline at::Tensor moe_mixture(const at::Tensor& h, const at::Tensor& ids, const 
       at::Tensor gu, y;
       {
         Clock c(clock, 2);
-        gu = linear(rows > 1 ? picked.slice(0, g.start, g.end) : x, gate_ups[g.expert], c10::nullopt,
+        gu = linear(in_place ? x : picked.slice(0, g.start, g.end), gate_ups[g.expert], c10::nullopt,
                     2 * intermediate);
       }
       const at::Tensor act = silu_mul(gu, intermediate);

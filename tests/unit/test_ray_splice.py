@@ -36,6 +36,21 @@ def test_a_resumed_stream_keeps_the_first_id_and_drops_its_second_opening():
                  event(chunk("b", 2, {"content": " there"}, [9], "stop")) + DONE)
     assert out == [event(chunk("a", 1, {"content": " there"}, [9], "stop")), DONE]
     assert s.ids == [7, 9] and s.ended
-    control = Splice(wants_ids=True)  # RED: not told it resumed, the second replica's opening and id pass through
+    control = Splice(wants_ids=True)  # RED: not told it resumed, the second replica's id passes through
     control.feed(event(chunk("a", 1, {"role": "assistant", "content": ""}, [])))
-    assert control.feed(event(chunk("b", 2, {"role": "assistant", "content": ""}, []))) != []
+    assert control.feed(event(chunk("b", 2, {"content": " there"}, [9]))) == [
+        event(chunk("b", 2, {"content": " there"}, [9]))]
+
+
+def test_a_reply_resumed_before_its_opening_reached_the_client_keeps_the_new_one():
+    s = Splice(wants_ids=False)
+    s.resume()  # its replica died before the first event
+    opening = chunk("b", 2, {"role": "assistant", "content": ""}, [])
+    assert s.feed(event(opening)) == [event({**opening, "choices": [
+        {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})]
+
+
+def test_a_reply_whose_last_chunk_was_sent_is_finished():
+    s = Splice(wants_ids=True)
+    s.feed(event(chunk("a", 1, {"content": "Hi"}, [7], "length")))
+    assert s.finished and not s.ended  # the ingress then ends the stream rather than resume it

@@ -79,7 +79,8 @@ def serve(
         options = ServeOptions(queue, tuple(k for k in api_keys if k), limits, None, log_prompts,
                                stuck_after or STUCK_AFTER_S, key)
         return serve_on_ray(ray_address, replicas, dict(plan=plan, model=model, sets=tuple(sets), name=name,
-                                                        options=options, threads=threads), host, port, err)
+                                                        options=options, threads=threads), host, port,
+                            allowed_hosts(host, tuple(extra_hosts)), err)
     fix_threads(threads)
     sock = listening_socket(host, port)  # before the model loads: a taken port fails at once
     the_plan, config, layout = resolve_plan(plan, model, sets, quiet, err)
@@ -105,9 +106,9 @@ def serve(
     err.print("stopped")
 
 
-def serve_on_ray(address: str | None, replicas: int, spec: dict, host: str, port: int, err: Console) -> None:
+def serve_on_ray(address: str | None, replicas: int, spec: dict, host: str, port: int, hosts, err: Console) -> None:
     """`tfq serve --ray`: the same app on `replicas` replicas behind Ray Serve's proxy (tfq/ray); `spec`: what each
-    replica builds (tfq.ray.ReplicaSpec's fields)."""
+    replica builds (tfq.ray.ReplicaSpec's fields); hosts: the Host names the ingress answers."""
     if replicas < 0 or (address is not None and not address.strip()):
         raise TfqError(f"--replicas {replicas} --ray {address!r}: give 1 or more replicas and an address, 'auto' or "
                        f"'local'")
@@ -120,7 +121,7 @@ def serve_on_ray(address: str | None, replicas: int, spec: dict, host: str, port
     where = None if address in (None, "local") else address
     count = max(replicas, 1)
     err.print(f"starting {count} replica(s) on Ray ({address or 'local'}); each joins after its self-check")
-    on_ray.run(on_ray.ReplicaSpec(**spec), count, where, host, port, on_ready=lambda: err.print(
+    on_ray.run(on_ray.ReplicaSpec(**spec), count, where, host, port, hosts, on_ready=lambda: err.print(
         f"serving at http://{host}:{port}/v1 on Ray, {count} replica(s) (/health says which bits they were checked "
         f"against); Ctrl-C stops"))
     err.print("stopped")

@@ -103,6 +103,15 @@ class Result:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (None for the first)
 
 
+def shown_after_resumed(request: Request, decoder, eos_ids: frozenset[int], window: int) -> str:
+    """The text a client of `request`'s stream had been shown once its `resumed` tokens were drawn: the stream that
+    resumes it appends them the same way (tfq/engine/core.py), and a server primes its stream's state with it."""
+    st = Stream(-1, request, list(request.prompt), decoder=decoder)
+    for token in request.resumed:
+        st.append(token, eos_ids, window)
+    return st.text[:st.shown]
+
+
 def held_back(text: str, stops: tuple[str, ...]) -> int:
     """Characters at the end of `text` that begin some stop string (and so may not be shown yet). Only the
     places where a stop's first character stands are tried, longest first: linear in the stop's length for

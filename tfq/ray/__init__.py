@@ -10,10 +10,14 @@ Ray is an optional extra: `pip install 'tfq[ray]'`.
 """
 from __future__ import annotations
 
+import dataclasses
+import os
+import socket
 import threading
 
 from tfq.errors import TfqError
 from tfq.ray.replica import Replica, ReplicaSpec
+from tfq.serve.background import ServeOptions
 
 __all__ = ["ReplicaSpec", "application", "refusal_of", "run"]
 
@@ -33,9 +37,10 @@ def refusal_of(app: str, error: Exception) -> str:
     return text.splitlines()[-1] if text else repr(error)
 
 
-def application(spec: ReplicaSpec, replicas: int, cpus: float = 0):
+def application(spec: ReplicaSpec, replicas: int, cpus: float = 0, hosts: frozenset[str] | None = None):
     """The ingress bound to `replicas` replicas of `spec`, each holding `cpus` of a node's CPUs (Ray places replicas
-    by them: a node's cores each, to spread them one a node)."""
+    by them: a node's cores each, to spread them one a node); the ingress answers the Host names `hosts` (None:
+    any) and holds no key (the replicas check them)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -47,24 +52,37 @@ def application(spec: ReplicaSpec, replicas: int, cpus: float = 0):
                                ray_actor_options={"num_cpus": cpus}, health_check_period_s=2,
                                max_constructor_retry_count=3,
                                request_router_config=RequestRouterConfig(request_router_class=PrefixRouter))
-    return Ingress.options(ray_actor_options={"num_cpus": 0}).bind(engines.bind(spec), spec)
+    keyless = dataclasses.replace(spec, options=ServeOptions(), harm=None)
+    return Ingress.options(ray_actor_options={"num_cpus": 0}).bind(engines.bind(spec), keyless, hosts)
 
 
-def run(spec: ReplicaSpec, replicas: int, address: str | None, host: str, port: int, on_ready=None) -> None:
-    """`tfq serve --ray`: join the cluster at `address` (`auto`, an address, or None: a new local one), serve the
-    application on host:port through Ray Serve's proxy until interrupted."""
+def run(spec: ReplicaSpec, replicas: int, address: str | None, host: str, port: int,
+        hosts: frozenset[str] | None = None, on_ready=None) -> None:
+    """`tfq serve --ray`: join the cluster at `address` (`auto`, an address, or None: a new one on this machine,
+    on its loopback address), serve the application on host:port through Ray Serve's proxy until interrupted, then
+    take it down (and the cluster, if it was ours)."""
     import ray
     from ray import serve
 
-    ray.init(address=address, include_dashboard=False, log_to_driver=False,
-             logging_level="ERROR")
+    free_port(host, port)
+    os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "error")  # a cluster not there is our one line, not Ray's warnings
+    try:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
+                 **({"_node_ip_address": "127.0.0.1"} if address is None else {}))
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        raise TfqError(f"--ray {address}: no Ray cluster to join there ({str(e).strip().splitlines()[0]}); start one "
+                       f"with `ray start --head`, or give --ray local") from None
+
+    def down() -> None:
+        serve.delete("tfq") if address is not None else serve.shutdown()  # a shared cluster keeps its other apps
+        ray.shutdown()
+
     serve.start(http_options={"host": host, "port": port})
     try:
-        serve.run(application(spec, replicas), name="tfq", route_prefix="/", blocking=False)
+        serve.run(application(spec, replicas, hosts=hosts), name="tfq", route_prefix="/", blocking=False)
     except RuntimeError as e:  # a replica that could not start: its own line (a refusal names chat, step, node)
         line = refusal_of("tfq", e)
-        serve.shutdown()
-        ray.shutdown()
+        down()
         raise TfqError(line) from None
     if on_ready is not None:
         on_ready()
@@ -73,5 +91,14 @@ def run(spec: ReplicaSpec, replicas: int, address: str | None, host: str, port: 
     except KeyboardInterrupt:
         pass
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        down()
+
+
+def free_port(host: str, port: int) -> None:
+    """One line now, rather than a failure inside Ray Serve's proxy, for an address or port this machine cannot
+    listen on."""
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as e:
+        raise TfqError(f"cannot listen on {host}:{port} ({e.strerror or e}); pick another --port or --host") from None

@@ -21,6 +21,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from tfq.ray.replica import ReplicaSpec
 from tfq.ray.routing import route_key
 from tfq.ray.splice import DONE, Splice
+from tfq.serve.guard import host_name
 
 log = logging.getLogger(__name__)
 PATIENCE_S = 120.0  # how long a request waits for a replica that answers: its first, or one to resume it on
@@ -55,9 +56,12 @@ def prompt_ids(tokenizer, path: str, doc: Optional[dict]) -> Optional[list[int]]
 
 
 def resumable(path: str, doc: Optional[dict]) -> Optional[Splice]:
-    """A Splice for a streamed reply the ingress can resume on another replica (one choice, no echo), else None."""
+    """A Splice for a streamed reply the ingress can resume on another replica (one choice of one prompt, no echo or
+    receipt: tfq.serve.intake.check_resume), else None."""
+    prompt = doc.get("prompt") if doc else None
+    several = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int) and len(prompt) != 1
     if not doc or not path.endswith("completions") or doc.get("stream") is not True or doc.get("n", 1) != 1 \
-            or doc.get("echo") or doc.get("resume_token_ids"):
+            or several or doc.get("echo") or doc.get("receipt") or doc.get("resume_token_ids"):
         return None
     return Splice(wants_ids=doc.get("return_token_ids") is True)
 
@@ -70,12 +74,13 @@ def error_event(message: str) -> bytes:
 @serve.deployment(max_ongoing_requests=1024)
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, replicas, spec: ReplicaSpec):
+    def __init__(self, replicas, spec: ReplicaSpec, hosts: Optional[frozenset] = None):
+        """hosts: the Host names answered (tfq.serve.guard.allowed_hosts; None: any)."""
         from tfq.model.source import resolve_model
         from tfq.model.tokenizer import Tokenizer
         from tfq.plan.resolve import resolve_plan
 
-        self.replicas = replicas
+        self.replicas, self.hosts = replicas, hosts
         plan = resolve_plan(spec.plan, spec.model, list(spec.sets), True, None)[0]
         self.tokenizer = Tokenizer.from_folder(resolve_model(plan.model, progress=False, weights=False))
         self.facts: Optional[dict] = None
@@ -122,7 +127,12 @@ class Ingress:
         body = await request.body()
         facts = await self._facts()
         doc = parsed(body) if request.method == "POST" else None
-        ids = prompt_ids(self.tokenizer, path, doc) if doc else None
+        if self.hosts is not None and host_name(request.headers.get("host", "")) not in self.hosts:
+            names = ", ".join(sorted(self.hosts))
+            return JSONResponse({"error": {"message": f"Host {request.headers.get('host', '')!r} is not a name this "
+                                           f"server answers to ({names}); start it with --allowed-host NAME",
+                                           "type": "invalid_request_error", "param": None, "code": None}}, 421)
+        ids = await asyncio.to_thread(prompt_ids, self.tokenizer, path, doc) if doc else None
         key = route_key(ids, facts["page_rows"]) if ids else None
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in ("host", "content-length")]
         call = (request.method, "/" + path, request.url.query, headers)
@@ -136,13 +146,22 @@ class Ingress:
         if path == "metrics" and head.status == 200:  # the replica's (its key checked there), then the ingress's
             return Response(b"".join([chunk async for chunk in stream]) + self.counters(), headers=kept)
         if splice is None or head.status != 200:
-            return StreamingResponse(self._as_sent(stream), status_code=head.status, headers=kept)
+            events = kept.get("content-type", "").startswith("text/event-stream")
+            return StreamingResponse(self._as_sent(stream, events), status_code=head.status, headers=kept)
         return StreamingResponse(self._spliced(stream, splice, call, doc, key), status_code=head.status, headers=kept)
 
     @staticmethod
-    async def _as_sent(stream):
-        async for chunk in stream:
-            yield chunk
+    async def _as_sent(stream, events: bool):
+        """A response as the replica sends it; `events` (server-sent events) that lose their replica end with an
+        error event (a stream this ingress does not resume: several choices, echo, a receipt, the Responses API)."""
+        try:
+            async for chunk in stream:
+                yield chunk
+        except GONE:
+            if not events:
+                raise
+            yield error_event("the replica serving this stream died; it is not one the ingress resumes (one choice of "
+                              "one prompt, no echo, no receipt): send it again")
 
     async def _spliced(self, stream, splice: Splice, call: tuple, doc: dict, key: Optional[str]):
         """The reply's events; where its replica dies before the end, the reply resumed on another replica from the
@@ -155,6 +174,9 @@ class Ingress:
                 return
             except GONE as e:
                 if splice.ended:
+                    return
+                if splice.finished:  # only the end was lost: the reply is whole
+                    yield DONE
                     return
                 self.moved += 1
                 log.warning("a replica died mid-reply (%s); resuming it after %d tokens", type(e).__name__,

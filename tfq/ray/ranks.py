@@ -2,6 +2,10 @@
 placement group, spread), each an actor running the rank's loop of tfq/parallel/rank_main.py; rank 0 is the process
 that loads the model (a replica, or any driver on the cluster).
 
+Unlike the ranks tfq starts on one machine (whose store and gloo stay on 127.0.0.1), these listen on the nodes'
+addresses, where the cluster's other machines reach them: the messages are signed, but the activations travel
+unencrypted. Run a Ray cluster on a private network, as Ray itself asks.
+
 They talk as the ranks tfq starts itself do (tfq/parallel/ranks.py): over torch.distributed's gloo, the store on rank
 0's node address, each message numbered and signed with the run's secret (handed to each actor by Ray, inside the
 cluster), a rank admitted only once it proves it knows it. Rank 0 watches them as it watches its processes: one that
@@ -90,7 +94,10 @@ def start_on_ray(world: int, device, bundle: dict[str, float]) -> tuple[Group, l
     except BaseException:
         for p in placed:
             p.kill()
-        remove_placement_group(group)
+        try:
+            remove_placement_group(group)
+        except Exception:  # noqa: BLE001 (removed with a rank already: the error that matters is the one raised)
+            pass
         raise
 
 

@@ -80,15 +80,12 @@ class Replica:
                     route: str | None = None) -> AsyncIterator[Head | bytes]:
         """One HTTP request through the app: its Head, then its body's chunks as the app sends them. `route` is the
         router's (tfq/ray/router.py). The caller going away is the client going away: the app aborts its stream."""
+        from tfq.serve.guard import replay
+
         out: asyncio.Queue = asyncio.Queue()
         gone = asyncio.Event()
-        sent = False
 
-        async def receive() -> dict:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
+        async def disconnect() -> dict:  # what the client's side says after the body: only that it went away
             await gone.wait()
             return {"type": "http.disconnect"}
 
@@ -99,7 +96,7 @@ class Replica:
                  "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": query.encode(),
                  "root_path": "", "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers],
                  "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 80)}
-        task = asyncio.create_task(self.app(scope, receive, send))
+        task = asyncio.create_task(self.app(scope, replay(body, disconnect), send))
         task.add_done_callback(lambda _: out.put_nowait(None))  # after every message the app sent
         try:
             while (message := await out.get()) is not None:

@@ -46,27 +46,40 @@ def own_bits(plan, layout, loaded) -> list[v.ChatBits]:
     return v.run(plan, layout, loaded, v.requests(chats, loaded.tokenizer))
 
 
-def book_name(plan, loaded) -> str:
+def book_name(plan, layout, loaded) -> str:
     """One book for every replica that must give the same bits: the same weights (by their content, so a model
-    changed in place gets a new book) in the same arithmetic."""
+    changed in place gets a new book) in the same arithmetic (tfq/receipts/receipt.py: weights, cache dtype,
+    attention, device kind)."""
     import hashlib
+    import json
 
     from tfq.model.identity import weights_sha256
+    from tfq.receipts.receipt import arithmetic
 
-    return "tfq-bits-" + hashlib.sha256(f"{weights_sha256(plan.model)}|{loaded.weights}".encode()).hexdigest()[:16]
+    what = [weights_sha256(plan.model), arithmetic(loaded.weights, plan.kv.dtype, plan.attention, layout.device)]
+    return "tfq-bits-" + hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def the_record(plan, layout, loaded) -> dict | None:
+    """The repository's record where it holds this replica's case: the default model, the shipped suite, an
+    arithmetic it recorded, with the default plan's cache and attention, on a CPU."""
+    if plan.model != "default" or plan.kv.dtype != "fp32" or plan.attention != "rows" or layout.device != "cpu":
+        return None
+    doc = v.read(v.REFERENCE)
+    return doc if loaded.weights in doc["weights"] and doc["suite_sha256"] == v.suite_sha(default_suite()) else None
 
 
 def check(plan, layout, loaded) -> Verdict:
     """This replica's bits against the record (the default model, in a recorded arithmetic) or the book's."""
     where = where_am_i()
     bits = own_bits(plan, layout, loaded)
-    doc = v.read(v.REFERENCE) if plan.model == "default" else None
-    if doc is not None and loaded.weights in doc["weights"]:
+    doc = the_record(plan, layout, loaded)
+    if doc is not None:
         want = v.recorded(doc, loaded.weights)
         reference = f"the record of the default model ({loaded.weights})"
     else:
         # detached: the book outlives the replica that opened it (a named actor without handles is collected)
-        book = Book.options(name=book_name(plan, loaded), get_if_exists=True, lifetime="detached").remote()
+        book = Book.options(name=book_name(plan, layout, loaded), get_if_exists=True, lifetime="detached").remote()
         first, first_where = ray.get(book.offer.remote(bits, where))
         want = {c.chat: c for c in first}
         reference = f"the first replica's bits ({first_where})"

@@ -22,6 +22,8 @@ class Splice:
     ids: list[int] = field(default_factory=list)  # the reply's tokens sent to the client so far
     first: dict | None = None  # the first event's id and created, which resumed events take
     resumed: bool = False  # the events now come from a replica that resumed the reply
+    opened: bool = False  # the opening chunk (a chat's role) was sent
+    finished: bool = False  # the choice's last chunk (its finish_reason) was sent: nothing is left to resume
     ended: bool = False  # [DONE] was sent
     _buffer: bytes = b""
 
@@ -53,13 +55,15 @@ class Splice:
             self.first = {"id": doc.get("id"), "created": doc.get("created")}
         elif self.resumed:
             doc.update(self.first)
-        fresh = self.resumed and not self.ids_in(doc) and self._opening(doc)
+        opening = not self.ids_in(doc) and self._opening(doc)
+        if opening and self.opened:  # the resumed reply's opening chunk: the client had it from the first replica
+            return None
+        self.opened = self.opened or opening
         for choice in doc["choices"]:
             self.ids += choice.get("token_ids") or []
+            self.finished = self.finished or choice.get("finish_reason") is not None
             if not self.wants_ids:
                 choice.pop("token_ids", None)
-        if fresh:  # the resumed reply's opening chunk: the client had it from the first replica
-            return None
         return f"data: {json.dumps(doc)}\n\n".encode()
 
     @staticmethod

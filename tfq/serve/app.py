@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from tfq.engine.stream import Result
+from tfq.engine.stream import Result, shown_after_resumed
 from tfq.serve.compiles import Compiles
 from tfq.serve.flow import (
     RETRY_AFTER_S,
@@ -138,8 +138,8 @@ def build_app(served: Served) -> FastAPI:
     async def completions(body: CompletionBody, http: HttpRequest):
         check_model(served, body)
         check_stops(served, body)
-        check_resume(served, body)
         prompts = await asyncio.to_thread(text_prompts, served, body.prompt, body.parse_special_tokens)
+        check_resume(served, body, prompts)
         if body.stream and body.echo and body.logprobs is not None:
             raise ApiError(400, "echo with logprobs is returned whole; set stream to false", "stream")
         requests, matchers = await shaped(served, compiles, body, salt(http), lambda: body.requests(
@@ -160,9 +160,9 @@ def build_app(served: Served) -> FastAPI:
     async def chat_completions(body: ChatBody, http: HttpRequest):
         check_model(served, body)
         check_stops(served, body)
-        check_resume(served, body)
         chat = await asyncio.to_thread(chat_prompt, served, body)
         prompt = chat.ids
+        check_resume(served, body, [prompt])
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         requests, matchers = await shaped(served, compiles, body, salt(http), lambda: body.requests(
             [prompt], served.window, body.reply_tokens, logprobs, constraint=tool_grammar(served, body)))
@@ -222,6 +222,9 @@ async def chat_chunks(served: Served, ticket: Ticket, shape: Shape, usage_of: in
                        "finish_reason": None} for i in range(len(ticket.requests))], chunk=True)
     results: list[Result | None] = [None] * len(ticket.requests)
     choices = [ChoiceStream(shape) for _ in ticket.requests]
+    for stream, request in zip(choices, ticket.requests):  # a resumed reply: its thinking and calls so far, unsent
+        if request.resumed:
+            stream.feed(shown_after_resumed(request, tok.stream(), served.loop.engine.eos_ids, served.window))
     async for event in _events(ticket):
         i = event.choice
         if isinstance(event, Token):
@@ -248,7 +251,7 @@ async def text_chunks(served: Served, ticket: Ticket, shape: Shape, owners: list
         yield shape.body([{"index": i, "text": tok.decode(p), "logprobs": None, "finish_reason": None}
                           for i, p in enumerate(owners)], chunk=True)
     results: list[Result | None] = [None] * len(ticket.requests)
-    offsets = [0] * len(ticket.requests)
+    offsets = [sum(len(tok.decode([t])) for t in r.resumed) for r in ticket.requests]  # after a resumed reply's
     async for event in _events(ticket):
         if isinstance(event, Token):
             out, i = event.output, event.choice

@@ -70,16 +70,22 @@ def check_model(served: Served, body: Sampling) -> None:
                        f"(GET /v1/models)", "model")
 
 
-def check_resume(served: Served, body: Sampling) -> None:
-    """A resumed reply (resume_token_ids) goes on one choice, from reply tokens of this model, leaving room to draw."""
+def check_resume(served: Served, body: Sampling, prompts: list[list[int]]) -> None:
+    """A resumed reply (resume_token_ids: what tfq/ray's ingress sends when a replica dies mid-stream) goes on one
+    streamed choice of one prompt, from reply tokens of this model that leave room in the window, without a receipt
+    (which would sign tokens this server did not draw)."""
     ids = body.resume_token_ids
     if not ids:
         return
-    if body.n != 1 or getattr(body, "echo", False):
-        raise ApiError(400, "resume_token_ids: a reply is resumed alone; give n = 1 and no echo", "resume_token_ids")
-    if any(not 0 <= t < served.vocab for t in ids) or len(ids) >= served.window:
-        raise ApiError(400, f"resume_token_ids: give fewer than {served.window} token ids in [0, {served.vocab})",
-                       "resume_token_ids")
+    problem = ("a reply is resumed streamed: set stream to true" if not body.stream else
+               "a reply is resumed alone: give one prompt, n = 1 and no echo"
+               if body.n != 1 or len(prompts) != 1 or getattr(body, "echo", False) else
+               "a resumed reply has no receipt: leave receipt out" if body.receipt else
+               f"give token ids in [0, {served.vocab})" if any(not 0 <= t < served.vocab for t in ids) else None)
+    if not problem and len(prompts[0]) + len(ids) >= served.window:
+        problem = f"{len(prompts[0])} prompt and {len(ids)} reply tokens leave no room in the window of {served.window}"
+    if problem:
+        raise ApiError(400, f"resume_token_ids: {problem}", "resume_token_ids")
 
 
 def check_stops(served: Served, body: Sampling) -> None:
