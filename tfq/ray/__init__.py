@@ -11,7 +11,6 @@ Ray is an optional extra: `pip install 'tfq[ray]'`.
 from __future__ import annotations
 
 import dataclasses
-import os
 import socket
 import threading
 
@@ -65,7 +64,6 @@ def run(spec: ReplicaSpec, replicas: int, address: str | None, host: str, port: 
     from ray import serve
 
     free_port(host, port)
-    os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "error")  # a cluster not there is our one line, not Ray's warnings
     try:
         ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
                  **({"_node_ip_address": "127.0.0.1"} if address is None else {}))
