@@ -59,12 +59,14 @@ class Splice:
         if opening and self.opened:  # the resumed reply's opening chunk: the client had it from the first replica
             return None
         self.opened = self.opened or opening
+        changed = self.resumed  # its id and creation time are the first replica's
         for choice in doc["choices"]:
             self.ids += choice.get("token_ids") or []
             self.finished = self.finished or choice.get("finish_reason") is not None
-            if not self.wants_ids:
-                choice.pop("token_ids", None)
-        return f"data: {json.dumps(doc)}\n\n".encode()
+            if not self.wants_ids and "token_ids" in choice:
+                del choice["token_ids"]
+                changed = True
+        return f"data: {json.dumps(doc)}\n\n".encode() if changed else event  # as the replica wrote it, if we can
 
     @staticmethod
     def ids_in(doc: dict) -> bool:
