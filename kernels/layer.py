@@ -117,8 +117,21 @@ def _attention_half(x: torch.Tensor, w: AttentionWeights, n: LayerSizes, at: Att
 
 
 @dataclass(frozen=True, eq=False)
+class StackStates:
+    """A hybrid's DeltaNet states as a Stack takes them (DeltaState's, every layer's): each list one entry a layer
+    in the stack's order, without elements at an attention layer."""
+
+    conv: list[torch.Tensor]
+    rec: list[torch.Tensor]
+    segments: torch.Tensor
+    save_conv: list[torch.Tensor]
+    save_rec: list[torch.Tensor]
+
+
+@dataclass(frozen=True, eq=False)
 class StackInputs:
-    """What one forward brings a Stack: AttentionInputs with every layer's cache, in the stack's layer order."""
+    """What one forward brings a Stack: AttentionInputs with every layer's cache, in the stack's layer order (an
+    entry without elements at a DeltaNet layer), and a hybrid's states."""
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -127,6 +140,7 @@ class StackInputs:
     rows: torch.Tensor
     cache_dtype: str
     batch: AttentionBatch
+    states: StackStates | None = None
 
 
 class BuiltStack(NamedTuple):
@@ -149,47 +163,69 @@ class StackOut(NamedTuple):
     h: torch.Tensor  # no rows where every layer ran
 
 
-def layer_stack(layers: list[AttentionWeights], n: LayerSizes):
-    """A model's attention layers (a dense MLP or a mixture of experts each) as one C++ object built once
-    (kernels/cpu/layer.cpp), which runs them all in one call (stack_forward); None where a layer is not what the
-    one-call layer runs."""
-    if not layers or not all(fusable(w.qkv, w.o) and (fusable(w.gate_up, w.down) if w.gate_up is not None
-                                                      else w.mixture is not None) for w in layers):
+def layer_stack(layers: list[AttentionWeights | DeltaLayerWeights], n: LayerSizes, d: DeltaSizes | None = None):
+    """A model's layers (attention layers, and a hybrid's DeltaNet layers of `d`'s sizes; a dense MLP or a mixture
+    of experts each) as one C++ object built once (kernels/cpu/layer.cpp), which runs them all in one call
+    (stack_forward); None where a layer is not what the one-call layer runs."""
+    attention = [w for w in layers if isinstance(w, AttentionWeights)]
+    deltas = [w for w in layers if isinstance(w, DeltaLayerWeights)]
+    if not layers or (deltas and d is None) or not all(_stackable(w) for w in layers):
         return None
-    if len({w.gated for w in layers}) > 1:
+    if len({w.gated for w in attention}) > 1:
         return None
+    none = torch.empty(0)  # what a layer lacks: a DeltaNet layer's qkv, a dense layer's router, ...
 
-    def each(values: list) -> list | None:  # optional tensors: in every layer or in none
-        present = [v is not None for v in values]
-        return list(values) if all(present) else [] if not any(present) else None
+    def each(get) -> list | None:  # an attention layer's optional tensor: in every one of them or in none
+        values = [get(w) if isinstance(w, AttentionWeights) else none for w in layers]
+        present = [get(w) is not None for w in attention]
+        return [] if not any(present) else values if all(present) else None
 
-    optional = [each([w.qkv.bias for w in layers]), each([w.q_norm for w in layers]), each([w.k_norm for w in layers])]
+    optional = [each(lambda w: w.qkv.bias), each(lambda w: w.q_norm), each(lambda w: w.k_norm)]
     if any(o is None for o in optional):
         return None
-    mixtures = [w.mixture for w in layers if w.gate_up is None]
+    mixtures = [w.mixture for w in attention if w.gate_up is None]
     if len({(len(m.gate_ups), m.chosen, m.normalized) for m in mixtures}) > 1:
         return None  # one count of experts, chosen and normalized alike, in every mixture
     m = mixtures[0] if mixtures else None
-    none = torch.empty(0)  # a dense layer's router, a mixture's layer's gate_up and down
     routers = [none if w.gate_up is not None else w.mixture.router.panels for w in layers] if mixtures else []
+    mixer = [t for w in deltas for t in (w.in_proj.panels, w.mixer.conv, w.mixer.A, w.mixer.dt_bias, w.mixer.norm,
+                                         w.out_proj.panels)]
+    qkv, o = ([getattr(w, name).panels if isinstance(w, AttentionWeights) else none for w in layers]
+              for name in ("qkv", "o"))
     return torch.classes.tfq_cpu.Stack(
-        [w.input_norm for w in layers], [w.qkv.panels for w in layers], *optional, [w.o.panels for w in layers],
-        [w.post_norm for w in layers], [w.gate_up.panels if w.gate_up is not None else none for w in layers],
+        [w.input_norm for w in layers], qkv, *optional, o, [w.post_norm for w in layers],
+        [w.gate_up.panels if w.gate_up is not None else none for w in layers],
         [w.down.panels if w.down is not None else none for w in layers], routers,
-        [g for mix in mixtures for g in mix.gate_ups], [d for mix in mixtures for d in mix.downs],
+        [g for mix in mixtures for g in mix.gate_ups], [down for mix in mixtures for down in mix.downs], mixer,
         [n.heads, n.kv_heads, n.head_dim, n.intermediate, len(m.gate_ups) if m else 0, m.chosen if m else 0,
-         n.experts_intermediate if m else 0, int(m.normalized) if m else 0], n.eps, n.scale, layers[0].gated)
+         n.experts_intermediate if m else 0, int(m.normalized) if m else 0,
+         *((d.key_heads, d.key_dim, d.value_heads, d.value_dim) if deltas else (0, 0, 0, 0))],
+        n.eps, n.scale, attention[0].gated if attention else False)
+
+
+def _stackable(w: AttentionWeights | DeltaLayerWeights) -> bool:
+    """Whether a layer is made of what the one object runs: tfq's C++ linear layers (a DeltaNet layer's without
+    biases), a dense MLP, or a mixture the object runs (a shared expert's is not)."""
+    if isinstance(w, DeltaLayerWeights):
+        return fusable(w.in_proj, w.out_proj, w.gate_up, w.down) and w.in_proj.bias is None and w.out_proj.bias is None
+    return fusable(w.qkv, w.o) and (fusable(w.gate_up, w.down) if w.gate_up is not None else w.mixture is not None)
 
 
 def stack_forward(x: torch.Tensor, stack, at: StackInputs, clock: torch.Tensor | None = None,
                   first: int = 0) -> StackOut:
     """x [N, hidden] through the layers of `stack` from `first` in one call: decoder_layer_fixed layer after layer
-    (a mixture's: attention_layer_fixed, the router, route_fixed and mixture_fixed), the same functions on the same
-    tensors (kernels/cpu/layer.cpp). `clock` gains the router's seconds with the experts'."""
+    (a DeltaNet layer: delta_layer_fixed's ops; a mixture's: attention_layer_fixed, the router, route_fixed and
+    mixture_fixed), the same functions on the same tensors (kernels/cpu/layer.cpp). `clock` gains the router's
+    seconds with the experts'."""
     table, offsets, lengths = attention_tables(at.batch, x.shape[0])
-    return StackOut(*cpu_build.op("stack_forward")(x, stack, first, at.cos, at.sin, at.k_caches, at.v_caches, at.rows,
-                                                   SATURATE.get(at.cache_dtype, 0.0), table, offsets, lengths,
-                                                   KEY_TILE, SPLIT_ROWS if at.batch.partial else 0, clock))
+    s = at.states or _NO_STATES
+    return StackOut(*cpu_build.op("stack_forward")(
+        x, stack, first, at.cos, at.sin, at.k_caches, at.v_caches, at.rows, SATURATE.get(at.cache_dtype, 0.0), table,
+        offsets, lengths, KEY_TILE, SPLIT_ROWS if at.batch.partial else 0, s.conv, s.rec, s.segments, s.save_conv,
+        s.save_rec, clock))
+
+
+_NO_STATES = StackStates([], [], torch.empty(0, 5, dtype=torch.int64), [], [])  # a model without DeltaNet layers
 
 
 def decoder_layer_fixed(x: torch.Tensor, w: AttentionWeights, n: LayerSizes, at: AttentionInputs,

@@ -302,17 +302,18 @@ def test_a_mixture_stack_refuses_experts_it_cannot_split_and_a_layer_past_its_ow
     a = attention_layer_args()
     gate_ups = [pack(2 * INTER, HIDDEN, 20 + e) for e in range(3)]
     downs = [pack(HIDDEN, INTER, 30 + e) for e in range(3)]
-    sizes = [HEADS, KV_HEADS, HEAD_DIM, INTER, 3, 2, INTER, 1]  # 3 experts, 2 chosen, normalized
+    sizes = [HEADS, KV_HEADS, HEAD_DIM, INTER, 3, 2, INTER, 1, 0, 0, 0, 0]  # 3 experts, 2 chosen, normalized
     router = pack(3, HIDDEN, 40)
 
     def stack(g: list, d: list):  # one layer, its MLP a mixture (no dense gate_up or down)
         none = torch.empty(0)
         return torch.classes.tfq_cpu.Stack([a["input_norm"]], [a["qkv"]], [], [], [], [a["o"]], [a["post_norm"]],
-                                           [none], [none], [router], g, d, sizes, 1e-6, a["scale"], False)
+                                           [none], [none], [router], g, d, [], sizes, 1e-6, a["scale"], False)
 
     forward = dict(x=a["x"], cos=a["cos"], sin=a["sin"], k_caches=[a["k_cache"]], v_caches=[a["v_cache"]],
                    rows=a["rows"], saturate=0.0, table=a["table"], offsets=a["offsets"], lengths=a["lengths"], tile=64,
-                   split=0, clock=torch.zeros(3, dtype=torch.float64))
+                   split=0, conv_states=[], rec_states=[], segments=torch.empty(0, 5, dtype=torch.int64),
+                   save_convs=[], save_recs=[], clock=torch.zeros(3, dtype=torch.float64))
     out, layer, h = op("stack_forward")(stack=stack(gate_ups, downs), first=0, **forward)
     x2, h2 = op("attention_layer")(**a)
     ids, weights, unsure = op("moe_route")(op("linear")(h2, router, None, 3), 2, True)

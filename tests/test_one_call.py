@@ -1,6 +1,6 @@
 """A decoder layer in one C++ call (kernels/layer.py) gives every stream the bits of the layer run op by op, and
-the start-up guard refuses one that does not; so do a model's layers as one object (a dense model's, and a mixture
-of experts' in fp32 and in GGUF blocks, a row whose route is unsure included)."""
+the start-up guard refuses one that does not; so do a model's layers as one object (a dense model's, a mixture
+of experts' in fp32 and in GGUF blocks, a row whose route is unsure included, and a Qwen3.5 hybrid's)."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,7 +15,7 @@ from test_hybrid import Oracle, hybrid, hybrid_dir  # noqa: F401 (fixtures)
 from test_hybrid import requests as hybrid_requests
 from test_moe import moe_dir  # noqa: F401 (a fixture)
 from tfq.engine.core import EngineSettings
-from tfq.engine.layer_guard import ONE_CALL, ONE_CALL_STORE, STACKED, LayerProof
+from tfq.engine.layer_guard import ONE_CALL, ONE_CALL_STORE, STACKED, STACKED_STORE, LayerProof
 from tfq.engine.stream import Request
 from tfq.kernels.contract import KEY_TILE
 from tfq.model.load import load_model
@@ -227,6 +227,46 @@ def test_control_the_guard_refuses_a_deltanet_layer_one_ulp_off(hybrid, monkeypa
     monkeypatch.setattr(model, "backend", dataclasses.replace(model.backend, delta_layer=nudged))
     failure = LayerProof(model, "fp32", False).holds(torch.get_num_threads(), 64, 64)
     want = "deltanet: " + (ONE_CALL if harm == "output" else ONE_CALL_STORE)
+    assert failure is not None and failure.op == want, failure
+    monkeypatch.undo()
+    assert LayerProof(model, "fp32", False).holds(torch.get_num_threads(), 64, 64) is None
+
+
+@pytest.mark.parametrize("name", ["fp32, whole", "bf16, paged, chunked"])
+def test_a_hybrid_runs_its_layers_as_one_object_with_the_bits_of_each_layer(hybrid, name, monkeypatch):  # noqa: F811
+    """A Qwen3.5 hybrid's forward runs its DeltaNet and gated attention layers in one call to its one object
+    (kernels/cpu/layer.cpp with delta_part.h): the ids and logits digests of every reply are those of each layer in
+    one call, and of the layers op by op. (A drafting engine runs each layer in one call, which keeps a verify's
+    inputs: tests/test_hybrid.py's drafted streams part from their runs alone without that.)"""
+    model = hybrid.model
+    assert model.config.hybrid and model.runs_as_stack() and model.stack.handle is not None
+    stops = counted_stack(model, monkeypatch)
+    stacked = replies(model, SETTINGS[name])
+    assert stops
+    monkeypatch.setattr(model, "stack", None)
+    assert not model.runs_as_stack() and replies(model, SETTINGS[name]) == stacked
+    monkeypatch.setattr(type(model), "runs_in_one_call", lambda self, layer: False)
+    assert replies(model, SETTINGS[name]) == stacked
+
+
+@pytest.mark.parametrize("harm", ["output", "state"])
+def test_control_the_guard_refuses_a_hybrids_one_object_one_ulp_off(hybrid, monkeypatch, harm):  # noqa: F811
+    """A hybrid's one object whose outputs, or whose streams' DeltaNet states, are one ulp from the ops' is refused,
+    named by the layer's kind; unharmed, it is proved."""
+    model = hybrid.model
+    one, up = model.backend.stack_forward, torch.tensor(float("inf"))
+
+    def nudged(x, handle, inputs, clock, first):
+        out = one(x, handle, inputs, clock, first)
+        if harm == "output":
+            return out._replace(x=torch.nextafter(out.x, up))
+        for rec in inputs.states.rec if inputs.states is not None else []:
+            rec.copy_(torch.nextafter(rec, up))
+        return out
+
+    with_stack_forward(model, monkeypatch, nudged)
+    failure = LayerProof(model, "fp32", False).holds(torch.get_num_threads(), 64, 64)
+    want = "attention: " + STACKED if harm == "output" else "deltanet: " + STACKED_STORE
     assert failure is not None and failure.op == want, failure
     monkeypatch.undo()
     assert LayerProof(model, "fp32", False).holds(torch.get_num_threads(), 64, 64) is None

@@ -1,5 +1,5 @@
 // One attention decoder layer of a Qwen model in one call (a hybrid's gated attention layer too; its DeltaNet
-// layers: delta_layer.cpp): the same ops, in the same order, on the same tensors as the
+// layers: delta_layer.cpp), and a model's layers as one object: the same ops, in the same order, on the same tensors as the
 // layer written op by op in Python (tfq/model/qwen.py, Qwen.decoder_layer), so the same bits by construction;
 // the start-up guard still checks, on the running build, that both give every row the same bits.
 //
@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "attention_part.h"
+#include "delta_part.h"
 #include "moe_parts.h"
 
 namespace {
@@ -54,9 +55,9 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& input_norm, cons
 }
 
 // A model's layers as one object, built once at load (`Stack`): every layer's weights and the model's sizes held
-// here, so that a forward through all of them is one call (`stack_forward`). A dense layer is decoder_layer; a
-// mixture's layer is attention_layer's ops, the router's linear layer, moe_route and moe_mixture (moe_parts.h),
-// then the residual: the same functions on the same tensors as the per-layer calls, in their order, so the same
+// here, so that a forward through all of them is one call (`stack_forward`). A dense layer is decoder_layer (a
+// hybrid's DeltaNet layer delta_layer's ops: delta_part.h, then the MLP); a mixture's layer is attention_layer's
+// ops, the router's linear layer, moe_route and moe_mixture (moe_parts.h), then the residual: the same functions on the same tensors as the per-layer calls, in their order, so the same
 // bits by construction (the start-up guard still checks it on the running build). Why: a decode step at one lane
 // spent tens of microseconds a layer outside the kernels turning a layer's Python objects into the 29 arguments
 // above, and a mixture's layer hundreds, in four calls from Python, on every layer of every step.
@@ -69,20 +70,25 @@ OptTensor at_layer(const std::vector<at::Tensor>& ts, size_t i) {
 struct Stack : torch::CustomClassHolder {
   std::vector<at::Tensor> input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_norm, gate_up, down, routers;
   std::vector<c10::intrusive_ptr<tfq::moe::ExpertBank>> banks;  // a mixture's layer's experts; null in a dense one
+  std::vector<c10::optional<DeltaTensors>> deltas;  // a hybrid's DeltaNet layer's own tensors; none elsewhere
   int64_t heads, kv_heads, head_dim, intermediate, experts, chosen, moe_intermediate;
+  int64_t key_heads = 0, key_dim = 0, value_heads = 0, value_dim = 0;  // a hybrid's DeltaNet layers' sizes
   double eps, scale;
   bool gated, normalized;
 
   // weights: each a list of one tensor a layer, in layer order (qkv_bias, q_norm and k_norm: empty where the model
   // has none). routers: empty in a dense model, else one a layer, with no elements where the layer's MLP is dense
   // (and gate_up and down none where it is a mixture); expert_gate_ups and expert_downs: the mixtures' experts, layer
-  // after layer, `experts` a layer. sizes: heads, kv_heads, head_dim, intermediate, experts, chosen,
-  // moe_intermediate, normalized (the last four 0 in a dense model).
+  // after layer, `experts` a layer. deltanet: a hybrid's DeltaNet layers' own tensors, layer after layer, six a
+  // layer (in_proj, conv, A, dt_bias, norm, out_proj); a layer whose qkv has no elements is a DeltaNet layer (its o
+  // none too). sizes: heads, kv_heads, head_dim, intermediate, experts, chosen, moe_intermediate, normalized (these
+  // four 0 in a dense model), key_heads, key_dim, value_heads, value_dim (0 without DeltaNet layers).
   Stack(std::vector<at::Tensor> input_norm, std::vector<at::Tensor> qkv, std::vector<at::Tensor> qkv_bias,
         std::vector<at::Tensor> q_norm, std::vector<at::Tensor> k_norm, std::vector<at::Tensor> o,
         std::vector<at::Tensor> post_norm, std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down,
         std::vector<at::Tensor> routers, std::vector<at::Tensor> expert_gate_ups,
-        std::vector<at::Tensor> expert_downs, std::vector<int64_t> sizes, double eps, double scale, bool gated)
+        std::vector<at::Tensor> expert_downs, std::vector<at::Tensor> deltanet, std::vector<int64_t> sizes, double eps,
+        double scale, bool gated)
       : input_norm(std::move(input_norm)), qkv(std::move(qkv)), qkv_bias(std::move(qkv_bias)),
         q_norm(std::move(q_norm)), k_norm(std::move(k_norm)), o(std::move(o)), post_norm(std::move(post_norm)),
         gate_up(std::move(gate_up)), down(std::move(down)), routers(std::move(routers)), eps(eps), scale(scale),
@@ -94,10 +100,25 @@ struct Stack : torch::CustomClassHolder {
       TORCH_CHECK(opt->empty() || opt->size() == n,
                   "tfq Stack: qkv_bias, q_norm, k_norm and routers: none, or one a layer");
     TORCH_CHECK(this->q_norm.size() == this->k_norm.size(), "tfq Stack: q_norm and k_norm, both or neither");
-    TORCH_CHECK(sizes.size() == 8, "tfq Stack: sizes are heads, kv_heads, head_dim, intermediate, experts, chosen, "
-                "moe_intermediate, normalized");
+    TORCH_CHECK(sizes.size() == 12, "tfq Stack: sizes are heads, kv_heads, head_dim, intermediate, experts, chosen, "
+                "moe_intermediate, normalized, key_heads, key_dim, value_heads, value_dim");
     heads = sizes[0], kv_heads = sizes[1], head_dim = sizes[2], intermediate = sizes[3];
     experts = sizes[4], chosen = sizes[5], moe_intermediate = sizes[6], normalized = sizes[7] != 0;
+    key_heads = sizes[8], key_dim = sizes[9], value_heads = sizes[10], value_dim = sizes[11];
+    size_t taken = 0;  // the next DeltaNet layer's first tensor
+    for (size_t i = 0; i < n; i++) {
+      if (this->qkv[i].numel() > 0) {
+        deltas.emplace_back();
+        continue;
+      }
+      TORCH_CHECK(taken + 6 <= deltanet.size() && this->o[i].numel() == 0 && key_heads > 0 && value_heads > 0,
+                  "tfq Stack: layer ", i, " has no qkv but not a DeltaNet layer's six tensors and sizes");
+      const auto& d = deltanet;
+      deltas.emplace_back(DeltaTensors{d[taken], d[taken + 1], d[taken + 2], d[taken + 3], d[taken + 4], d[taken + 5]});
+      taken += 6;
+    }
+    TORCH_CHECK(taken == deltanet.size(), "tfq Stack: ", deltanet.size(), " DeltaNet tensors, ", taken,
+                " for the layers without qkv");
     TORCH_CHECK(expert_gate_ups.size() == expert_downs.size(), "tfq Stack: a gate_up and a down an expert");
     size_t next = 0;  // the next layer's first expert
     for (size_t i = 0; i < n; i++) {
@@ -118,35 +139,49 @@ struct Stack : torch::CustomClassHolder {
   }
 };
 
-// x [N, hidden] through the stack's layers from `first`; layer i's keys and values go to k_caches[i] and
-// v_caches[i] at `rows`. The other arguments are each layer's, as the `layer` op takes them (layer.cpp). Returns
-// (the output, the stack's layer count, nothing) or, where a mixture's route for some row was unsure (moe_route:
-// an exp glibc's float64 value cannot round for sure, which Python's route answers), (that layer's attention
-// residual, the layer, its post norm): the caller runs that layer's mixture and goes on from the next layer.
+// x [N, hidden] through the stack's layers from `first`; attention layer i's keys and values go to k_caches[i] and
+// v_caches[i] at `rows`; DeltaNet layer i's streams' states are conv_states[i] and rec_states[i] by `segments`
+// (saved first into save_convs[i] and save_recs[i] where a segment says so; these four lists empty in a model
+// without DeltaNet layers, and each entry without elements at a layer of the other kind). The other arguments are
+// each layer's, as the `layer` op takes them. Returns (the output, the stack's layer count, nothing) or, where a
+// mixture's route for some row was unsure (moe_route: an exp glibc's float64 value cannot round for sure, which
+// Python's route answers), (that layer's attention residual, the layer, its post norm): the caller runs that
+// layer's mixture and goes on from the next layer.
 std::tuple<at::Tensor, int64_t, at::Tensor> stack_forward(
     const at::Tensor& x, const c10::intrusive_ptr<Stack>& s, int64_t first, const at::Tensor& cos,
     const at::Tensor& sin, const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
     const at::Tensor& rows, double saturate, const at::Tensor& table, const at::Tensor& offsets,
-    const at::Tensor& lengths, int64_t tile, int64_t split, const OptTensor& clock) {
+    const at::Tensor& lengths, int64_t tile, int64_t split, const std::vector<at::Tensor>& conv_states,
+    const std::vector<at::Tensor>& rec_states, const at::Tensor& segments, const std::vector<at::Tensor>& save_convs,
+    const std::vector<at::Tensor>& save_recs, const OptTensor& clock) {
   const int64_t n = static_cast<int64_t>(s->input_norm.size());
   TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == n && static_cast<int64_t>(v_caches.size()) == n,
               "tfq stack_forward: ", n, " layers, but ", k_caches.size(), " key and ", v_caches.size(),
               " value caches");
+  const bool hybrid = std::any_of(s->deltas.begin(), s->deltas.end(), [](const auto& d) { return d.has_value(); });
+  for (const auto* states : {&conv_states, &rec_states, &save_convs, &save_recs})
+    TORCH_CHECK(static_cast<int64_t>(states->size()) == (hybrid ? n : 0), "tfq stack_forward: ", n,
+                " layers, of which DeltaNet layers: ", hybrid ? "some" : "none", ", but ", states->size(),
+                " entries of a state list");
   TORCH_CHECK(0 <= first && first <= n, "tfq stack_forward: no layer ", first, " in ", n);
   at::Tensor h = x;
   for (int64_t i = first; i < n; i++) {
+    at::Tensor mixed;  // the token mixer's output, projected
+    if (s->deltas[i]) {
+      mixed = std::get<0>(delta_part(h, s->input_norm[i], *s->deltas[i],
+                                     DeltaStates{conv_states[i], rec_states[i], segments, save_convs[i], save_recs[i]},
+                                     s->key_heads, s->key_dim, s->value_heads, s->value_dim, s->eps, clock));
+    } else {
+      mixed = attention_part(h, s->input_norm[i], s->qkv[i], at_layer(s->qkv_bias, i), at_layer(s->q_norm, i),
+                             at_layer(s->k_norm, i), cos, sin, k_caches[i], v_caches[i], rows, saturate, table,
+                             offsets, lengths, s->scale, tile, split, s->o[i], s->heads, s->kv_heads, s->head_dim,
+                             s->eps, s->gated, clock);
+    }
     if (!s->banks[i]) {
-      h = decoder_layer(h, s->input_norm[i], s->qkv[i], at_layer(s->qkv_bias, i), at_layer(s->q_norm, i),
-                        at_layer(s->k_norm, i), cos, sin, k_caches[i], v_caches[i], rows, saturate, table, offsets,
-                        lengths, s->scale, tile, split, s->o[i], s->post_norm[i], s->gate_up[i], s->down[i],
-                        s->heads, s->kv_heads, s->head_dim, s->intermediate, s->eps, s->gated, clock);
+      h = mlp(h, mixed, s->post_norm[i], s->gate_up[i], s->down[i], s->intermediate, s->eps, clock);
       continue;
     }
-    const auto [x2, h2] = attention_layer(h, s->input_norm[i], s->qkv[i], at_layer(s->qkv_bias, i),
-                                          at_layer(s->q_norm, i), at_layer(s->k_norm, i), cos, sin, k_caches[i],
-                                          v_caches[i], rows, saturate, table, offsets, lengths, s->scale, tile, split,
-                                          s->o[i], s->post_norm[i], s->heads, s->kv_heads, s->head_dim, s->eps,
-                                          s->gated, clock);
+    const auto [x2, h2] = add_norm(h.contiguous(), mixed, s->post_norm[i], s->eps);
     at::Tensor logits;
     {
       Clock c(clock, 2);  // the router beside its experts, as tfq bench counts it op by op
@@ -175,10 +210,11 @@ TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) {
       torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                   std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                   std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                  std::vector<int64_t>, double, double, bool>());
+                  std::vector<at::Tensor>, std::vector<int64_t>, double, double, bool>());
   m.def("stack_forward(Tensor x, __torch__.torch.classes.tfq_cpu.Stack stack, int first, Tensor cos, Tensor sin, "
         "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor rows, float saturate, Tensor table, Tensor offsets, "
-        "Tensor lengths, int tile, int split, Tensor? clock) -> (Tensor, int, Tensor)");
+        "Tensor lengths, int tile, int split, Tensor(c!)[] conv_states, Tensor(d!)[] rec_states, Tensor segments, "
+        "Tensor(e!)[] save_convs, Tensor(f!)[] save_recs, Tensor? clock) -> (Tensor, int, Tensor)");
 }
 TORCH_LIBRARY_IMPL(tfq_cpu, CPU, m) {
   m.impl("layer", decoder_layer);

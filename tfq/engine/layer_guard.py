@@ -36,7 +36,6 @@ from tfq.engine.cache import CacheSpec, KVCache
 from tfq.engine.pages import Placement, pages_for
 from tfq.errors import TfqError
 from tfq.kernels.contract import KEY_TILE
-from tfq.kernels.layer import StackInputs
 from tfq.model.layers import DeltaLayer
 
 LANE_WINDOW = 384  # rows of each probe lane: the deepest probe sits at position 300, past a 256-row split
@@ -245,10 +244,9 @@ class _Bench:
                   if layers]
         self.layers = [(model.layers[i], f"{'attention' if kind == 'full_attention' else 'deltanet'}: "
                         if c.hybrid else "") for kind, i in firsts]
-        # where the model runs its layers as one object, that object's code on the proved layer alone (a mixture's
-        # layer where the model has one)
-        self.stack = model.backend.stack([self.layers[0][0].fused], model.layer_sizes) if model.runs_as_stack() \
-            else None
+        # where the model runs its layers as one object, that object's code on each proved layer alone (a
+        # mixture's layer where the model has one; a hybrid's attention and DeltaNet layers)
+        self.stacks = [model.stack_of([layer]) for layer, _ in self.layers] if model.runs_as_stack() else []
         config = replace(c, num_layers=len(firsts), layer_types=tuple(k for k, _ in firsts) if c.hybrid else ())
         streams = list(PROBES) + self.fillers
         self.cache = KVCache(config, CacheSpec(lanes=2, window=LANE_WINDOW, page_rows=KEY_TILE, pool_pages=pages,
@@ -325,13 +323,13 @@ class _Bench:
                                                  s.segments))
                     tap(ONE_CALL_STORE, self.cache.state.fingerprint(0, s.segments, x0.shape[0])
                         if isinstance(layer, DeltaLayer) else self.cache.stored(0, s.cache_rows))
-            if self.stack is not None:  # the proved layer as a Stack of it alone, from the same cache
+            for (layer, prefix), stack in zip(self.layers, self.stacks):  # each as a Stack of it alone
                 self.restore()
-                tap = _Tap(keep, record)
-                tap(STACKED, model.run_stack(self.stack, [self.layers[0][0]], x0, StackInputs(
-                    cos, sin, [self.cache.k[0]], [self.cache.v[0]], s.cache_rows, self.cache.dtype_name, s.batch),
-                    s.segments))
-                tap(STACKED_STORE, self.cache.stored(0, s.cache_rows))
+                tap = _Tap(keep, record, prefix)
+                tap(STACKED, model.run_stack(stack, [layer], x0, model.stack_inputs(
+                    [layer], [0], self.cache, (cos, sin), s.cache_rows, s.batch, s.segments), s.segments))
+                tap(STACKED_STORE, self.cache.state.fingerprint(0, s.segments, x0.shape[0])
+                    if isinstance(layer, DeltaLayer) else self.cache.stored(0, s.cache_rows))
         return record
 
     def restore(self) -> None:

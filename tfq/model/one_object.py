@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from tfq.kernels.layer import BuiltStack, StackInputs
+from tfq.kernels.attention import AttentionBatch
+from tfq.kernels.layer import BuiltStack, StackInputs, StackStates
 from tfq.model.layers import Layer
 from tfq.model.moe import untapped
 from tfq.model.segments import Segments
@@ -20,23 +21,47 @@ class OneObject:
     """The part of Qwen (tfq/model/qwen.py) that builds and runs its layers as one object."""
 
     def one_object(self) -> BuiltStack | None:
-        """The model's layers as one C++ object (a dense MLP or a mixture of experts each; a hybrid's DeltaNet
-        layers not yet): a forward's layers in one call (kernels/layer.py), used while the model's layers and
+        """The model's layers as one C++ object (attention and a hybrid's DeltaNet layers, a dense MLP or a mixture
+        of experts each): a forward's layers in one call (kernels/layer.py), used while the model's layers and
         backend are the ones it was built from (the guard's tests swap in others)."""
         b = self.backend
-        if self.config.hybrid or b.stack is None:
+        if b.stack is None:
             return None
-        return BuiltStack(b, tuple(self.layers), b.stack([layer.fused for layer in self.layers], self.layer_sizes))
+        return BuiltStack(b, tuple(self.layers), self.stack_of(self.layers))
 
-    def runs_as_stack(self, segments: Segments | None = None) -> bool:
+    def stack_of(self, layers: list):
+        """`layers` as one C++ object (a handle), or None where one of them is not what the object runs."""
+        return self.backend.stack([layer.fused for layer in layers], self.layer_sizes,
+                                  self.sizes if self.config.hybrid else None)
+
+    def runs_as_stack(self, segments: Segments | None = None, cache=None) -> bool:
         """Whether this forward's layers run as the model's one C++ object (`stack`): built for these layers and
-        this backend, each of them a layer the one-call layer runs."""
+        this backend, a layer of each kind one the one-call layer runs; not with the chunked DeltaNet control or
+        experts by load, nor where a hybrid's cache keeps a verify's inputs (drafting: each layer in one call
+        gives them)."""
         if self.stack is None or self.stack.handle is None or self.stack.backend is not self.backend:
             return False
         built = self.stack.layers
+        kinds = {type(layer): layer for layer in self.layers}.values()
         return (len(built) == len(self.layers) and all(a is b for a, b in zip(built, self.layers))
                 and not (segments is not None and (segments.chunked or segments.experts_by_load))
-                and self.runs_in_one_call(self.layers[0]))
+                and not (cache is not None and cache.state is not None and cache.state.verify_rows)
+                and all(self.runs_in_one_call(layer) for layer in kinds))
+
+    def stack_inputs(self, layers: list, indices: list[int], cache, rope: tuple[torch.Tensor, torch.Tensor],
+                     cache_rows: torch.Tensor, batch: AttentionBatch, segments: Segments | None) -> StackInputs:
+        """What a forward brings `layers` as one object: each attention layer its cache at its index of `indices`,
+        each DeltaNet layer its states there."""
+        none = torch.empty(0)
+        attention = [isinstance(layer, Layer) for layer in layers]
+        k, v = ([c[i] if a else none for a, i in zip(attention, indices)] for c in (cache.k, cache.v))
+        states = None
+        if not all(attention):
+            s = cache.state
+            conv, rec, save_conv, save_rec = ([t[i] if not a else none for a, i in zip(attention, indices)]
+                                              for t in (s.conv, s.rec, s.saved_conv, s.saved_rec))
+            states = StackStates(conv, rec, segments.table, save_conv, save_rec)
+        return StackInputs(*rope, k, v, cache_rows, cache.dtype_name, batch, states)
 
     def run_stack(self, handle, layers: list[Layer], x: torch.Tensor, inputs: StackInputs,
                   segments: Segments | None = None) -> torch.Tensor:

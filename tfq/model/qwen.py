@@ -28,7 +28,7 @@ from tfq.kernels.delta import (
     gated_rms_norm,
     sigmoid_gate,
 )
-from tfq.kernels.layer import AttentionInputs, DeltaState, LayerSizes, StackInputs, fusable
+from tfq.kernels.layer import AttentionInputs, DeltaState, LayerSizes, fusable
 from tfq.kernels.quant import Quantized, Stacked
 from tfq.kernels.rowwise import rms_norm_fixed
 from tfq.model.config import ModelConfig
@@ -186,11 +186,10 @@ class Qwen(OneObject):
         ids, positions, logit_rows = ids.to(dev), positions.to(dev), logit_rows.to(dev)
         cos, sin = self._rope(positions)
         x = self.embedding(ids)
-        if self.runs_as_stack(segments):
+        if self.runs_as_stack(segments, cache):
             order = [self.cache_index[i] for i in range(len(self.layers))]
-            return self.logits(self.run_stack(self.stack.handle, self.layers, x, StackInputs(
-                cos, sin, [cache.k[i] for i in order], [cache.v[i] for i in order], cache_rows, cache.dtype_name,
-                batch), segments)[logit_rows])
+            return self.logits(self.run_stack(self.stack.handle, self.layers, x, self.stack_inputs(
+                self.layers, order, cache, (cos, sin), cache_rows, batch, segments), segments)[logit_rows])
         for i, layer in enumerate(self.layers):
             x = self.decoder_layer(layer, x, cos, sin, cache, self.cache_index[i], cache_rows, batch,
                                    segments=segments)
