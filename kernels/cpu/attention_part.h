@@ -73,13 +73,14 @@ inline at::Tensor attention_part(const at::Tensor& x, const at::Tensor& input_no
     Clock c(clock, 0);
     mixed_qkv = linear(h, qkv, qkv_bias, q_out + 2 * kv_out + (gated ? q_out : 0));
   }
-  at::Tensor qk = mixed_qkv.slice(1, 0, q_out + kv_out).reshape({n, heads + kv_heads, head_dim});
-  at::Tensor v = mixed_qkv.slice(1, q_out + kv_out, q_out + 2 * kv_out).reshape({n, kv_heads, head_dim});
   if (q_norm.has_value()) norm_heads(mixed_qkv, *q_norm, *k_norm, heads, kv_heads, head_dim, eps);
   at::Tensor q;  // cache first: new keys are read back like old ones
   if (k_cache.scalar_type() == at::kFloat && saturate <= 0) {
-    q = rotary_store(qk, v, cos, sin, k_cache, v_cache, rows, heads, kv_heads, head_dim);
+    rotary_store(mixed_qkv, cos, sin, k_cache, v_cache, rows, heads, kv_heads, head_dim);
+    q = mixed_qkv.as_strided({n, heads, head_dim}, {mixed_qkv.size(1), head_dim, 1});  // the turned queries
   } else {  // a narrow cache: torch's clamp and cast, as the store op by op
+    at::Tensor qk = mixed_qkv.slice(1, 0, q_out + kv_out).reshape({n, heads + kv_heads, head_dim});
+    at::Tensor v = mixed_qkv.slice(1, q_out + kv_out, q_out + 2 * kv_out).reshape({n, kv_heads, head_dim});
     const int64_t R = cos.size(-1);  // a hybrid turns only the first R dimensions (partial rotary)
     const at::Tensor turned = qk.slice(2, 0, R);
     qk = R == head_dim ? turned * cos + turned.roll({R / 2}, {-1}) * sin

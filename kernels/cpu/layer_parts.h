@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <chrono>
 #include <tuple>
+#include <vector>
 
 #include "checks.h"
 #include "lanes.h"
@@ -44,44 +45,46 @@ inline at::Tensor attend(const at::Tensor& q, const at::Tensor& kc, const at::Te
 
 // Rotary on queries and keys over each head's first R dimensions (R = D, or fewer for a hybrid's partial
 // rotary), x_i * cos_i + x_{(i + R/2) mod R} * sin_i (two products and a sum, each rounded once: torch's x * cos +
-// x.roll(R / 2) * sin, sin's first half negated by the caller), the other dimensions as they are; queries into
-// q [N, H, D], keys and values straight into an fp32 cache at `rows`. qk [N, H + Hkv, D] and v [N, Hkv, D] are
-// views of the qkv output (rows apart by their own stride); cos and sin [N, 1, R]. The caller has checked rows, the
-// caches' shape and cos's rows (layer.cpp: check_attention).
-inline at::Tensor rotary_store(const at::Tensor& qk, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
-                               at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& rows, int64_t H,
-                               int64_t Hkv, int64_t D) {
-  TORCH_CHECK(qk.stride(2) == 1 && qk.stride(1) == D && v.stride(2) == 1 && v.stride(1) == D &&
-              cos.is_contiguous() && sin.is_contiguous() && rows.is_contiguous() && k_cache.is_contiguous() &&
-              v_cache.is_contiguous() && cos.size(-1) <= D && cos.size(-1) % 2 == 0, "tfq layer: rotary_store layouts");
-  const int64_t n = qk.size(0), R = cos.size(-1), half = R / 2;
-  auto q = at::empty({n, H, D}, qk.options());
-  const float* qkp = qk.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
+// x.roll(R / 2) * sin, sin's first half negated by the caller), the other dimensions as they are: the queries in
+// place in qkv's output [N, width] (its first H heads of D), the keys (the next Hkv heads) and the values (the
+// Hkv after them) straight into an fp32 cache at `rows`; cos and sin [N, 1, R]. In place and on raw rows, because
+// each tensor made between two linear layers costs a microsecond or more on cold caches. The caller has checked
+// rows, the caches' shape and cos's rows (attention_part.h: check_attention).
+inline void rotary_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                         at::Tensor& v_cache, const at::Tensor& rows, int64_t H, int64_t Hkv, int64_t D) {
+  TORCH_CHECK(qkv.is_contiguous() && qkv.size(1) >= (H + 2 * Hkv) * D && cos.is_contiguous() && sin.is_contiguous() &&
+              rows.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && cos.size(-1) <= D &&
+              cos.size(-1) % 2 == 0, "tfq layer: rotary_store layouts");
+  const int64_t n = qkv.size(0), width = qkv.size(1), R = cos.size(-1), half = R / 2;
+  float* qkvp = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   const int64_t* rp = rows.data_ptr<int64_t>();
-  float* qp = q.data_ptr<float>();
   float* kcp = k_cache.data_ptr<float>();
   float* vcp = v_cache.data_ptr<float>();
-  const int64_t qk_stride = qk.stride(0), v_stride = v.stride(0), row = Hkv * D;
+  const int64_t row = Hkv * D;
   at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> head(R);  // a query head's values before it turns in place
     for (int64_t r = r0; r < r1; r++) {
       const float* c = cp + r * R;
       const float* s = sp + r * R;
+      float* line = qkvp + r * width;
       for (int64_t h = 0; h < H + Hkv; h++) {
-        const float* x = qkp + r * qk_stride + h * D;
-        float* out = h < H ? qp + (r * H + h) * D : kcp + rp[r] * row + (h - H) * D;
+        const float* x = line + h * D;
+        float* out = h < H ? line + h * D : kcp + rp[r] * row + (h - H) * D;
+        if (h < H) {
+          std::copy(x, x + R, head.begin());
+          x = head.data();
+        }
         for (int64_t i = 0; i < R; i++) {
           const float a = x[i] * c[i], b = x[i < half ? i + half : i - half] * s[i];
           out[i] = a + b;
         }
-        std::copy(x + R, x + D, out + R);
+        if (h >= H) std::copy(line + h * D + R, line + (h + 1) * D, out + R);
       }
-      std::copy(vp + r * v_stride, vp + r * v_stride + row, vcp + rp[r] * row);
+      std::copy(line + (H + Hkv) * D, line + (H + 2 * Hkv) * D, vcp + rp[r] * row);
     }
   });
-  return q;
 }
 
 // The residual and the next norm in one pass: x + d (one rounding an element), then its RMS norm by the recipe
