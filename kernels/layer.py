@@ -117,30 +117,49 @@ def _attention_half(x: torch.Tensor, w: AttentionWeights, n: LayerSizes, at: Att
 
 
 @dataclass(frozen=True, eq=False)
-class StackStates:
-    """A hybrid's DeltaNet states as a Stack takes them (DeltaState's, every layer's): each list one entry a layer
-    in the stack's order, without elements at an attention layer."""
+class StackCaches:
+    """The caches a Stack's forward writes, one entry a layer in the stack's order (kernels/cpu/layer.cpp: Caches):
+    an attention layer's key and value caches, a DeltaNet layer's states and their saved copies (those four lists
+    empty in a model without DeltaNet layers; an entry without elements at a layer of the other kind). Built once
+    per cache (`bind_caches`): handing torch every layer's tensors took 40-90 us a forward."""
 
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
     conv: list[torch.Tensor]
     rec: list[torch.Tensor]
-    segments: torch.Tensor
     save_conv: list[torch.Tensor]
     save_rec: list[torch.Tensor]
+    handle: object = None  # torch.classes.tfq_cpu.Caches over the same tensors
+    id: int = 0  # the handle's, which a forward's call names it by
+
+
+def bind_caches(k: list, v: list, conv: list, rec: list, save_conv: list, save_rec: list) -> StackCaches:
+    """These lists as the C++ object a Stack's forward takes (their tensors, not copies)."""
+    lists = (k, v, conv, rec, save_conv, save_rec)
+    handle = torch.classes.tfq_cpu.Caches(*lists)
+    return StackCaches(*lists, handle, handle.id())
+
+
+class StackHandle(NamedTuple):
+    """A Stack (torch.classes.tfq_cpu.Stack) and its id, which a forward's call names it by: torch hands an op's
+    TorchScript object arguments over through C++ exceptions, about 20 us a call."""
+
+    obj: object
+    id: int
 
 
 @dataclass(frozen=True, eq=False)
 class StackInputs:
-    """What one forward brings a Stack: AttentionInputs with every layer's cache, in the stack's layer order (an
-    entry without elements at a DeltaNet layer), and a hybrid's states."""
+    """What one forward brings a Stack: AttentionInputs with every layer's caches bound (StackCaches), and the
+    segments' table a hybrid's DeltaNet layers read (no rows elsewhere)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
-    k_caches: list[torch.Tensor]
-    v_caches: list[torch.Tensor]
+    caches: StackCaches
     rows: torch.Tensor
     cache_dtype: str
     batch: AttentionBatch
-    states: StackStates | None = None
+    segments: torch.Tensor
 
 
 class BuiltStack(NamedTuple):
@@ -149,7 +168,7 @@ class BuiltStack(NamedTuple):
 
     backend: object
     layers: tuple
-    handle: object  # torch.classes.tfq_cpu.Stack, or None where the layers are not what it runs
+    handle: StackHandle | None  # None where the layers are not what it runs
 
 
 class StackOut(NamedTuple):
@@ -192,7 +211,7 @@ def layer_stack(layers: list[AttentionWeights | DeltaLayerWeights], n: LayerSize
                                          w.out_proj.panels)]
     qkv, o = ([getattr(w, name).panels if isinstance(w, AttentionWeights) else none for w in layers]
               for name in ("qkv", "o"))
-    return torch.classes.tfq_cpu.Stack(
+    stack = torch.classes.tfq_cpu.Stack(
         [w.input_norm for w in layers], qkv, *optional, o, [w.post_norm for w in layers],
         [w.gate_up.panels if w.gate_up is not None else none for w in layers],
         [w.down.panels if w.down is not None else none for w in layers], routers,
@@ -201,6 +220,7 @@ def layer_stack(layers: list[AttentionWeights | DeltaLayerWeights], n: LayerSize
          n.experts_intermediate if m else 0, int(m.normalized) if m else 0,
          *((d.key_heads, d.key_dim, d.value_heads, d.value_dim) if deltas else (0, 0, 0, 0))],
         n.eps, n.scale, attention[0].gated if attention else False)
+    return StackHandle(stack, stack.id())
 
 
 def _stackable(w: AttentionWeights | DeltaLayerWeights) -> bool:
@@ -211,21 +231,19 @@ def _stackable(w: AttentionWeights | DeltaLayerWeights) -> bool:
     return fusable(w.qkv, w.o) and (fusable(w.gate_up, w.down) if w.gate_up is not None else w.mixture is not None)
 
 
-def stack_forward(x: torch.Tensor, stack, at: StackInputs, clock: torch.Tensor | None = None,
+def stack_forward(x: torch.Tensor, stack: StackHandle, at: StackInputs, clock: torch.Tensor | None = None,
                   first: int = 0) -> StackOut:
     """x [N, hidden] through the layers of `stack` from `first` in one call: decoder_layer_fixed layer after layer
     (a DeltaNet layer: delta_layer_fixed's ops; a mixture's: attention_layer_fixed, the router, route_fixed and
     mixture_fixed), the same functions on the same tensors (kernels/cpu/layer.cpp). `clock` gains the router's
     seconds with the experts'."""
     table, offsets, lengths = attention_tables(at.batch, x.shape[0])
-    s = at.states or _NO_STATES
     return StackOut(*cpu_build.op("stack_forward")(
-        x, stack, first, at.cos, at.sin, at.k_caches, at.v_caches, at.rows, SATURATE.get(at.cache_dtype, 0.0), table,
-        offsets, lengths, KEY_TILE, SPLIT_ROWS if at.batch.partial else 0, s.conv, s.rec, s.segments, s.save_conv,
-        s.save_rec, clock))
+        x, stack.id, first, at.cos, at.sin, at.caches.id, at.rows, SATURATE.get(at.cache_dtype, 0.0), table, offsets,
+        lengths, KEY_TILE, SPLIT_ROWS if at.batch.partial else 0, at.segments, clock))
 
 
-_NO_STATES = StackStates([], [], torch.empty(0, 5, dtype=torch.int64), [], [])  # a model without DeltaNet layers
+NO_SEGMENTS = torch.empty(0, 5, dtype=torch.int64)  # a model without DeltaNet layers
 
 
 def decoder_layer_fixed(x: torch.Tensor, w: AttentionWeights, n: LayerSizes, at: AttentionInputs,

@@ -310,11 +310,13 @@ def test_a_mixture_stack_refuses_experts_it_cannot_split_and_a_layer_past_its_ow
         return torch.classes.tfq_cpu.Stack([a["input_norm"]], [a["qkv"]], [], [], [], [a["o"]], [a["post_norm"]],
                                            [none], [none], [router], g, d, [], sizes, 1e-6, a["scale"], False)
 
-    forward = dict(x=a["x"], cos=a["cos"], sin=a["sin"], k_caches=[a["k_cache"]], v_caches=[a["v_cache"]],
-                   rows=a["rows"], saturate=0.0, table=a["table"], offsets=a["offsets"], lengths=a["lengths"], tile=64,
-                   split=0, conv_states=[], rec_states=[], segments=torch.empty(0, 5, dtype=torch.int64),
-                   save_convs=[], save_recs=[], clock=torch.zeros(3, dtype=torch.float64))
-    out, layer, h = op("stack_forward")(stack=stack(gate_ups, downs), first=0, **forward)
+    caches = torch.classes.tfq_cpu.Caches([a["k_cache"]], [a["v_cache"]], [], [], [], [])
+    forward = dict(x=a["x"], cos=a["cos"], sin=a["sin"], caches=caches.id(), rows=a["rows"], saturate=0.0,
+                   table=a["table"],
+                   offsets=a["offsets"], lengths=a["lengths"], tile=64, split=0,
+                   segments=torch.empty(0, 5, dtype=torch.int64), clock=torch.zeros(3, dtype=torch.float64))
+    one = stack(gate_ups, downs)
+    out, layer, h = op("stack_forward")(stack=one.id(), first=0, **forward)
     x2, h2 = op("attention_layer")(**a)
     ids, weights, unsure = op("moe_route")(op("linear")(h2, router, None, 3), 2, True)
     assert layer == 1 and h.numel() == 0 and len(unsure) == 0
@@ -324,4 +326,7 @@ def test_a_mixture_stack_refuses_experts_it_cannot_split_and_a_layer_past_its_ow
     with pytest.raises(RuntimeError, match=r"tfq Stack: 4 experts, 3 for the layers with a router"):
         stack(gate_ups + gate_ups[:1], downs + downs[:1])
     with pytest.raises(RuntimeError, match=r"tfq stack_forward: no layer 2 in 1"):
-        op("stack_forward")(stack=stack(gate_ups, downs), first=2, **forward)
+        op("stack_forward")(stack=one.id(), first=2, **forward)
+    freed = stack(gate_ups, downs).id()  # the object went with its last reference: its id names nothing
+    with pytest.raises(RuntimeError, match=rf"tfq stack_forward: no Stack {freed} \(freed, or never made\)"):
+        op("stack_forward")(stack=freed, first=0, **forward)

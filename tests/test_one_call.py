@@ -260,7 +260,7 @@ def test_control_the_guard_refuses_a_hybrids_one_object_one_ulp_off(hybrid, monk
         out = one(x, handle, inputs, clock, first)
         if harm == "output":
             return out._replace(x=torch.nextafter(out.x, up))
-        for rec in inputs.states.rec if inputs.states is not None else []:
+        for rec in inputs.caches.rec:
             rec.copy_(torch.nextafter(rec, up))
         return out
 

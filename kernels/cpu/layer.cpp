@@ -14,6 +14,8 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <mutex>
+#include <unordered_map>
 #include <vector>
 
 #include "attention_part.h"
@@ -67,12 +69,41 @@ OptTensor at_layer(const std::vector<at::Tensor>& ts, size_t i) {
   return ts.empty() ? OptTensor() : OptTensor(ts[i]);
 }
 
+// Ids for the objects a forward's call names (a Stack, its Caches): torch hands an op's TorchScript object
+// arguments over through C++ exceptions, about 20 us a call, where an int costs nothing. An object is in the
+// registry from its first id to its destruction; the caller holds the object while it passes its id.
+template <class T>
+class Registry {
+ public:
+  int64_t add(T* item) {
+    std::lock_guard<std::mutex> hold(lock_);
+    items_[next_] = item;
+    return next_++;
+  }
+  void remove(int64_t id) {
+    std::lock_guard<std::mutex> hold(lock_);
+    items_.erase(id);
+  }
+  T& at(int64_t id, const char* what) {
+    std::lock_guard<std::mutex> hold(lock_);
+    const auto found = items_.find(id);
+    TORCH_CHECK(found != items_.end(), "tfq stack_forward: no ", what, " ", id, " (freed, or never made)");
+    return *found->second;
+  }
+
+ private:
+  std::mutex lock_;
+  std::unordered_map<int64_t, T*> items_;
+  int64_t next_ = 1;
+};
+
 struct Stack : torch::CustomClassHolder {
   std::vector<at::Tensor> input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_norm, gate_up, down, routers;
   std::vector<c10::intrusive_ptr<tfq::moe::ExpertBank>> banks;  // a mixture's layer's experts; null in a dense one
   std::vector<c10::optional<DeltaTensors>> deltas;  // a hybrid's DeltaNet layer's own tensors; none elsewhere
   int64_t heads, kv_heads, head_dim, intermediate, experts, chosen, moe_intermediate;
   int64_t key_heads = 0, key_dim = 0, value_heads = 0, value_dim = 0;  // a hybrid's DeltaNet layers' sizes
+  int64_t id;
   double eps, scale;
   bool gated, normalized;
 
@@ -119,6 +150,7 @@ struct Stack : torch::CustomClassHolder {
     }
     TORCH_CHECK(taken == deltanet.size(), "tfq Stack: ", deltanet.size(), " DeltaNet tensors, ", taken,
                 " for the layers without qkv");
+    id = stacks().add(this);
     TORCH_CHECK(expert_gate_ups.size() == expert_downs.size(), "tfq Stack: a gate_up and a down an expert");
     size_t next = 0;  // the next layer's first expert
     for (size_t i = 0; i < n; i++) {
@@ -137,29 +169,49 @@ struct Stack : torch::CustomClassHolder {
     TORCH_CHECK(next == expert_gate_ups.size(), "tfq Stack: ", expert_gate_ups.size(), " experts, ", next,
                 " for the layers with a router");
   }
+  ~Stack() override { stacks().remove(id); }
+  static Registry<Stack>& stacks() {
+    static Registry<Stack> registry;
+    return registry;
+  }
 };
 
-// x [N, hidden] through the stack's layers from `first`; attention layer i's keys and values go to k_caches[i] and
-// v_caches[i] at `rows`; DeltaNet layer i's streams' states are conv_states[i] and rec_states[i] by `segments`
-// (saved first into save_convs[i] and save_recs[i] where a segment says so; these four lists empty in a model
-// without DeltaNet layers, and each entry without elements at a layer of the other kind). The other arguments are
-// each layer's, as the `layer` op takes them. Returns (the output, the stack's layer count, nothing) or, where a
+// The caches a Stack's forward writes, one entry a layer in the stack's order: an attention layer's key and value
+// caches, a DeltaNet layer's states and their saved copies (each list empty in a model without DeltaNet layers; an
+// entry without elements at a layer of the other kind). Built once per cache and handed over whole: a forward's call
+// spent 40-90 us handing torch lists of every layer's tensors.
+struct Caches : torch::CustomClassHolder {
+  std::vector<at::Tensor> k, v, conv, rec, save_conv, save_rec;
+  int64_t id;
+  Caches(std::vector<at::Tensor> k, std::vector<at::Tensor> v, std::vector<at::Tensor> conv,
+         std::vector<at::Tensor> rec, std::vector<at::Tensor> save_conv, std::vector<at::Tensor> save_rec)
+      : k(std::move(k)), v(std::move(v)), conv(std::move(conv)), rec(std::move(rec)),
+        save_conv(std::move(save_conv)), save_rec(std::move(save_rec)), id(cacheses().add(this)) {}
+  ~Caches() override { cacheses().remove(id); }
+  static Registry<Caches>& cacheses() {
+    static Registry<Caches> registry;
+    return registry;
+  }
+};
+
+// x [N, hidden] through the stack's layers from `first`; attention layer i's keys and values go to c's k[i] and
+// v[i] at `rows`; DeltaNet layer i's streams' states are c's conv[i] and rec[i] by `segments` (saved first into
+// save_conv[i] and save_rec[i] where a segment says so). The other arguments are each layer's, as the `layer` op
+// takes them. Returns (the output, the stack's layer count, nothing) or, where a
 // mixture's route for some row was unsure (moe_route: an exp glibc's float64 value cannot round for sure, which
 // Python's route answers), (that layer's attention residual, the layer, its post norm): the caller runs that
 // layer's mixture and goes on from the next layer.
 std::tuple<at::Tensor, int64_t, at::Tensor> stack_forward(
-    const at::Tensor& x, const c10::intrusive_ptr<Stack>& s, int64_t first, const at::Tensor& cos,
-    const at::Tensor& sin, const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
+    const at::Tensor& x, int64_t stack, int64_t first, const at::Tensor& cos, const at::Tensor& sin, int64_t caches,
     const at::Tensor& rows, double saturate, const at::Tensor& table, const at::Tensor& offsets,
-    const at::Tensor& lengths, int64_t tile, int64_t split, const std::vector<at::Tensor>& conv_states,
-    const std::vector<at::Tensor>& rec_states, const at::Tensor& segments, const std::vector<at::Tensor>& save_convs,
-    const std::vector<at::Tensor>& save_recs, const OptTensor& clock) {
+    const at::Tensor& lengths, int64_t tile, int64_t split, const at::Tensor& segments, const OptTensor& clock) {
+  const Stack* s = &Stack::stacks().at(stack, "Stack");
+  const Caches* c = &Caches::cacheses().at(caches, "Caches");
   const int64_t n = static_cast<int64_t>(s->input_norm.size());
-  TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == n && static_cast<int64_t>(v_caches.size()) == n,
-              "tfq stack_forward: ", n, " layers, but ", k_caches.size(), " key and ", v_caches.size(),
-              " value caches");
+  TORCH_CHECK(static_cast<int64_t>(c->k.size()) == n && static_cast<int64_t>(c->v.size()) == n,
+              "tfq stack_forward: ", n, " layers, but ", c->k.size(), " key and ", c->v.size(), " value caches");
   const bool hybrid = std::any_of(s->deltas.begin(), s->deltas.end(), [](const auto& d) { return d.has_value(); });
-  for (const auto* states : {&conv_states, &rec_states, &save_convs, &save_recs})
+  for (const auto* states : {&c->conv, &c->rec, &c->save_conv, &c->save_rec})
     TORCH_CHECK(static_cast<int64_t>(states->size()) == (hybrid ? n : 0), "tfq stack_forward: ", n,
                 " layers, of which DeltaNet layers: ", hybrid ? "some" : "none", ", but ", states->size(),
                 " entries of a state list");
@@ -169,11 +221,11 @@ std::tuple<at::Tensor, int64_t, at::Tensor> stack_forward(
     at::Tensor mixed;  // the token mixer's output, projected
     if (s->deltas[i]) {
       mixed = std::get<0>(delta_part(h, s->input_norm[i], *s->deltas[i],
-                                     DeltaStates{conv_states[i], rec_states[i], segments, save_convs[i], save_recs[i]},
+                                     DeltaStates{c->conv[i], c->rec[i], segments, c->save_conv[i], c->save_rec[i]},
                                      s->key_heads, s->key_dim, s->value_heads, s->value_dim, s->eps, clock));
     } else {
       mixed = attention_part(h, s->input_norm[i], s->qkv[i], at_layer(s->qkv_bias, i), at_layer(s->q_norm, i),
-                             at_layer(s->k_norm, i), cos, sin, k_caches[i], v_caches[i], rows, saturate, table,
+                             at_layer(s->k_norm, i), cos, sin, c->k[i], c->v[i], rows, saturate, table,
                              offsets, lengths, s->scale, tile, split, s->o[i], s->heads, s->kv_heads, s->head_dim,
                              s->eps, s->gated, clock);
     }
@@ -210,11 +262,16 @@ TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) {
       torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                   std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                   std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                  std::vector<at::Tensor>, std::vector<int64_t>, double, double, bool>());
-  m.def("stack_forward(Tensor x, __torch__.torch.classes.tfq_cpu.Stack stack, int first, Tensor cos, Tensor sin, "
-        "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor rows, float saturate, Tensor table, Tensor offsets, "
-        "Tensor lengths, int tile, int split, Tensor(c!)[] conv_states, Tensor(d!)[] rec_states, Tensor segments, "
-        "Tensor(e!)[] save_convs, Tensor(f!)[] save_recs, Tensor? clock) -> (Tensor, int, Tensor)");
+                  std::vector<at::Tensor>, std::vector<int64_t>, double, double, bool>())
+      .def("id", [](const c10::intrusive_ptr<Stack>& self) { return self->id; });
+  m.class_<Caches>("Caches")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                       std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>>())
+      .def("id", [](const c10::intrusive_ptr<Caches>& self) { return self->id; });
+  // stack and caches: the ids of a Stack and a Caches the caller holds (their id())
+  m.def("stack_forward(Tensor x, int stack, int first, Tensor cos, Tensor sin, int caches, Tensor rows, "
+        "float saturate, Tensor table, Tensor offsets, Tensor lengths, int tile, int split, Tensor segments, "
+        "Tensor? clock) -> (Tensor, int, Tensor)");
 }
 TORCH_LIBRARY_IMPL(tfq_cpu, CPU, m) {
   m.impl("layer", decoder_layer);

@@ -61,6 +61,14 @@ class KVCache:
         self.state = StateCache(config, s.slots or s.lanes, s.verify_rows, s.snapshots) if config.hybrid else None
         if self.state is not None and s.snapshots and prefix is not None:
             self.pages.keep_states(self.state, snapshot_offset)
+        self._bound: dict = {}
+
+    def bound(self, key, build):
+        """What `build()` makes of this cache's tensors (a kernel's object holding them: the model's one object's
+        lists, kernels/layer.py: bind_caches), built once under `key`: the tensors are made once, in __init__."""
+        if key not in self._bound:
+            self._bound[key] = build()
+        return self._bound[key]
 
     @property
     def nbytes(self) -> int:

@@ -324,6 +324,8 @@ class _Bench:
                     tap(ONE_CALL_STORE, self.cache.state.fingerprint(0, s.segments, x0.shape[0])
                         if isinstance(layer, DeltaLayer) else self.cache.stored(0, s.cache_rows))
             for (layer, prefix), stack in zip(self.layers, self.stacks):  # each as a Stack of it alone
+                if stack is None:
+                    continue
                 self.restore()
                 tap = _Tap(keep, record, prefix)
                 tap(STACKED, model.run_stack(stack, [layer], x0, model.stack_inputs(

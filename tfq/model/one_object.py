@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from tfq.kernels.attention import AttentionBatch
-from tfq.kernels.layer import BuiltStack, StackInputs, StackStates
+from tfq.kernels.layer import NO_SEGMENTS, BuiltStack, StackInputs, bind_caches
 from tfq.model.layers import Layer
 from tfq.model.moe import untapped
 from tfq.model.segments import Segments
@@ -50,18 +50,22 @@ class OneObject:
 
     def stack_inputs(self, layers: list, indices: list[int], cache, rope: tuple[torch.Tensor, torch.Tensor],
                      cache_rows: torch.Tensor, batch: AttentionBatch, segments: Segments | None) -> StackInputs:
-        """What a forward brings `layers` as one object: each attention layer its cache at its index of `indices`,
-        each DeltaNet layer its states there."""
-        none = torch.empty(0)
-        attention = [isinstance(layer, Layer) for layer in layers]
-        k, v = ([c[i] if a else none for a, i in zip(attention, indices)] for c in (cache.k, cache.v))
-        states = None
-        if not all(attention):
+        """What a forward brings `layers` as one object: each attention layer its caches at its index of `indices`,
+        each DeltaNet layer its states there (bound once per cache: KVCache.bound)."""
+        attention = tuple(isinstance(layer, Layer) for layer in layers)
+
+        def bind():
+            none = torch.empty(0)
+            k, v = ([c[i] if a else none for a, i in zip(attention, indices)] for c in (cache.k, cache.v))
+            if all(attention):
+                return bind_caches(k, v, [], [], [], [])
             s = cache.state
-            conv, rec, save_conv, save_rec = ([t[i] if not a else none for a, i in zip(attention, indices)]
-                                              for t in (s.conv, s.rec, s.saved_conv, s.saved_rec))
-            states = StackStates(conv, rec, segments.table, save_conv, save_rec)
-        return StackInputs(*rope, k, v, cache_rows, cache.dtype_name, batch, states)
+            return bind_caches(k, v, *([t[i] if not a else none for a, i in zip(attention, indices)]
+                                       for t in (s.conv, s.rec, s.saved_conv, s.saved_rec)))
+
+        caches = cache.bound(("one object", attention, tuple(indices)), bind)
+        return StackInputs(*rope, caches, cache_rows, cache.dtype_name, batch,
+                           NO_SEGMENTS if all(attention) else segments.table)
 
     def run_stack(self, handle, layers: list[Layer], x: torch.Tensor, inputs: StackInputs,
                   segments: Segments | None = None) -> torch.Tensor:
