@@ -81,10 +81,11 @@ def main() -> None:
                                                                      a.alternate)]
     else:
         results = [profile_lanes(loaded, int(n), a.steps, a.prompt_tokens) for n in a.lanes.split(",")]
-    for r in results if not a.alternate else []:
-        print(f"lanes {r['lanes']}: " + line(r))
-        for op in r["top_ops"][:10]:
-            print(f"    {op['op']:<36} {op['calls_per_step']:>5} calls {op['self_ms_per_step']:>8.2f} ms")
+    if not a.alternate:
+        for r in results:
+            print(f"lanes {r['lanes']}: " + line(r))
+            for op in r["top_ops"][:10]:
+                print(f"    {op['op']:<36} {op['calls_per_step']:>5} calls {op['self_ms_per_step']:>8.2f} ms")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"threads": torch.get_num_threads(), "results": results}, f, indent=1)

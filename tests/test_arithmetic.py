@@ -332,10 +332,6 @@ def _meta_arguments(op) -> list:
             args.append(torch.empty(1, device="meta"))
         elif "ExpertBank" in kind:
             args.append(torch.classes.tfq_cpu.ExpertBank([], []))
-        elif "Stack" in kind:  # one layer's weights, each on the meta device
-            one = [torch.empty(1, device="meta")]
-            args.append(torch.classes.tfq_cpu.Stack(one, one, [], [], [], one, one, one, one, [], [], [],
-                                                    [1, 1, 1, 1, 0, 0, 0, 0], 1e-6, 1.0, False))
         else:
             args.append({"int": 1, "float": 1.0, "bool": False}[kind])
     return args

@@ -1,7 +1,7 @@
 // One attention decoder layer of a Qwen model in one call (a hybrid's gated attention layer too; its DeltaNet
-// layers: delta_layer.cpp), and a model's layers as one object: the same ops, in the same order, on the same tensors as the
-// layer written op by op in Python (tfq/model/qwen.py, Qwen.decoder_layer), so the same bits by construction;
-// the start-up guard still checks, on the running build, that both give every row the same bits.
+// layers: delta_layer.cpp), and a model's layers as one object: the same ops, in the same order, on the same
+// tensors as the layer written op by op in Python (tfq/model/qwen.py, Qwen.decoder_layer), so the same bits by
+// construction; the start-up guard still checks, on the running build, that both give every row the same bits.
 //
 // Why it exists: a decode step at one lane spends far longer between its linear layers than their small ops
 // need. Each of the ~25 ops of a layer, dispatched from Python, runs its interpreter and dispatcher code cold,
@@ -57,10 +57,11 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& input_norm, cons
 }
 
 // A model's layers as one object, built once at load (`Stack`): every layer's weights and the model's sizes held
-// here, so that a forward through all of them is one call (`stack_forward`). A dense layer is decoder_layer (a
-// hybrid's DeltaNet layer delta_layer's ops: delta_part.h, then the MLP); a mixture's layer is attention_layer's
-// ops, the router's linear layer, moe_route and moe_mixture (moe_parts.h), then the residual: the same functions on the same tensors as the per-layer calls, in their order, so the same
-// bits by construction (the start-up guard still checks it on the running build). Why: a decode step at one lane
+// here, so that a forward through all of them is one call (`stack_forward`). A dense layer is decoder_layer's ops
+// (attention_part, then the MLP; a hybrid's DeltaNet layer delta_layer's: delta_part.h, then the MLP); a mixture's
+// layer is attention_layer's ops, the router's linear layer, moe_route and moe_mixture (moe_parts.h), then the
+// residual: the same functions on the same tensors as the per-layer calls, in their order, so the same bits by
+// construction (the start-up guard still checks it on the running build). Why: a decode step at one lane
 // spent tens of microseconds a layer outside the kernels turning a layer's Python objects into the 29 arguments
 // above, and a mixture's layer hundreds, in four calls from Python, on every layer of every step.
 
@@ -150,7 +151,6 @@ struct Stack : torch::CustomClassHolder {
     }
     TORCH_CHECK(taken == deltanet.size(), "tfq Stack: ", deltanet.size(), " DeltaNet tensors, ", taken,
                 " for the layers without qkv");
-    id = stacks().add(this);
     TORCH_CHECK(expert_gate_ups.size() == expert_downs.size(), "tfq Stack: a gate_up and a down an expert");
     size_t next = 0;  // the next layer's first expert
     for (size_t i = 0; i < n; i++) {
@@ -168,11 +168,14 @@ struct Stack : torch::CustomClassHolder {
     }
     TORCH_CHECK(next == expert_gate_ups.size(), "tfq Stack: ", expert_gate_ups.size(), " experts, ", next,
                 " for the layers with a router");
+    id = stacks().add(this);  // last: a constructor that throws runs no destructor to take it out again
   }
+  Stack(const Stack&) = delete;  // one object an id
+  Stack& operator=(const Stack&) = delete;
   ~Stack() override { stacks().remove(id); }
   static Registry<Stack>& stacks() {
-    static Registry<Stack> registry;
-    return registry;
+    static auto* registry = new Registry<Stack>();  // never destroyed: objects may outlive static destruction
+    return *registry;
   }
 };
 
@@ -187,16 +190,19 @@ struct Caches : torch::CustomClassHolder {
          std::vector<at::Tensor> rec, std::vector<at::Tensor> save_conv, std::vector<at::Tensor> save_rec)
       : k(std::move(k)), v(std::move(v)), conv(std::move(conv)), rec(std::move(rec)),
         save_conv(std::move(save_conv)), save_rec(std::move(save_rec)), id(cacheses().add(this)) {}
+  Caches(const Caches&) = delete;  // one object an id
+  Caches& operator=(const Caches&) = delete;
   ~Caches() override { cacheses().remove(id); }
   static Registry<Caches>& cacheses() {
-    static Registry<Caches> registry;
-    return registry;
+    static auto* registry = new Registry<Caches>();  // never destroyed: objects may outlive static destruction
+    return *registry;
   }
 };
 
-// x [N, hidden] through the stack's layers from `first`; attention layer i's keys and values go to c's k[i] and
-// v[i] at `rows`; DeltaNet layer i's streams' states are c's conv[i] and rec[i] by `segments` (saved first into
-// save_conv[i] and save_rec[i] where a segment says so). The other arguments are each layer's, as the `layer` op
+// x [N, hidden] through the stack's layers from `first`; attention layer i's keys and values go to the caches'
+// k[i] and v[i] at `rows`; DeltaNet layer i's streams' states are their conv[i] and rec[i] by `segments` (saved
+// first into save_conv[i] and save_rec[i] where a segment says so). `stack` and `caches` are ids (Registry): the op
+// writes the caches its id names, which its schema cannot say. The other arguments are each layer's, as the `layer` op
 // takes them. Returns (the output, the stack's layer count, nothing) or, where a
 // mixture's route for some row was unsure (moe_route: an exp glibc's float64 value cannot round for sure, which
 // Python's route answers), (that layer's attention residual, the layer, its post norm): the caller runs that
@@ -206,12 +212,13 @@ std::tuple<at::Tensor, int64_t, at::Tensor> stack_forward(
     const at::Tensor& rows, double saturate, const at::Tensor& table, const at::Tensor& offsets,
     const at::Tensor& lengths, int64_t tile, int64_t split, const at::Tensor& segments, const OptTensor& clock) {
   const Stack* s = &Stack::stacks().at(stack, "Stack");
-  const Caches* c = &Caches::cacheses().at(caches, "Caches");
+  const Caches* bound = &Caches::cacheses().at(caches, "Caches");
   const int64_t n = static_cast<int64_t>(s->input_norm.size());
-  TORCH_CHECK(static_cast<int64_t>(c->k.size()) == n && static_cast<int64_t>(c->v.size()) == n,
-              "tfq stack_forward: ", n, " layers, but ", c->k.size(), " key and ", c->v.size(), " value caches");
+  TORCH_CHECK(static_cast<int64_t>(bound->k.size()) == n && static_cast<int64_t>(bound->v.size()) == n,
+              "tfq stack_forward: ", n, " layers, but ", bound->k.size(), " key and ", bound->v.size(),
+              " value caches");
   const bool hybrid = std::any_of(s->deltas.begin(), s->deltas.end(), [](const auto& d) { return d.has_value(); });
-  for (const auto* states : {&c->conv, &c->rec, &c->save_conv, &c->save_rec})
+  for (const auto* states : {&bound->conv, &bound->rec, &bound->save_conv, &bound->save_rec})
     TORCH_CHECK(static_cast<int64_t>(states->size()) == (hybrid ? n : 0), "tfq stack_forward: ", n,
                 " layers, of which DeltaNet layers: ", hybrid ? "some" : "none", ", but ", states->size(),
                 " entries of a state list");
@@ -220,12 +227,12 @@ std::tuple<at::Tensor, int64_t, at::Tensor> stack_forward(
   for (int64_t i = first; i < n; i++) {
     at::Tensor mixed;  // the token mixer's output, projected
     if (s->deltas[i]) {
-      mixed = std::get<0>(delta_part(h, s->input_norm[i], *s->deltas[i],
-                                     DeltaStates{c->conv[i], c->rec[i], segments, c->save_conv[i], c->save_rec[i]},
-                                     s->key_heads, s->key_dim, s->value_heads, s->value_dim, s->eps, clock));
+      const DeltaStates states{bound->conv[i], bound->rec[i], segments, bound->save_conv[i], bound->save_rec[i]};
+      mixed = std::get<0>(delta_part(h, s->input_norm[i], *s->deltas[i], states, s->key_heads, s->key_dim,
+                                     s->value_heads, s->value_dim, s->eps, clock));
     } else {
       mixed = attention_part(h, s->input_norm[i], s->qkv[i], at_layer(s->qkv_bias, i), at_layer(s->q_norm, i),
-                             at_layer(s->k_norm, i), cos, sin, c->k[i], c->v[i], rows, saturate, table,
+                             at_layer(s->k_norm, i), cos, sin, bound->k[i], bound->v[i], rows, saturate, table,
                              offsets, lengths, s->scale, tile, split, s->o[i], s->heads, s->kv_heads, s->head_dim,
                              s->eps, s->gated, clock);
     }
@@ -268,7 +275,7 @@ TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) {
       .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>>())
       .def("id", [](const c10::intrusive_ptr<Caches>& self) { return self->id; });
-  // stack and caches: the ids of a Stack and a Caches the caller holds (their id())
+  // stack and caches: the ids of a Stack and a Caches the caller holds (their id()); it writes those caches
   m.def("stack_forward(Tensor x, int stack, int first, Tensor cos, Tensor sin, int caches, Tensor rows, "
         "float saturate, Tensor table, Tensor offsets, Tensor lengths, int tile, int split, Tensor segments, "
         "Tensor? clock) -> (Tensor, int, Tensor)");
