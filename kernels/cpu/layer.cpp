@@ -70,41 +70,53 @@ OptTensor at_layer(const std::vector<at::Tensor>& ts, size_t i) {
   return ts.empty() ? OptTensor() : OptTensor(ts[i]);
 }
 
-// Ids for the objects a forward's call names (a Stack, its Caches): torch hands an op's TorchScript object
-// arguments over through C++ exceptions, about 20 us a call, where an int costs nothing. An object is in the
-// registry from its first id to its destruction; the caller holds the object while it passes its id.
+// An object a forward's call names by id (a Stack, its Caches): torch hands an op's TorchScript object arguments
+// over through C++ exceptions, about 20 us a call, where an int costs nothing. An object is named from its
+// constructor's last step (`enlist`: one that throws runs no destructor) to its destruction; the caller holds the
+// object while it passes its id.
 template <class T>
-class Registry {
+class Named : public torch::CustomClassHolder {
  public:
-  int64_t add(T* item) {
-    std::lock_guard<std::mutex> hold(lock_);
-    items_[next_] = item;
-    return next_++;
+  Named() = default;
+  Named(const Named&) = delete;  // one object an id
+  Named& operator=(const Named&) = delete;
+  ~Named() override {
+    std::lock_guard<std::mutex> hold(lock());
+    items().erase(id);
   }
-  void remove(int64_t id) {
-    std::lock_guard<std::mutex> hold(lock_);
-    items_.erase(id);
-  }
-  T& at(int64_t id, const char* what) {
-    std::lock_guard<std::mutex> hold(lock_);
-    const auto found = items_.find(id);
-    TORCH_CHECK(found != items_.end(), "tfq stack_forward: no ", what, " ", id, " (freed, or never made)");
+  static T& at(int64_t id, const char* what) {
+    std::lock_guard<std::mutex> hold(lock());
+    const auto found = items().find(id);
+    TORCH_CHECK(found != items().end(), "tfq stack_forward: no ", what, " ", id, " (freed, or never made)");
     return *found->second;
   }
+  int64_t id = 0;
 
- private:
-  std::mutex lock_;
-  std::unordered_map<int64_t, T*> items_;
-  int64_t next_ = 1;
+ protected:
+  void enlist(T* self) {
+    static int64_t next = 1;
+    std::lock_guard<std::mutex> hold(lock());
+    id = next++;
+    items()[id] = self;
+  }
+
+ private:  // never destroyed: objects may outlive static destruction
+  static std::mutex& lock() {
+    static auto* m = new std::mutex();
+    return *m;
+  }
+  static std::unordered_map<int64_t, T*>& items() {
+    static auto* m = new std::unordered_map<int64_t, T*>();
+    return *m;
+  }
 };
 
-struct Stack : torch::CustomClassHolder {
+struct Stack : Named<Stack> {
   std::vector<at::Tensor> input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_norm, gate_up, down, routers;
   std::vector<c10::intrusive_ptr<tfq::moe::ExpertBank>> banks;  // a mixture's layer's experts; null in a dense one
   std::vector<c10::optional<DeltaTensors>> deltas;  // a hybrid's DeltaNet layer's own tensors; none elsewhere
   int64_t heads, kv_heads, head_dim, intermediate, experts, chosen, moe_intermediate;
   int64_t key_heads = 0, key_dim = 0, value_heads = 0, value_dim = 0;  // a hybrid's DeltaNet layers' sizes
-  int64_t id;
   double eps, scale;
   bool gated, normalized;
 
@@ -168,14 +180,7 @@ struct Stack : torch::CustomClassHolder {
     }
     TORCH_CHECK(next == expert_gate_ups.size(), "tfq Stack: ", expert_gate_ups.size(), " experts, ", next,
                 " for the layers with a router");
-    id = stacks().add(this);  // last: a constructor that throws runs no destructor to take it out again
-  }
-  Stack(const Stack&) = delete;  // one object an id
-  Stack& operator=(const Stack&) = delete;
-  ~Stack() override { stacks().remove(id); }
-  static Registry<Stack>& stacks() {
-    static auto* registry = new Registry<Stack>();  // never destroyed: objects may outlive static destruction
-    return *registry;
+    enlist(this);
   }
 };
 
@@ -183,25 +188,19 @@ struct Stack : torch::CustomClassHolder {
 // caches, a DeltaNet layer's states and their saved copies (each list empty in a model without DeltaNet layers; an
 // entry without elements at a layer of the other kind). Built once per cache and handed over whole: a forward's call
 // spent 40-90 us handing torch lists of every layer's tensors.
-struct Caches : torch::CustomClassHolder {
+struct Caches : Named<Caches> {
   std::vector<at::Tensor> k, v, conv, rec, save_conv, save_rec;
-  int64_t id;
   Caches(std::vector<at::Tensor> k, std::vector<at::Tensor> v, std::vector<at::Tensor> conv,
          std::vector<at::Tensor> rec, std::vector<at::Tensor> save_conv, std::vector<at::Tensor> save_rec)
       : k(std::move(k)), v(std::move(v)), conv(std::move(conv)), rec(std::move(rec)),
-        save_conv(std::move(save_conv)), save_rec(std::move(save_rec)), id(cacheses().add(this)) {}
-  Caches(const Caches&) = delete;  // one object an id
-  Caches& operator=(const Caches&) = delete;
-  ~Caches() override { cacheses().remove(id); }
-  static Registry<Caches>& cacheses() {
-    static auto* registry = new Registry<Caches>();  // never destroyed: objects may outlive static destruction
-    return *registry;
+        save_conv(std::move(save_conv)), save_rec(std::move(save_rec)) {
+    enlist(this);
   }
 };
 
 // x [N, hidden] through the stack's layers from `first`; attention layer i's keys and values go to the caches'
 // k[i] and v[i] at `rows`; DeltaNet layer i's streams' states are their conv[i] and rec[i] by `segments` (saved
-// first into save_conv[i] and save_rec[i] where a segment says so). `stack` and `caches` are ids (Registry): the op
+// first into save_conv[i] and save_rec[i] where a segment says so). `stack` and `caches` are ids (Named): the op
 // writes the caches its id names, which its schema cannot say. The other arguments are each layer's, as the `layer` op
 // takes them. Returns (the output, the stack's layer count, nothing) or, where a
 // mixture's route for some row was unsure (moe_route: an exp glibc's float64 value cannot round for sure, which
@@ -211,8 +210,8 @@ std::tuple<at::Tensor, int64_t, at::Tensor> stack_forward(
     const at::Tensor& x, int64_t stack, int64_t first, const at::Tensor& cos, const at::Tensor& sin, int64_t caches,
     const at::Tensor& rows, double saturate, const at::Tensor& table, const at::Tensor& offsets,
     const at::Tensor& lengths, int64_t tile, int64_t split, const at::Tensor& segments, const OptTensor& clock) {
-  const Stack* s = &Stack::stacks().at(stack, "Stack");
-  const Caches* bound = &Caches::cacheses().at(caches, "Caches");
+  const Stack* s = &Stack::at(stack, "Stack");
+  const Caches* bound = &Caches::at(caches, "Caches");
   const int64_t n = static_cast<int64_t>(s->input_norm.size());
   TORCH_CHECK(static_cast<int64_t>(bound->k.size()) == n && static_cast<int64_t>(bound->v.size()) == n,
               "tfq stack_forward: ", n, " layers, but ", bound->k.size(), " key and ", bound->v.size(),
