@@ -129,8 +129,8 @@ class StackCaches:
     rec: list[torch.Tensor]
     save_conv: list[torch.Tensor]
     save_rec: list[torch.Tensor]
-    handle: object = None  # torch.classes.tfq_cpu.Caches over the same tensors
-    id: int = 0  # the handle's, which a forward's call names it by
+    handle: object  # torch.classes.tfq_cpu.Caches over the same tensors
+    id: int  # the handle's, which a forward's call names it by
 
 
 def bind_caches(k: list, v: list, conv: list, rec: list, save_conv: list, save_rec: list) -> StackCaches:

@@ -117,6 +117,7 @@ struct Stack : Named<Stack> {
   std::vector<c10::optional<DeltaTensors>> deltas;  // a hybrid's DeltaNet layer's own tensors; none elsewhere
   int64_t heads, kv_heads, head_dim, intermediate, experts, chosen, moe_intermediate;
   int64_t key_heads = 0, key_dim = 0, value_heads = 0, value_dim = 0;  // a hybrid's DeltaNet layers' sizes
+  bool hybrid = false;  // some layer is a DeltaNet layer
   double eps, scale;
   bool gated, normalized;
 
@@ -163,6 +164,7 @@ struct Stack : Named<Stack> {
     }
     TORCH_CHECK(taken == deltanet.size(), "tfq Stack: ", deltanet.size(), " DeltaNet tensors, ", taken,
                 " for the layers without qkv");
+    hybrid = taken > 0;
     TORCH_CHECK(expert_gate_ups.size() == expert_downs.size(), "tfq Stack: a gate_up and a down an expert");
     size_t next = 0;  // the next layer's first expert
     for (size_t i = 0; i < n; i++) {
@@ -201,11 +203,11 @@ struct Caches : Named<Caches> {
 // x [N, hidden] through the stack's layers from `first`; attention layer i's keys and values go to the caches'
 // k[i] and v[i] at `rows`; DeltaNet layer i's streams' states are their conv[i] and rec[i] by `segments` (saved
 // first into save_conv[i] and save_rec[i] where a segment says so). `stack` and `caches` are ids (Named): the op
-// writes the caches its id names, which its schema cannot say. The other arguments are each layer's, as the `layer` op
-// takes them. Returns (the output, the stack's layer count, nothing) or, where a
-// mixture's route for some row was unsure (moe_route: an exp glibc's float64 value cannot round for sure, which
-// Python's route answers), (that layer's attention residual, the layer, its post norm): the caller runs that
-// layer's mixture and goes on from the next layer.
+// writes the caches its id names, which its schema cannot say. The other arguments are each layer's, as the
+// `layer` op takes them. Returns (the output, the stack's layer count, nothing) or, where a mixture's route for
+// some row was unsure (moe_route: an exp glibc's float64 value cannot round for sure, which Python's route
+// answers), (that layer's attention residual, the layer, its post norm): the caller runs that layer's mixture and
+// goes on from the next layer.
 std::tuple<at::Tensor, int64_t, at::Tensor> stack_forward(
     const at::Tensor& x, int64_t stack, int64_t first, const at::Tensor& cos, const at::Tensor& sin, int64_t caches,
     const at::Tensor& rows, double saturate, const at::Tensor& table, const at::Tensor& offsets,
@@ -216,10 +218,9 @@ std::tuple<at::Tensor, int64_t, at::Tensor> stack_forward(
   TORCH_CHECK(static_cast<int64_t>(bound->k.size()) == n && static_cast<int64_t>(bound->v.size()) == n,
               "tfq stack_forward: ", n, " layers, but ", bound->k.size(), " key and ", bound->v.size(),
               " value caches");
-  const bool hybrid = std::any_of(s->deltas.begin(), s->deltas.end(), [](const auto& d) { return d.has_value(); });
   for (const auto* states : {&bound->conv, &bound->rec, &bound->save_conv, &bound->save_rec})
-    TORCH_CHECK(static_cast<int64_t>(states->size()) == (hybrid ? n : 0), "tfq stack_forward: ", n,
-                " layers, of which DeltaNet layers: ", hybrid ? "some" : "none", ", but ", states->size(),
+    TORCH_CHECK(static_cast<int64_t>(states->size()) == (s->hybrid ? n : 0), "tfq stack_forward: ", n,
+                " layers, of which DeltaNet layers: ", s->hybrid ? "some" : "none", ", but ", states->size(),
                 " entries of a state list");
   TORCH_CHECK(0 <= first && first <= n, "tfq stack_forward: no layer ", first, " in ", n);
   at::Tensor h = x;
