@@ -14,6 +14,7 @@ from test_gguf_moe import converted  # noqa: F401 (a fixture)
 from test_hybrid import Oracle, hybrid, hybrid_dir  # noqa: F401 (fixtures)
 from test_hybrid import requests as hybrid_requests
 from test_moe import moe_dir  # noqa: F401 (a fixture)
+from test_quant import tiny_file  # noqa: F401 (a fixture)
 from tfq.engine.core import EngineSettings
 from tfq.engine.layer_guard import ONE_CALL, ONE_CALL_STORE, STACKED, STACKED_STORE, LayerProof
 from tfq.engine.stream import Request
@@ -76,6 +77,25 @@ def test_a_dense_model_runs_its_layers_as_one_object_with_the_bits_of_each_layer
     assert not model.runs_as_stack() and replies(model, SETTINGS[name]) == stacked
     monkeypatch.setattr(type(model), "runs_in_one_call", lambda self, layer: False)
     assert replies(model, SETTINGS[name]) == stacked
+
+
+def test_a_dense_model_on_8_bit_activations_takes_silu_times_up_from_its_gate_up_kernel(tiny_file,  # noqa: F811
+                                                                                        monkeypatch):
+    """A dense GGUF model with 8-bit activations (gguf-q8; the default model's types): its MLP's gate_up blob pairs
+    whole panels, so the one object and each layer in one call take SiLU times up from the gate_up kernel
+    (kernels/cpu/quant_q8.cpp: linear_glu); every reply's ids and logits digests are those of the layers op by op
+    (gate_up, tfq's SiLU, torch's product), paged and chunked too."""
+    model = load_model(str(tiny_file), progress=False, weights="gguf-q8").model
+    gate_up = model.layers[0].fused.gate_up
+    assert gate_up.panels.dtype == torch.uint8 and model.config.intermediate_size % 16 == 0  # the pairing holds
+    assert model.runs_as_stack()
+    for name in ("fp32, whole", "bf16, paged, chunked"):
+        stacked = replies(model, SETTINGS[name])
+        with monkeypatch.context() as m:
+            m.setattr(model, "stack", None)
+            assert replies(model, SETTINGS[name]) == stacked
+            m.setattr(type(model), "runs_in_one_call", lambda self, layer: False)
+            assert replies(model, SETTINGS[name]) == stacked
 
 
 def mixture_model(weights: str, moe_dir, request):  # noqa: F811 (the fixture's name)

@@ -68,6 +68,29 @@ def test_the_prefetch_pair_is_set_and_restored_and_the_bits_stay(q8):
     assert all(torch.equal(o, outs[0]) for o in outs) and torch.equal(outs[0], reference(x, q8)), q8.kind
 
 
+@pytest.mark.parametrize("kinds", [("Q4_K", "Q4_K"), ("Q8_0", "Q6_K")])
+def test_silu_times_up_in_the_gate_up_kernel_has_the_bits_of_the_layer_then_silu(kinds):
+    """q8's linear_glu (a layer's MLP in one call takes it): silu(gate) * up from a gate_up blob in one kernel, the
+    bits of the gate_up layer, then tfq's SiLU and torch's product, at every row count and with the gate and the
+    up of different formats; a blob whose halves are not whole panels of 16 is refused with one line. The
+    control: the same blob read as up then gate parts from it."""
+    from tfq.kernels.rowwise import silu_fixed
+
+    glu, i, k = cpu_build.op("qlinear_glu"), 96, 256
+    gate, up = (from_blocks(kind, random_blocks(kind, i, k, seed=50 + n), (i, k)).with_activations("q8")
+                for n, kind in enumerate(kinds))
+    f = QuantLinear(join([gate, up]))
+    x = awkward_rows(max(ROWS), k)
+    for m in ROWS:
+        gu = f(x[:m])
+        want = silu_fixed(gu[:, :i]) * gu[:, i:]
+        assert torch.equal(glu(x[:m], f.panels, i), want), (kinds, m)
+        assert not torch.equal(silu_fixed(gu[:, i:]) * gu[:, :i], want), (kinds, m)  # control
+    odd = QuantLinear(from_blocks("Q8_0", random_blocks("Q8_0", 200, k, seed=3), (200, k)).with_activations("q8"))
+    with pytest.raises(RuntimeError, match="whole panels of 16"):
+        glu(x[:2], odd.panels, 100)
+
+
 def test_the_rounding_of_the_activations():
     """Ties go to even, a zero or tiny block is zero, a NaN makes its block's scale NaN."""
     x = torch.zeros(1, 96)

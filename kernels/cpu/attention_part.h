@@ -18,11 +18,11 @@ inline at::Tensor sigmoid_gate(const at::Tensor& a, const at::Tensor& gate) {
 // to, against the cache, which both stores trust (rotary_store writes rows[r] unchecked; torch's index_put_ would
 // take -1 as the last row, another stream's); the caches' shape, which gives a row's width; one cos and sin row a
 // query row.
-inline void check_attention(const at::Tensor& x, const OptTensor& q_norm, const OptTensor& k_norm,
+inline void check_attention(const at::Tensor& h, const OptTensor& q_norm, const OptTensor& k_norm,
                             const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& rows, int64_t kv_heads, int64_t head_dim) {
-  TORCH_CHECK(x.dim() == 2, "tfq layer: x [N, hidden]");
-  const int64_t n = x.size(0);
+  TORCH_CHECK(h.dim() == 2, "tfq layer: x [N, hidden]");
+  const int64_t n = h.size(0);
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(1) == kv_heads && k_cache.size(2) == head_dim &&
               v_cache.sizes() == k_cache.sizes(), "tfq layer: the caches are ", k_cache.sizes(), " and ",
               v_cache.sizes(), ", not [rows, kv_heads ", kv_heads, ", head_dim ", head_dim, "]");
@@ -55,19 +55,19 @@ inline void norm_heads(at::Tensor& qkv, const at::Tensor& q_norm, const at::Tens
   });
 }
 
-// The attention half: x [N, hidden] -> the attention's output projected by o [N, hidden]; keys and values of the
-// N rows go to the cache at `rows`. Rotary turns each head's first cos.size(-1) dimensions; `gated` (a hybrid's
+// The attention half: h, the input norm's rows [N, hidden] -> the attention's output projected by o [N, hidden];
+// keys and values of the N rows go to the cache at `rows`. The caller norms (a model's one object norms a layer's
+// input in one pass with the previous layer's residual: add_norm). Rotary turns each head's first cos.size(-1) dimensions; `gated` (a hybrid's
 // attention): qkv's last rows are a gate, and the attention's output is times sigmoid(gate).
-inline at::Tensor attention_part(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& qkv,
+inline at::Tensor attention_part(const at::Tensor& h, const at::Tensor& qkv,
                                  const OptTensor& qkv_bias, const OptTensor& q_norm, const OptTensor& k_norm,
                                  const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
                                  const at::Tensor& rows, double saturate, const at::Tensor& table,
                                  const at::Tensor& offsets, const at::Tensor& lengths, double scale, int64_t tile,
                                  int64_t split, const at::Tensor& o, int64_t heads, int64_t kv_heads, int64_t head_dim,
                                  double eps, bool gated, const OptTensor& clock) {
-  check_attention(x, q_norm, k_norm, cos, sin, k_cache, v_cache, rows, kv_heads, head_dim);
-  const int64_t n = x.size(0), hidden = x.size(1), q_out = heads * head_dim, kv_out = kv_heads * head_dim;
-  const at::Tensor h = rms_norm(x, input_norm, eps);
+  check_attention(h, q_norm, k_norm, cos, sin, k_cache, v_cache, rows, kv_heads, head_dim);
+  const int64_t n = h.size(0), hidden = h.size(1), q_out = heads * head_dim, kv_out = kv_heads * head_dim;
   at::Tensor mixed_qkv;
   {
     Clock c(clock, 0);

@@ -2,7 +2,7 @@
 // layer.cpp: a model's layers as one object), from the pieces of layer_parts.h: the same ops in the same order as
 // the layer written op by op (tfq/model/qwen.py, Qwen.deltanet_layer).
 //
-//   h = rms_norm(x); proj = in_proj(h) = qkv | z | b | a; o = the recurrence (delta.cpp) over each segment of
+//   h = rms_norm(x) (by the caller); proj = in_proj(h) = qkv | z | b | a; o = the recurrence (delta.cpp) over each segment of
 //   rows from its slot's state; o = gated_rms_norm(o, z) per value head; out_proj(o)
 #pragma once
 
@@ -41,15 +41,14 @@ struct DeltaStates {
   at::Tensor conv, rec, segments, save_conv, save_rec;
 };
 
-// x [N, hidden] -> (the token mixer's output projected by out_proj [N, hidden], in_proj's output [N, channels +
-// Hv * dv + 2 Hv]: a draft verify keeps the recurrence's inputs from it, to roll rejected rows back).
-inline std::tuple<at::Tensor, at::Tensor> delta_part(const at::Tensor& x, const at::Tensor& input_norm,
-                                                     const DeltaTensors& w, const DeltaStates& s, int64_t key_heads,
-                                                     int64_t key_dim, int64_t value_heads, int64_t value_dim,
-                                                     double eps, const OptTensor& clock) {
-  const int64_t n = x.size(0), hidden = x.size(1), values = value_heads * value_dim;
+// h, the input norm's rows [N, hidden] -> (the token mixer's output projected by out_proj [N, hidden], in_proj's
+// output [N, channels + Hv * dv + 2 Hv]: a draft verify keeps the recurrence's inputs from it, to roll rejected
+// rows back).
+inline std::tuple<at::Tensor, at::Tensor> delta_part(const at::Tensor& h, const DeltaTensors& w, const DeltaStates& s,
+                                                     int64_t key_heads, int64_t key_dim, int64_t value_heads,
+                                                     int64_t value_dim, double eps, const OptTensor& clock) {
+  const int64_t n = h.size(0), hidden = h.size(1), values = value_heads * value_dim;
   const int64_t channels = 2 * key_heads * key_dim + values;
-  const at::Tensor h = rms_norm(x, input_norm, eps);
   at::Tensor proj;
   {
     Clock c(clock, 0);

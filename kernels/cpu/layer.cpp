@@ -35,7 +35,7 @@ std::tuple<at::Tensor, at::Tensor> attention_layer(
     const at::Tensor& offsets, const at::Tensor& lengths, double scale, int64_t tile, int64_t split,
     const at::Tensor& o, const at::Tensor& post_norm, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
     bool gated, const OptTensor& clock) {
-  const at::Tensor attended = attention_part(x, input_norm, qkv, qkv_bias, q_norm, k_norm, cos, sin, k_cache,
+  const at::Tensor attended = attention_part(rms_norm(x, input_norm, eps), qkv, qkv_bias, q_norm, k_norm, cos, sin, k_cache,
                                              v_cache, rows, saturate, table, offsets, lengths, scale, tile, split, o,
                                              heads, kv_heads, head_dim, eps, gated, clock);
   return add_norm(x.contiguous(), attended, post_norm, eps);
@@ -50,7 +50,7 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& input_norm, cons
                          const at::Tensor& post_norm, const at::Tensor& gate_up, const at::Tensor& down,
                          int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps,
                          bool gated, const OptTensor& clock) {
-  const at::Tensor attended = attention_part(x, input_norm, qkv, qkv_bias, q_norm, k_norm, cos, sin, k_cache,
+  const at::Tensor attended = attention_part(rms_norm(x, input_norm, eps), qkv, qkv_bias, q_norm, k_norm, cos, sin, k_cache,
                                              v_cache, rows, saturate, table, offsets, lengths, scale, tile, split, o,
                                              heads, kv_heads, head_dim, eps, gated, clock);
   return mlp(x, attended, post_norm, gate_up, down, intermediate, eps, clock);
@@ -223,21 +223,27 @@ std::tuple<at::Tensor, int64_t, at::Tensor> stack_forward(
                 " layers, of which DeltaNet layers: ", s->hybrid ? "some" : "none", ", but ", states->size(),
                 " entries of a state list");
   TORCH_CHECK(0 <= first && first <= n, "tfq stack_forward: no layer ", first, " in ", n);
-  at::Tensor h = x;
+  // h: the layer's input; normed: its input norm's rows, in one pass with the previous layer's residual where
+  // that layer is dense (add_norm: the same sum and norm as add_rows then rms_norm, with one pass fewer)
+  at::Tensor h = x, normed = first < n ? rms_norm(x, s->input_norm[first], s->eps) : x;
   for (int64_t i = first; i < n; i++) {
     at::Tensor mixed;  // the token mixer's output, projected
     if (s->deltas[i]) {
       const DeltaStates states{bound->conv[i], bound->rec[i], segments, bound->save_conv[i], bound->save_rec[i]};
-      mixed = std::get<0>(delta_part(h, s->input_norm[i], *s->deltas[i], states, s->key_heads, s->key_dim,
-                                     s->value_heads, s->value_dim, s->eps, clock));
+      mixed = std::get<0>(delta_part(normed, *s->deltas[i], states, s->key_heads, s->key_dim, s->value_heads,
+                                     s->value_dim, s->eps, clock));
     } else {
-      mixed = attention_part(h, s->input_norm[i], s->qkv[i], at_layer(s->qkv_bias, i), at_layer(s->q_norm, i),
+      mixed = attention_part(normed, s->qkv[i], at_layer(s->qkv_bias, i), at_layer(s->q_norm, i),
                              at_layer(s->k_norm, i), cos, sin, bound->k[i], bound->v[i], rows, saturate, table,
                              offsets, lengths, s->scale, tile, split, s->o[i], s->heads, s->kv_heads, s->head_dim,
                              s->eps, s->gated, clock);
     }
+    const bool last = i + 1 == n;
     if (!s->banks[i]) {
-      h = mlp(h, mixed, s->post_norm[i], s->gate_up[i], s->down[i], s->intermediate, s->eps, clock);
+      const auto [x2, out] = mlp_part(h, mixed, s->post_norm[i], s->gate_up[i], s->down[i], s->intermediate, s->eps,
+                                      clock);
+      if (last) h = add_rows(x2, out);
+      else std::tie(h, normed) = add_norm(x2, out, s->input_norm[i + 1], s->eps);
       continue;
     }
     const auto [x2, h2] = add_norm(h.contiguous(), mixed, s->post_norm[i], s->eps);
@@ -249,6 +255,7 @@ std::tuple<at::Tensor, int64_t, at::Tensor> stack_forward(
     const auto [ids, weights, unsure] = tfq::moe::moe_route(logits, s->chosen, s->normalized);
     if (unsure.numel() > 0) return {x2, i, h2};
     h = tfq::moe::moe_mixture(h2, ids, weights, s->banks[i], s->moe_intermediate, clock, x2);
+    if (!last) normed = rms_norm(h, s->input_norm[i + 1], s->eps);
   }
   return {h, n, at::empty({0}, x.options())};
 }

@@ -14,6 +14,7 @@
 
 #include "checks.h"
 #include "lanes.h"
+#include "quant_blob.h"
 
 namespace tfq::layer {
 
@@ -175,23 +176,39 @@ struct Clock {
 };
 
 // The second half of every layer, from the token mixer's output projected (`mixed`, [N, hidden]): the residual
-// with the post norm, gate_up, SiLU times up, down, the residual.
-inline at::Tensor mlp(const at::Tensor& x, const at::Tensor& mixed, const at::Tensor& post_norm,
-                      const at::Tensor& gate_up, const at::Tensor& down, int64_t intermediate, double eps,
-                      const OptTensor& clock) {
+// with the post norm, gate_up, SiLU times up, down; returns (the residual, down's output), whose sum is the layer's
+// output (mlp adds them; a model's one object adds them in one pass with the next layer's input norm: add_norm).
+inline std::tuple<at::Tensor, at::Tensor> mlp_part(const at::Tensor& x, const at::Tensor& mixed,
+                                                   const at::Tensor& post_norm, const at::Tensor& gate_up,
+                                                   const at::Tensor& down, int64_t intermediate, double eps,
+                                                   const OptTensor& clock) {
   const int64_t hidden = x.size(1);
   const auto [x2, h2] = add_norm(x, mixed, post_norm, eps);
-  at::Tensor gu;
+  at::Tensor act;
   {
-    Clock c(clock, 0);
-    gu = linear(h2, gate_up, c10::nullopt, 2 * intermediate);
+    Clock c(clock, 0);  // 8-bit activations' blocks: SiLU times up in the gate_up kernel (q8::linear_glu)
+    if (gate_up.scalar_type() == at::kByte) act = tfq::q8::linear_glu(h2, gate_up, intermediate);
   }
-  const at::Tensor act = silu_mul(gu, intermediate);
+  if (!act.defined()) {
+    at::Tensor gu;
+    {
+      Clock c(clock, 0);
+      gu = linear(h2, gate_up, c10::nullopt, 2 * intermediate);
+    }
+    act = silu_mul(gu, intermediate);
+  }
   at::Tensor out;
   {
     Clock c(clock, 0);
     out = linear(act, down, c10::nullopt, hidden);
   }
+  return {x2, out};
+}
+
+inline at::Tensor mlp(const at::Tensor& x, const at::Tensor& mixed, const at::Tensor& post_norm,
+                      const at::Tensor& gate_up, const at::Tensor& down, int64_t intermediate, double eps,
+                      const OptTensor& clock) {
+  const auto [x2, out] = mlp_part(x, mixed, post_norm, gate_up, down, intermediate, eps, clock);
   return add_rows(x2, out);
 }
 

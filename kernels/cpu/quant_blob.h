@@ -148,6 +148,16 @@ void linear_many(const std::vector<Product>& products);
 namespace tfq::q8 {
 // y = x W^T + b on a blob of quant_q8.cpp's layout (`segs` from segments_of, y [M, N] to fill)
 void linear(const at::Tensor& x, const std::vector<blob::Segment>& segs, const float* bias, float* y, int64_t N);
+// silu(gate) * up [M, I] from x [M, K] and a gate_up blob of quant_q8.cpp's layout (2 I outputs: the gate's, then
+// the up's), the bits of `linear` then layer_parts.h's silu_mul, without gate_up's output in memory: each thread
+// takes a run of gate panels and their up panels and multiplies them while they are in its cache. Undefined where
+// the blob is not that layout or its panels do not pair (I or a segment's outputs not a multiple of 16).
+at::Tensor linear_glu(const at::Tensor& x, const at::Tensor& blob, int64_t I);
+// Whether a gate_up blob's panels pair for linear_glu (quant_q8.cpp's layout, 2 I outputs in whole panels of 16)
+bool glu_pairs(const std::vector<blob::Segment>& segs, int64_t I);
+// linear_many's products of gate_up blobs that pair, each product's y silu(gate) * up [M, I] (N unused): the bits
+// of linear_many then silu_mul
+void linear_many_glu(const std::vector<quant::Product>& products, int64_t I);
 // quant::linear_many for blobs of quant_q8.cpp's layout: each product's rows rounded once, then every panel of
 // every product one job, each thread a contiguous run of them (one stream through its experts' blocks)
 void linear_many(const std::vector<quant::Product>& products);

@@ -427,6 +427,106 @@ void linear(const at::Tensor& x, const std::vector<Segment>& segs, const float* 
   });
 }
 
+bool glu_pairs(const std::vector<Segment>& segs, int64_t I) {
+  bool paired = segs[0].h.magic == blob::MAGIC_Q8 && I % OUT == 0 && segs.back().first + segs.back().h.n == 2 * I;
+  for (const Segment& s : segs) paired = paired && s.h.n % OUT == 0;  // panel p: outputs [16 p, 16 p + 16)
+  return paired;
+}
+
+namespace {
+// silu(gate) * up of `runs` panels' outputs at M rows, from the gate's and the up's [M, runs * 16] to y [M, ...]
+// (row stride I): silu_mul's lanes (layer_parts.h), the same roundings
+void silu_times_up(const float* gate, const float* up, int64_t M, int64_t runs, float* y, int64_t I) {
+  const int64_t width = runs * OUT;
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t i = 0; i < width; i += OUT)
+      tfq::vstore(y + m * I + i, tfq::vmul(tfq::vsilu(tfq::vload(gate + m * width + i)),
+                                          tfq::vload(up + m * width + i)));
+}
+}  // namespace
+
+at::Tensor linear_glu(const at::Tensor& x, const at::Tensor& blob, int64_t I) {
+  const std::vector<Segment> segs = blob::segments_of(blob);
+  if (!glu_pairs(segs, I)) return {};
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == segs[0].h.k && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "tfq linear_glu: x [M, K] fp32, contiguous");
+  const int64_t M = x.size(0), K = segs[0].h.k, pairs = I / OUT;
+  auto y = at::empty({M, I}, x.options());
+  if (M == 0) return y;
+  const Rounded rounded = round_rows(x.data_ptr<float>(), M, K);
+  std::vector<int64_t> job_start{0};
+  std::vector<PanelFn> fns;
+  for (const Segment& s : segs) {
+    job_start.push_back(job_start.back() + s.h.panels);
+    fns.push_back(panel_fn(s.h));
+  }
+  float* yp = y.data_ptr<float>();
+  // as `linear` takes panels, a run of gate panels and then the run of up panels I / 16 after them
+  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(CHUNK, pairs / 16));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    std::vector<float> gate(static_cast<size_t>(chunk * OUT * M)), up(gate.size());  // [M, a run's outputs]
+    for (int64_t p0 = next.fetch_add(chunk); p0 < pairs; p0 = next.fetch_add(chunk)) {
+      const int64_t runs = std::min(chunk, pairs - p0), width = runs * OUT;
+      for (int half = 0; half < 2; half++) {
+        size_t s = 0;
+        for (int64_t q = 0; q < runs; q++) {
+          const int64_t p = p0 + q + half * pairs;
+          while (p >= job_start[s + 1]) s++;
+          const Segment& seg = segs[s];
+          const int64_t local = p - job_start[s];
+          fns[s](seg.h, seg.panels + local * seg.h.panel_bytes, rounded, M, nullptr,
+                 (half ? up : gate).data() + q * OUT, width, OUT);
+        }
+      }
+      silu_times_up(gate.data(), up.data(), M, runs, yp + p0 * OUT, I);
+    }
+  });
+  return y;
+}
+
+void linear_many_glu(const std::vector<quant::Product>& products, int64_t I) {
+  std::vector<Rounded> rounded;  // a product's rows, rounded once for all its panels
+  rounded.reserve(products.size());
+  struct Job {  // a gate panel and its up panel
+    PanelFn gate_fn, up_fn;
+    const Segment *gate, *up;
+    int64_t gate_local, up_local, panel;  // the panels' indices in their segments; the gate panel's in the blob
+    size_t product;
+  };
+  std::vector<Job> jobs;
+  for (size_t i = 0; i < products.size(); i++) {
+    const quant::Product& p = products[i];
+    TORCH_CHECK(glu_pairs(p.segs, I), "tfq q8 linear_many_glu: gate_up blobs of 2 x ", I, " outputs in whole panels");
+    rounded.push_back(round_rows(p.x, p.M, p.segs[0].h.k));
+    const auto at = [&](int64_t panel) {  // the segment holding a panel of the blob, and the panel's index in it
+      size_t s = 0;
+      while (panel >= p.segs[s].h.panels) panel -= p.segs[s++].h.panels;
+      return std::pair<const Segment*, int64_t>{&p.segs[s], panel};
+    };
+    for (int64_t j = 0; j < I / OUT; j++) {
+      const auto [gs, gl] = at(j);
+      const auto [us, ul] = at(j + I / OUT);
+      jobs.push_back({panel_fn(gs->h), panel_fn(us->h), gs, us, gl, ul, j, i});
+    }
+  }
+  // contiguous runs, as linear_many
+  at::parallel_for(0, static_cast<int64_t>(jobs.size()), 1, [&](int64_t j0, int64_t j1) {
+    std::vector<float> gate, up;
+    for (int64_t j = j0; j < j1; j++) {
+      const Job& job = jobs[j];
+      const quant::Product& p = products[job.product];
+      gate.resize(static_cast<size_t>(p.M * OUT));
+      up.resize(gate.size());
+      job.gate_fn(job.gate->h, job.gate->panels + job.gate_local * job.gate->h.panel_bytes, rounded[job.product],
+                  p.M, nullptr, gate.data(), OUT, OUT);
+      job.up_fn(job.up->h, job.up->panels + job.up_local * job.up->h.panel_bytes, rounded[job.product], p.M,
+                nullptr, up.data(), OUT, OUT);
+      silu_times_up(gate.data(), up.data(), p.M, 1, p.y + job.panel * OUT, I);
+    }
+  });
+}
+
 void linear_many(const std::vector<quant::Product>& products) {
   std::vector<Rounded> rounded;  // a product's rows, rounded once for all its panels
   rounded.reserve(products.size());
@@ -552,6 +652,15 @@ std::vector<int64_t> q8_prefetch(int64_t l1, int64_t l2) {
   return {reach_l1.load(), reach_l2.load()};
 }
 
+// linear_glu as an op, for the kernel checks; a blob whose panels do not pair is refused
+at::Tensor qlinear_glu(const at::Tensor& x, const at::Tensor& blob, int64_t I) {
+  TORCH_CHECK(blob.scalar_type() == at::kByte, "tfq qlinear_glu: a blob from qpack_q8");
+  at::Tensor y = linear_glu(x, blob, I);
+  TORCH_CHECK(y.defined(), "tfq qlinear_glu: the blob is not 2 x ", I, " outputs of quant_q8.cpp's layout in "
+              "whole panels of 16");
+  return y;
+}
+
 }  // namespace
 }  // namespace tfq::q8
 
@@ -559,7 +668,9 @@ TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) {
   m.def("qpack_q8(Tensor q, Tensor s, Tensor? o, int bits, int group, int zero, Tensor? sd=None, Tensor? sq=None, "
         "Tensor? od=None, Tensor? oq=None) -> Tensor");
   m.def("q8_prefetch(int l1=-1, int l2=-1) -> int[]", tfq::q8::q8_prefetch);
+  m.def("qlinear_glu(Tensor x, Tensor blob, int intermediate) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(tfq_cpu, CPU, m) {
   m.impl("qpack_q8", tfq::q8::qpack_q8);
+  m.impl("qlinear_glu", tfq::q8::qlinear_glu);
 }

@@ -9,7 +9,7 @@ import torch
 from tfq.engine.cache import KVCache
 from tfq.engine.pages import Placement
 from tfq.kernels.attention import AttentionBatch, Chunk, DecodeGroup
-from tfq.model.segments import Segment, Segments
+from tfq.model.segments import Segments
 
 
 @dataclass
@@ -52,12 +52,14 @@ class StepRows:
 
 
 def step_rows(cache: KVCache, feeds: list[Feed], arithmetic: Arithmetic) -> StepRows:
+    """Built in numpy lists and arrays, each turned into a tensor once: torch.tensor of a list costs several
+    microseconds a call, more on the caches a forward left cold."""
     ids, positions, write_rows, logit_rows = [], [], [], []
     decode, chunks, segments = [], [], []
     row = 0
     for f in feeds:
         n = len(f.tokens)
-        segments.append(Segment(row, n, f.placement.slot, f.start == 0, f.guesses > 0))
+        segments.append((row, n, f.placement.slot, f.start == 0, f.guesses > 0))
         ids.extend(f.tokens)
         positions.extend(range(f.start, f.start + n))
         write_rows.append(cache.row_array(f.placement, f.start, n))
@@ -67,10 +69,14 @@ def step_rows(cache: KVCache, feeds: list[Feed], arithmetic: Arithmetic) -> Step
             chunks.append(Chunk(row, n, f.start, cache.key_rows(f.placement, f.start + n)))
         logit_rows.extend(range(row + n - f.logits, row + n))
         row += n
-    return StepRows(torch.tensor(ids), torch.tensor(positions), torch.from_numpy(np.concatenate(write_rows)),
-                    AttentionBatch(_decode_group(cache, decode), chunks, arithmetic.partial),
-                    torch.tensor(logit_rows, dtype=torch.long), [f.logits for f in feeds],
+    return StepRows(_longs(ids), _longs(positions), torch.from_numpy(np.concatenate(write_rows)),
+                    AttentionBatch(_decode_group(cache, decode), chunks, arithmetic.partial), _longs(logit_rows),
+                    [f.logits for f in feeds],
                     Segments.of(segments, arithmetic.chunked_deltanet, arithmetic.experts_by_load))
+
+
+def _longs(values: list) -> torch.Tensor:
+    return torch.from_numpy(np.array(values, dtype=np.int64))
 
 
 def forward(model, cache: KVCache, feeds: list[Feed], arithmetic: Arithmetic = Arithmetic()) -> list[torch.Tensor]:
@@ -89,4 +95,4 @@ def _decode_group(cache: KVCache, decode: list[tuple[int, Feed]]) -> DecodeGroup
     rows = np.zeros((len(keys), max(len(k) for k in keys)), dtype=np.int64)
     for i, k in enumerate(keys):
         rows[i, :len(k)] = k  # past a stream's own tiles: row 0, masked
-    return DecodeGroup(torch.tensor([r for r, _ in decode]), torch.from_numpy(rows), torch.tensor(lengths))
+    return DecodeGroup(_longs([r for r, _ in decode]), torch.from_numpy(rows), _longs(lengths))

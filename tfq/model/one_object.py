@@ -8,6 +8,8 @@ between its kernels, on every layer of every step.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from tfq.kernels.attention import AttentionBatch
@@ -42,8 +44,8 @@ class OneObject:
         if self.stack is None or self.stack.handle is None or self.stack.backend is not self.backend:
             return False
         built = self.stack.layers
-        kinds = {type(layer): layer for layer in self.layers}.values()
-        return (len(built) == len(self.layers) and all(a is b for a, b in zip(built, self.layers))
+        kinds = {type(layer): layer for layer in built}.values()  # the model's, where they are the built ones
+        return (len(built) == len(self.layers) and all(map(operator.is_, built, self.layers))
                 and not (segments is not None and (segments.chunked or segments.experts_by_load))
                 and not (cache is not None and cache.state is not None and cache.state.verify_rows)
                 and all(self.runs_in_one_call(layer) for layer in kinds))

@@ -166,7 +166,8 @@ class Qwen(OneObject):
                           **mlp)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        need = int(positions.max()) + 1
+        one = int(positions[0]) if len(positions) == 1 else None  # a decode step's row: views, not an index op
+        need = (one if one is not None else int(positions.max())) + 1
         if need > self._rope_rows:  # one table for every position: a row's angles never depend on the batch
             rows = max(need, 2 * self._rope_rows, 4096)
             cos, sin = rope_tables(self.config, rows)  # the attention factor applied after cos/sin, as HF does
@@ -174,6 +175,8 @@ class Qwen(OneObject):
             # computed on the CPU on every backend, so both see the same angles
             dev = self.backend.device
             self._cos, self._sin, self._rope_rows = cos.to(dev), sin.to(dev), rows
+        if one is not None:
+            return self._cos[one:one + 1, None], self._sin[one:one + 1, None]
         return self._cos[positions][:, None, :], self._sin[positions][:, None, :]
 
     @torch.inference_mode()
@@ -187,9 +190,8 @@ class Qwen(OneObject):
         cos, sin = self._rope(positions)
         x = self.embedding(ids)
         if self.runs_as_stack(segments, cache):
-            order = [self.cache_index[i] for i in range(len(self.layers))]
             return self.logits(self.run_stack(self.stack.handle, self.layers, x, self.stack_inputs(
-                self.layers, order, cache, (cos, sin), cache_rows, batch, segments), segments)[logit_rows])
+                self.layers, self.cache_index, cache, (cos, sin), cache_rows, batch, segments), segments)[logit_rows])
         for i, layer in enumerate(self.layers):
             x = self.decoder_layer(layer, x, cos, sin, cache, self.cache_index[i], cache_rows, batch,
                                    segments=segments)

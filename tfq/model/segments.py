@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator, NamedTuple
 
+import numpy as np
 import torch
 
 
@@ -29,9 +30,9 @@ class Segments:
     experts_by_load: bool = False  # Arithmetic.experts_by_load
 
     @classmethod
-    def of(cls, segments: list[Segment], chunked: bool = False, experts_by_load: bool = False) -> "Segments":
-        return cls(torch.tensor([tuple(map(int, s)) for s in segments], dtype=torch.long).reshape(-1, 5), chunked,
-                   experts_by_load)
+    def of(cls, segments: list[Segment | tuple], chunked: bool = False, experts_by_load: bool = False) -> "Segments":
+        table = np.array(segments, dtype=np.int64).reshape(-1, 5)  # numpy: torch.tensor of a list is slower
+        return cls(torch.from_numpy(table), chunked, experts_by_load)
 
     def __iter__(self) -> Iterator[Segment]:
         return (Segment(r, n, slot, bool(fresh), bool(save)) for r, n, slot, fresh, save in self.table.tolist())
