@@ -254,8 +254,8 @@ std::tuple<at::Tensor, int64_t, at::Tensor> stack_forward(
     }
     const auto [ids, weights, unsure] = tfq::moe::moe_route(logits, s->chosen, s->normalized);
     if (unsure.numel() > 0) return {x2, i, h2};
-    h = tfq::moe::moe_mixture(h2, ids, weights, s->banks[i], s->moe_intermediate, clock, x2);
-    if (!last) normed = rms_norm(h, s->input_norm[i + 1], s->eps);
+    const tfq::moe::NextNorm next{last ? s->input_norm[i] : s->input_norm[i + 1], s->eps, normed};
+    h = tfq::moe::moe_mixture(h2, ids, weights, s->banks[i], s->moe_intermediate, clock, x2, last ? nullptr : &next);
   }
   return {h, n, at::empty({0}, x.options())};
 }

@@ -115,11 +115,20 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_route(const at::Tensor
   return {ids, weights, which};
 }
 
+// The next layer's input norm of the mixture's output, made in the combine's pass (a model's one object): its
+// weight, and the rows it fills, [rows, hidden]
+struct NextNorm {
+  const at::Tensor& w;
+  double eps;
+  at::Tensor& out;
+};
+
 // `residual`, where given, is added to each row's sum last (one rounding, as `residual + mixture` would): the
-// layer's residual in the combine's pass rather than one more op
+// layer's residual in the combine's pass rather than one more op; so is `next`'s norm, by rms_norm's recipe
 inline at::Tensor moe_mixture(const at::Tensor& h, const at::Tensor& ids, const at::Tensor& weights,
                               const c10::intrusive_ptr<ExpertBank>& bank, int64_t intermediate,
-                              const OptTensor& clock, const OptTensor& residual = c10::nullopt) {
+                              const OptTensor& clock, const OptTensor& residual = c10::nullopt,
+                              const NextNorm* next = nullptr) {
   const std::vector<at::Tensor>& gate_ups = bank->gate_ups;
   const std::vector<at::Tensor>& downs = bank->downs;
   TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && ids.scalar_type() == at::kLong &&
@@ -212,6 +221,14 @@ inline at::Tensor moe_mixture(const at::Tensor& h, const at::Tensor& ids, const 
   const float* gp = grouped.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  float* np = nullptr;  // the next norm's rows, its weight
+  const float* nw = nullptr;
+  if (next) {
+    tfq::checks::vector_of("tfq moe_mixture", "the next norm", next->w, hidden, "hidden");
+    next->out = at::empty({rows, hidden}, x.options());
+    np = next->out.data_ptr<float>();
+    nw = next->w.data_ptr<float>();
+  }
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; r++) {
       float* total = op + r * hidden;
@@ -225,6 +242,7 @@ inline at::Tensor moe_mixture(const at::Tensor& h, const at::Tensor& ids, const 
       }
       if (bp)
         for (int64_t i = 0; i < hidden; i++) total[i] = bp[r * hidden + i] + total[i];
+      if (np) tfq::rms_norm_row(total, nw, hidden, static_cast<float>(next->eps), np + r * hidden);
     }
   });
   return out;
