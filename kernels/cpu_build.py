@@ -27,7 +27,7 @@ FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
 CHOICES = ("auto", "tfq", "torch")
 OPS = ("pack", "linear", "attend", "rms_norm", "silu", "layer", "qpack", "qcat", "qlinear", "deltanet",
        "gated_rms_norm", "sigmoid_gate", "delta_layer", "qpack_q8", "fma", "lanes", "moe_route",
-       "moe_mixture", "stack_forward", "release_workers", "q8_prefetch")
+       "moe_mixture", "stack_forward", "release_workers", "q8_prefetch", "qlinear_glu")
 EMULATED = "SSE2, fma emulated"  # lanes.h's path for x86-64 without FMA: the same bits, many times slower
 
 _state: dict[str, object] = {}  # once a process: "ok" -> bool, "why" -> str

@@ -68,15 +68,16 @@ def test_the_prefetch_pair_is_set_and_restored_and_the_bits_stay(q8):
     assert all(torch.equal(o, outs[0]) for o in outs) and torch.equal(outs[0], reference(x, q8)), q8.kind
 
 
-@pytest.mark.parametrize("kinds", [("Q4_K", "Q4_K"), ("Q8_0", "Q6_K")])
-def test_silu_times_up_in_the_gate_up_kernel_has_the_bits_of_the_layer_then_silu(kinds):
+@pytest.mark.parametrize("kinds, i", [(("Q4_K", "Q4_K"), 96), (("Q8_0", "Q6_K"), 96), (("Q4_K", "Q5_0"), 16 * 37)])
+def test_silu_times_up_in_the_gate_up_kernel_has_the_bits_of_the_layer_then_silu(kinds, i):
     """q8's linear_glu (a layer's MLP in one call takes it): silu(gate) * up from a gate_up blob in one kernel, the
     bits of the gate_up layer, then tfq's SiLU and torch's product, at every row count and with the gate and the
-    up of different formats; a blob whose halves are not whole panels of 16 is refused with one line. The
-    control: the same blob read as up then gate parts from it."""
+    up of different formats, in runs of one panel and of two with a shorter last one (37 panels a half); a blob
+    whose halves are not whole panels of 16 is refused with one line. The control: the same blob read as up then
+    gate parts from it."""
     from tfq.kernels.rowwise import silu_fixed
 
-    glu, i, k = cpu_build.op("qlinear_glu"), 96, 256
+    glu, k = cpu_build.op("qlinear_glu"), 256
     gate, up = (from_blocks(kind, random_blocks(kind, i, k, seed=50 + n), (i, k)).with_activations("q8")
                 for n, kind in enumerate(kinds))
     f = QuantLinear(join([gate, up]))

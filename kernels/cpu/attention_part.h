@@ -21,7 +21,7 @@ inline at::Tensor sigmoid_gate(const at::Tensor& a, const at::Tensor& gate) {
 inline void check_attention(const at::Tensor& h, const OptTensor& q_norm, const OptTensor& k_norm,
                             const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& rows, int64_t kv_heads, int64_t head_dim) {
-  TORCH_CHECK(h.dim() == 2, "tfq layer: x [N, hidden]");
+  TORCH_CHECK(h.dim() == 2, "tfq layer: the normed rows [N, hidden]");
   const int64_t n = h.size(0);
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(1) == kv_heads && k_cache.size(2) == head_dim &&
               v_cache.sizes() == k_cache.sizes(), "tfq layer: the caches are ", k_cache.sizes(), " and ",
@@ -56,9 +56,10 @@ inline void norm_heads(at::Tensor& qkv, const at::Tensor& q_norm, const at::Tens
 }
 
 // The attention half: h, the input norm's rows [N, hidden] -> the attention's output projected by o [N, hidden];
-// keys and values of the N rows go to the cache at `rows`. The caller norms (a model's one object norms a layer's
-// input in one pass with the previous layer's residual: add_norm). Rotary turns each head's first cos.size(-1) dimensions; `gated` (a hybrid's
-// attention): qkv's last rows are a gate, and the attention's output is times sigmoid(gate).
+// keys and values of the N rows go to the cache at `rows`. The caller norms (a model's one object in one pass with
+// the previous layer's residual: add_norm, or a mixture's combine). Rotary turns each head's first cos.size(-1)
+// dimensions; `gated` (a hybrid's attention): qkv's last rows are a gate, and the attention's output is times
+// sigmoid(gate).
 inline at::Tensor attention_part(const at::Tensor& h, const at::Tensor& qkv,
                                  const OptTensor& qkv_bias, const OptTensor& q_norm, const OptTensor& k_norm,
                                  const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,

@@ -22,7 +22,8 @@ std::tuple<at::Tensor, at::Tensor> delta_layer(
     at::Tensor rec_state, const at::Tensor& segments, at::Tensor save_conv, at::Tensor save_rec, int64_t key_heads,
     int64_t key_dim, int64_t value_heads, int64_t value_dim, const at::Tensor& out_proj, const at::Tensor& post_norm,
     const at::Tensor& gate_up, const at::Tensor& down, int64_t intermediate, double eps, const OptTensor& clock) {
-  const auto [projected, proj] = delta_part(rms_norm(x, input_norm, eps), DeltaTensors{in_proj, conv, A, dt_bias, norm, out_proj},
+  const auto [projected, proj] = delta_part(rms_norm(x, input_norm, eps),
+                                            DeltaTensors{in_proj, conv, A, dt_bias, norm, out_proj},
                                             DeltaStates{conv_state, rec_state, segments, save_conv, save_rec},
                                             key_heads, key_dim, value_heads, value_dim, eps, clock);
   return {mlp(x, projected, post_norm, gate_up, down, intermediate, eps, clock), proj};

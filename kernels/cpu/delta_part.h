@@ -2,8 +2,8 @@
 // layer.cpp: a model's layers as one object), from the pieces of layer_parts.h: the same ops in the same order as
 // the layer written op by op (tfq/model/qwen.py, Qwen.deltanet_layer).
 //
-//   h = rms_norm(x) (by the caller); proj = in_proj(h) = qkv | z | b | a; o = the recurrence (delta.cpp) over each segment of
-//   rows from its slot's state; o = gated_rms_norm(o, z) per value head; out_proj(o)
+//   h = rms_norm(x) (by the caller); proj = in_proj(h) = qkv | z | b | a; o = the recurrence (delta.cpp) over
+//   each segment of rows from its slot's state; o = gated_rms_norm(o, z) per value head; out_proj(o)
 #pragma once
 
 #include "layer_parts.h"

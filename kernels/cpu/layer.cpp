@@ -35,9 +35,9 @@ std::tuple<at::Tensor, at::Tensor> attention_layer(
     const at::Tensor& offsets, const at::Tensor& lengths, double scale, int64_t tile, int64_t split,
     const at::Tensor& o, const at::Tensor& post_norm, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
     bool gated, const OptTensor& clock) {
-  const at::Tensor attended = attention_part(rms_norm(x, input_norm, eps), qkv, qkv_bias, q_norm, k_norm, cos, sin, k_cache,
-                                             v_cache, rows, saturate, table, offsets, lengths, scale, tile, split, o,
-                                             heads, kv_heads, head_dim, eps, gated, clock);
+  const at::Tensor attended = attention_part(rms_norm(x, input_norm, eps), qkv, qkv_bias, q_norm, k_norm, cos, sin,
+                                             k_cache, v_cache, rows, saturate, table, offsets, lengths, scale, tile,
+                                             split, o, heads, kv_heads, head_dim, eps, gated, clock);
   return add_norm(x.contiguous(), attended, post_norm, eps);
 }
 
@@ -50,9 +50,9 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& input_norm, cons
                          const at::Tensor& post_norm, const at::Tensor& gate_up, const at::Tensor& down,
                          int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps,
                          bool gated, const OptTensor& clock) {
-  const at::Tensor attended = attention_part(rms_norm(x, input_norm, eps), qkv, qkv_bias, q_norm, k_norm, cos, sin, k_cache,
-                                             v_cache, rows, saturate, table, offsets, lengths, scale, tile, split, o,
-                                             heads, kv_heads, head_dim, eps, gated, clock);
+  const at::Tensor attended = attention_part(rms_norm(x, input_norm, eps), qkv, qkv_bias, q_norm, k_norm, cos, sin,
+                                             k_cache, v_cache, rows, saturate, table, offsets, lengths, scale, tile,
+                                             split, o, heads, kv_heads, head_dim, eps, gated, clock);
   return mlp(x, attended, post_norm, gate_up, down, intermediate, eps, clock);
 }
 
@@ -223,8 +223,8 @@ std::tuple<at::Tensor, int64_t, at::Tensor> stack_forward(
                 " layers, of which DeltaNet layers: ", s->hybrid ? "some" : "none", ", but ", states->size(),
                 " entries of a state list");
   TORCH_CHECK(0 <= first && first <= n, "tfq stack_forward: no layer ", first, " in ", n);
-  // h: the layer's input; normed: its input norm's rows, in one pass with the previous layer's residual where
-  // that layer is dense (add_norm: the same sum and norm as add_rows then rms_norm, with one pass fewer)
+  // h: the layer's input; normed: its input norm's rows, in one pass with the previous layer's residual (a dense
+  // layer's add_norm, a mixture's combine: the same sum and norm as the add then rms_norm, with one pass fewer)
   at::Tensor h = x, normed = first < n ? rms_norm(x, s->input_norm[first], s->eps) : x;
   for (int64_t i = first; i < n; i++) {
     at::Tensor mixed;  // the token mixer's output, projected

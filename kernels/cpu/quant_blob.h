@@ -150,8 +150,9 @@ namespace tfq::q8 {
 void linear(const at::Tensor& x, const std::vector<blob::Segment>& segs, const float* bias, float* y, int64_t N);
 // silu(gate) * up [M, I] from x [M, K] and a gate_up blob of quant_q8.cpp's layout (2 I outputs: the gate's, then
 // the up's), the bits of `linear` then layer_parts.h's silu_mul, without gate_up's output in memory: each thread
-// takes a run of gate panels and their up panels and multiplies them while they are in its cache. Undefined where
-// the blob is not that layout or its panels do not pair (I or a segment's outputs not a multiple of 16).
+// takes a run of gate panels and their up panels and multiplies them in its own buffer. Undefined where
+// the blob is not that layout or its panels do not pair (its outputs not 2 I, or I or a segment's outputs not a
+// multiple of 16).
 at::Tensor linear_glu(const at::Tensor& x, const at::Tensor& blob, int64_t I);
 // Whether a gate_up blob's panels pair for linear_glu (quant_q8.cpp's layout, 2 I outputs in whole panels of 16)
 bool glu_pairs(const std::vector<blob::Segment>& segs, int64_t I);

@@ -499,14 +499,14 @@ void linear_many_glu(const std::vector<quant::Product>& products, int64_t I) {
     const quant::Product& p = products[i];
     TORCH_CHECK(glu_pairs(p.segs, I), "tfq q8 linear_many_glu: gate_up blobs of 2 x ", I, " outputs in whole panels");
     rounded.push_back(round_rows(p.x, p.M, p.segs[0].h.k));
-    const auto at = [&](int64_t panel) {  // the segment holding a panel of the blob, and the panel's index in it
+    const auto panel_at = [&](int64_t panel) {  // the segment holding a panel of the blob, and the panel's index in it
       size_t s = 0;
       while (panel >= p.segs[s].h.panels) panel -= p.segs[s++].h.panels;
       return std::pair<const Segment*, int64_t>{&p.segs[s], panel};
     };
     for (int64_t j = 0; j < I / OUT; j++) {
-      const auto [gs, gl] = at(j);
-      const auto [us, ul] = at(j + I / OUT);
+      const auto [gs, gl] = panel_at(j);
+      const auto [us, ul] = panel_at(j + I / OUT);
       jobs.push_back({panel_fn(gs->h), panel_fn(us->h), gs, us, gl, ul, j, i});
     }
   }
