@@ -32,6 +32,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "lanes.h"
@@ -398,15 +399,23 @@ PanelFn with_bits(int bits) {
 
 PanelFn panel_fn(const Header& h) { return h.has_offset ? with_bits<true>(h.bits) : with_bits<false>(h.bits); }
 
-void linear(const at::Tensor& x, const std::vector<Segment>& segs, const float* bias, float* y, int64_t N) {
-  const int64_t M = x.size(0), K = segs[0].h.k;
-  const Rounded rounded = round_rows(x.data_ptr<float>(), M, K);
+// Each segment's first panel among the blob's (and the panel count last), and its panel function
+std::pair<std::vector<int64_t>, std::vector<PanelFn>> panel_jobs(const std::vector<Segment>& segs) {
   std::vector<int64_t> job_start{0};
   std::vector<PanelFn> fns;
   for (const Segment& s : segs) {
     job_start.push_back(job_start.back() + s.h.panels);
     fns.push_back(panel_fn(s.h));
   }
+  return {job_start, fns};
+}
+
+void linear(const at::Tensor& x, const std::vector<Segment>& segs, const float* bias, float* y, int64_t N) {
+  const int64_t M = x.size(0), K = segs[0].h.k;
+  const Rounded rounded = round_rows(x.data_ptr<float>(), M, K);
+  const auto panels = panel_jobs(segs);  // named, not bound: the threads' lambda captures them
+  const std::vector<int64_t>& job_start = panels.first;
+  const std::vector<PanelFn>& fns = panels.second;
   // Threads take chunks of panels as they come free (a shared counter), not a fixed half each: on a busy
   // machine a thread that is held up then costs its chunk, not the call. Which thread computes a panel never
   // changes its bits. A small layer still goes in about 16 chunks, not 64: each chunk is a stream the prefetches
@@ -454,12 +463,9 @@ at::Tensor linear_glu(const at::Tensor& x, const at::Tensor& blob, int64_t I) {
   auto y = at::empty({M, I}, x.options());
   if (M == 0) return y;
   const Rounded rounded = round_rows(x.data_ptr<float>(), M, K);
-  std::vector<int64_t> job_start{0};
-  std::vector<PanelFn> fns;
-  for (const Segment& s : segs) {
-    job_start.push_back(job_start.back() + s.h.panels);
-    fns.push_back(panel_fn(s.h));
-  }
+  const auto panels = panel_jobs(segs);  // named, not bound: the threads' lambda captures them
+  const std::vector<int64_t>& job_start = panels.first;
+  const std::vector<PanelFn>& fns = panels.second;
   float* yp = y.data_ptr<float>();
   // as `linear` takes panels, a run of gate panels and then the run of up panels I / 16 after them
   const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(CHUNK, pairs / 16));
