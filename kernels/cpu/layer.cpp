@@ -254,7 +254,7 @@ std::tuple<at::Tensor, int64_t, at::Tensor> stack_forward(
     }
     const auto [ids, weights, unsure] = tfq::moe::moe_route(logits, s->chosen, s->normalized);
     if (unsure.numel() > 0) return {x2, i, h2};
-    const tfq::moe::NextNorm next{last ? s->input_norm[i] : s->input_norm[i + 1], s->eps, normed};
+    const tfq::moe::NextNorm next{s->input_norm[last ? i : i + 1], s->eps, normed};  // unused after the last
     h = tfq::moe::moe_mixture(h2, ids, weights, s->banks[i], s->moe_intermediate, clock, x2, last ? nullptr : &next);
   }
   return {h, n, at::empty({0}, x.options())};

@@ -175,7 +175,7 @@ inline at::Tensor moe_mixture(const at::Tensor& h, const at::Tensor& ids, const 
     // 8-bit activations' blobs that pair: SiLU times up in the gate_up kernel (q8::linear_many_glu)
     bool glu = magic == tfq::blob::MAGIC_Q8;
     for (const Group& g : groups) glu = glu && tfq::q8::glu_pairs(bank->gate_up_segs[g.expert], intermediate);
-    at::Tensor act, gu = at::empty({pairs, glu ? intermediate : 2 * intermediate}, x.options());
+    at::Tensor gu = at::empty({pairs, glu ? intermediate : 2 * intermediate}, x.options());
     std::vector<tfq::quant::Product> products;
     for (const Group& g : groups)
       products.push_back({row_of(g.start), g.end - g.start,
@@ -186,7 +186,7 @@ inline at::Tensor moe_mixture(const at::Tensor& h, const at::Tensor& ids, const 
       if (glu) tfq::q8::linear_many_glu(products, intermediate);
       else many(products);
     }
-    act = glu ? gu : silu_mul(gu, intermediate);  // a row's own: the same bits a group at a time
+    const at::Tensor act = glu ? gu : silu_mul(gu, intermediate);  // a row's own: the same bits a group at a time
     products.clear();
     for (const Group& g : groups)
       products.push_back({act.data_ptr<float>() + g.start * intermediate, g.end - g.start,

@@ -9,7 +9,7 @@ import torch
 from tfq.engine.cache import KVCache
 from tfq.engine.pages import Placement
 from tfq.kernels.attention import AttentionBatch, Chunk, DecodeGroup
-from tfq.model.segments import Segments
+from tfq.model.segments import Segment, Segments
 
 
 @dataclass
@@ -59,7 +59,7 @@ def step_rows(cache: KVCache, feeds: list[Feed], arithmetic: Arithmetic) -> Step
     row = 0
     for f in feeds:
         n = len(f.tokens)
-        segments.append((row, n, f.placement.slot, f.start == 0, f.guesses > 0))
+        segments.append(Segment(row, n, f.placement.slot, f.start == 0, f.guesses > 0))
         ids.extend(f.tokens)
         positions.extend(range(f.start, f.start + n))
         write_rows.append(cache.row_array(f.placement, f.start, n))

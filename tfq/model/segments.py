@@ -30,7 +30,7 @@ class Segments:
     experts_by_load: bool = False  # Arithmetic.experts_by_load
 
     @classmethod
-    def of(cls, segments: list[Segment | tuple], chunked: bool = False, experts_by_load: bool = False) -> "Segments":
+    def of(cls, segments: list[Segment], chunked: bool = False, experts_by_load: bool = False) -> "Segments":
         table = np.array(segments, dtype=np.int64).reshape(-1, 5)  # numpy: torch.tensor of a list is slower
         return cls(torch.from_numpy(table), chunked, experts_by_load)
 
