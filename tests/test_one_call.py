@@ -16,7 +16,7 @@ from test_hybrid import requests as hybrid_requests
 from test_moe import moe_dir  # noqa: F401 (a fixture)
 from test_quant import tiny_file  # noqa: F401 (a fixture)
 from tfq.engine.core import EngineSettings
-from tfq.engine.layer_guard import ONE_CALL, ONE_CALL_STORE, STACKED, STACKED_STORE, LayerProof
+from tfq.engine.layer_guard import CHAIN, ONE_CALL, ONE_CALL_STORE, STACKED, STACKED_STORE, LayerProof
 from tfq.engine.stream import Request
 from tfq.kernels.contract import KEY_TILE
 from tfq.model.load import load_model
@@ -191,6 +191,29 @@ def test_control_the_guard_refuses_layers_as_one_object_one_ulp_off(tiny_models,
     monkeypatch.undo()
     monkeypatch.setattr(model, "layers", [dataclasses.replace(layer) for layer in model.layers])
     assert not model.runs_as_stack()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "hybrid"])
+def test_control_the_guard_refuses_a_one_object_off_only_between_its_layers(tiny_models, moe_dir, hybrid,  # noqa: F811
+                                                                           family, monkeypatch):
+    """The guard runs its layers twice over as one object too: an object whose layers after the first take their
+    input norm one ulp off (a fault of the pass between two layers: the residual with the next input norm; a
+    one-layer object has none) is refused, named; unharmed, the object of several layers is proved, having run."""
+    model = {"qwen3": lambda: tiny_models["qwen3"].model, "hybrid": lambda: hybrid.model,
+             "qwen3_moe": lambda: load_model(str(moe_dir), progress=False).model}[family]()
+    build, built = model.stack_of, []
+
+    def off(layers):
+        up = torch.tensor(float("inf"))
+        return build([layers[0], *(dataclasses.replace(layer, input_norm=torch.nextafter(layer.input_norm, up))
+                                   for layer in layers[1:])])
+
+    monkeypatch.setattr(model, "stack_of", off)
+    failure = LayerProof(model, "fp32", False).holds(torch.get_num_threads(), 64, 64)
+    assert failure is not None and failure.op == CHAIN, failure
+    monkeypatch.setattr(model, "stack_of", lambda layers: built.append(len(layers)) or build(layers))
+    assert LayerProof(model, "fp32", False).holds(torch.get_num_threads(), 64, 64) is None
+    assert max(built) == (4 if family == "hybrid" else 2)
 
 
 def test_control_the_guard_refuses_a_one_call_layer_one_ulp_off(tiny_models, monkeypatch):

@@ -160,6 +160,7 @@ class LayerProof:
 
 ONE_CALL, ONE_CALL_STORE = "layer in one call", "layer in one call's cache store"
 STACKED, STACKED_STORE = "layer as the model's one object", "layer as the model's one object's cache store"
+CHAIN, CHAIN_BY_OPS = "layers in a row as the model's one object", "layers in a row op by op"
 
 
 def _one_call_agrees(record: Record, threads: int) -> Failure | None:
@@ -176,7 +177,15 @@ def _one_call_agrees(record: Record, threads: int) -> Failure | None:
                 for probe, rows in record.ops[one].items():
                     if not torch.equal(rows, record.ops[by_ops][probe]):
                         return Failure(one, probe, "from those of the layer run op by op", threads)
+    for probe, rows in record.ops.get(CHAIN, {}).items():
+        if not torch.equal(rows, record.ops[CHAIN_BY_OPS][probe]):
+            return Failure(CHAIN, probe, "from those of the layers run op by op", threads)
     return None
+
+
+def _kept_nowhere(name: str, t: torch.Tensor) -> torch.Tensor:
+    """A tap that keeps nothing: a layer given it runs op by op (an untapped one runs in one call)."""
+    return t
 
 
 def _draws(record: Record) -> dict[str, torch.Tensor]:
@@ -247,6 +256,10 @@ class _Bench:
         # where the model runs its layers as one object, that object's code on each proved layer alone (a
         # mixture's layer where the model has one; a hybrid's attention and DeltaNet layers)
         self.stacks = [model.stack_of([layer]) for layer, _ in self.layers] if model.runs_as_stack() else []
+        # and those layers twice over as one object (a hybrid's attention, DeltaNet, attention, DeltaNet), so the
+        # passes between two layers of the object run too: a layer's residual with the next one's input norm
+        self.chain = [layer for layer, _ in self.layers] * 2
+        self.chain_stack = model.stack_of(self.chain) if all(self.stacks) and self.stacks else None
         config = replace(c, num_layers=len(firsts), layer_types=tuple(k for k, _ in firsts) if c.hybrid else ())
         streams = list(PROBES) + self.fillers
         self.cache = KVCache(config, CacheSpec(lanes=2, window=LANE_WINDOW, page_rows=KEY_TILE, pool_pages=pages,
@@ -290,11 +303,12 @@ class _Bench:
         return streams
 
     def alone(self) -> Record:
-        records = [self.run([p]) for p in PROBES]
+        records = [self.run([p], chain_by_ops=True) for p in PROBES]
         return Record({op: {p.name: r.ops[op][p.name] for p, r in zip(PROBES, records)} for op in records[0].ops})
 
-    def run(self, streams: list[Stream]) -> Record:
-        """One forward of `streams` through layer 0, the head and the sampler; the probes' rows kept."""
+    def run(self, streams: list[Stream], chain_by_ops: bool = False) -> Record:
+        """One forward of `streams` through layer 0, the head and the sampler; the probes' rows kept. The layers in
+        a row run op by op too where `chain_by_ops` (the reference of their one object, needed alone only)."""
         self.restore()
         feeds = [Feed(self.places[s.name], s.start, self.tokens[s.name], s.logits,
                       guesses=s.count - 1 if s.logits == s.count > 1 else 0) for s in streams]
@@ -332,6 +346,19 @@ class _Bench:
                     [layer], [0], self.cache, (cos, sin), s.cache_rows, s.batch, s.segments), s.segments))
                 tap(STACKED_STORE, self.cache.state.fingerprint(0, s.segments, x0.shape[0])
                     if isinstance(layer, DeltaLayer) else self.cache.stored(0, s.cache_rows))
+            if self.chain_stack is not None:  # each kind's cache layer 0 again for each of its layers in the row
+                tap = _Tap(keep, record)
+                if chain_by_ops:
+                    self.restore()
+                    x = x0
+                    for layer in self.chain:
+                        x = model.decoder_layer(layer, x, cos, sin, self.cache, 0, s.cache_rows, s.batch, _kept_nowhere,
+                                                segments=s.segments)
+                    tap(CHAIN_BY_OPS, x)
+                self.restore()
+                tap(CHAIN, model.run_stack(self.chain_stack, self.chain, x0, model.stack_inputs(
+                    self.chain, [0] * len(self.chain), self.cache, (cos, sin), s.cache_rows, s.batch, s.segments),
+                    s.segments))
         return record
 
     def restore(self) -> None:
