@@ -38,18 +38,20 @@ class LayerSizes:
     eps: float  # every RMS norm's
     scale: float  # attention's, 1 / sqrt(head_dim)
     experts_intermediate: int = 0  # a mixture's experts' (0: no mixture)
+    shared_intermediate: int = 0  # a mixture's shared expert's (Qwen3.5; 0: none)
 
 
 @dataclass(frozen=True, eq=False)
 class MixtureWeights:
     """A mixture of experts' weights as a Stack takes them (tfq/model/moe.py: MoE.stacked): the router and each
-    expert's panels, by id; only where every one of them is tfq's C++ linear layer and there is no shared expert."""
+    expert's panels, by id, and a shared expert's (Qwen3.5); only where every one of them is tfq's C++ linear layer."""
 
     router: LinearFn
     gate_ups: list[torch.Tensor]
     downs: list[torch.Tensor]
     chosen: int
     normalized: bool
+    shared: tuple[torch.Tensor, ...] = ()  # the shared expert's gate_up, down and gate [1, hidden] panels, or none
 
 
 @dataclass(frozen=True, eq=False)
@@ -78,8 +80,9 @@ class DeltaLayerWeights:
     mixer: DeltaWeights
     out_proj: LinearFn
     post_norm: torch.Tensor
-    gate_up: LinearFn
-    down: LinearFn
+    gate_up: LinearFn | None  # None in a mixture's layer (Qwen3.5 MoE), which runs only in a model's one object
+    down: LinearFn | None
+    mixture: MixtureWeights | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -202,9 +205,9 @@ def layer_stack(layers: list[AttentionWeights | DeltaLayerWeights], n: LayerSize
     optional = [each(lambda w: w.qkv.bias), each(lambda w: w.q_norm), each(lambda w: w.k_norm)]
     if any(o is None for o in optional):
         return None
-    mixtures = [w.mixture for w in attention if w.gate_up is None]
-    if len({(len(m.gate_ups), m.chosen, m.normalized) for m in mixtures}) > 1:
-        return None  # one count of experts, chosen and normalized alike, in every mixture
+    mixtures = [w.mixture for w in layers if w.gate_up is None]
+    if len({(len(m.gate_ups), m.chosen, m.normalized, len(m.shared)) for m in mixtures}) > 1:
+        return None  # one count of experts, chosen and normalized alike in every mixture; shared experts in all or none
     m = mixtures[0] if mixtures else None
     routers = [none if w.gate_up is not None else w.mixture.router.panels for w in layers] if mixtures else []
     mixer = [t for w in deltas for t in (w.in_proj.panels, w.mixer.conv, w.mixer.A, w.mixer.dt_bias, w.mixer.norm,
@@ -215,20 +218,23 @@ def layer_stack(layers: list[AttentionWeights | DeltaLayerWeights], n: LayerSize
         [w.input_norm for w in layers], qkv, *optional, o, [w.post_norm for w in layers],
         [w.gate_up.panels if w.gate_up is not None else none for w in layers],
         [w.down.panels if w.down is not None else none for w in layers], routers,
-        [g for mix in mixtures for g in mix.gate_ups], [down for mix in mixtures for down in mix.downs], mixer,
+        [g for mix in mixtures for g in mix.gate_ups], [down for mix in mixtures for down in mix.downs],
+        [t for mix in mixtures for t in mix.shared], mixer,
         [n.heads, n.kv_heads, n.head_dim, n.intermediate, len(m.gate_ups) if m else 0, m.chosen if m else 0,
          n.experts_intermediate if m else 0, int(m.normalized) if m else 0,
-         *((d.key_heads, d.key_dim, d.value_heads, d.value_dim) if deltas else (0, 0, 0, 0))],
+         *((d.key_heads, d.key_dim, d.value_heads, d.value_dim) if deltas else (0, 0, 0, 0)),
+         n.shared_intermediate if m and m.shared else 0],
         n.eps, n.scale, attention[0].gated if attention else False)
     return StackHandle(stack, stack.id())
 
 
 def _stackable(w: AttentionWeights | DeltaLayerWeights) -> bool:
     """Whether a layer is made of what the one object runs: tfq's C++ linear layers (a DeltaNet layer's without
-    biases), a dense MLP, or a mixture the object runs (a shared expert's is not)."""
+    biases), and a dense MLP or a mixture the object runs."""
+    mlp = fusable(w.gate_up, w.down) if w.gate_up is not None else w.mixture is not None
     if isinstance(w, DeltaLayerWeights):
-        return fusable(w.in_proj, w.out_proj, w.gate_up, w.down) and w.in_proj.bias is None and w.out_proj.bias is None
-    return fusable(w.qkv, w.o) and (fusable(w.gate_up, w.down) if w.gate_up is not None else w.mixture is not None)
+        return fusable(w.in_proj, w.out_proj) and w.in_proj.bias is None and w.out_proj.bias is None and mlp
+    return fusable(w.qkv, w.o) and mlp
 
 
 def stack_forward(x: torch.Tensor, stack: StackHandle, at: StackInputs, clock: torch.Tensor | None = None,

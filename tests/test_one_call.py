@@ -13,7 +13,7 @@ from test_gguf_hybrid import converter  # noqa: F401 (a fixture)
 from test_gguf_moe import converted  # noqa: F401 (a fixture)
 from test_hybrid import Oracle, hybrid, hybrid_dir  # noqa: F401 (fixtures)
 from test_hybrid import requests as hybrid_requests
-from test_moe import moe_dir  # noqa: F401 (a fixture)
+from test_moe import hybrid_moe_dir, moe_dir  # noqa: F401 (fixtures)
 from test_quant import tiny_file  # noqa: F401 (a fixture)
 from tfq.engine.core import EngineSettings
 from tfq.engine.layer_guard import CHAIN, ONE_CALL, ONE_CALL_STORE, STACKED, STACKED_STORE, LayerProof
@@ -98,12 +98,14 @@ def test_a_dense_model_on_8_bit_activations_takes_silu_times_up_from_its_gate_up
             assert replies(model, SETTINGS[name]) == stacked
 
 
-def mixture_model(weights: str, moe_dir, request):  # noqa: F811 (the fixture's name)
-    """The tiny Qwen3 MoE of the real ratios (tests/test_moe.py): its HF folder in fp32, or llama.cpp's Q8_0
-    conversion of it (tests/test_gguf_moe.py) kept in its blocks with fp32 (gguf) or 8-bit (gguf-q8) activations."""
+def mixture_model(weights: str, moe_dir, request, family: str = "qwen3_moe"):  # noqa: F811 (the fixture's name)
+    """The tiny Qwen3 MoE of the real ratios (tests/test_moe.py; or its Qwen3.5 MoE, a hybrid with a shared expert):
+    its HF folder in fp32, or llama.cpp's Q8_0 conversion of it (tests/test_gguf_moe.py) kept in its blocks with fp32
+    (gguf) or 8-bit (gguf-q8) activations."""
     if weights == "fp32":
-        return load_model(str(moe_dir), progress=False).model
-    files = request.getfixturevalue("converted")("qwen3_moe")[1]
+        folder = moe_dir if family == "qwen3_moe" else request.getfixturevalue("hybrid_moe_dir")
+        return load_model(str(folder), progress=False).model
+    files = request.getfixturevalue("converted")(family)[1]
     return load_model(str(files["q8_0"]), progress=False, weights=weights).model
 
 
@@ -116,19 +118,28 @@ def counted_stack(model, monkeypatch) -> list[int]:
 
 @pytest.mark.parametrize("name", ["fp32, whole", "bf16, paged, chunked"])
 @pytest.mark.parametrize("weights", ["fp32", "gguf", "gguf-q8"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
 def test_a_mixture_runs_its_layers_as_one_object_with_the_bits_of_each_layer(moe_dir, request, weights,  # noqa: F811
-                                                                             name, monkeypatch):
+                                                                             name, family, monkeypatch):
     """A Qwen3 MoE's forward runs every layer (attention half, router, routes, experts and combine, residual) in
-    one call to its one object, in fp32 and on GGUF blocks: the ids and logits digests of every reply are those of
-    each layer in its calls (attention_layer, moe_route, moe_mixture), and of the layers op by op with the mixture
-    in Python (route, expert_outputs, combine)."""
-    model = mixture_model(weights, moe_dir, request)
+    one call to its one object, in fp32 and on GGUF blocks; so does a Qwen3.5 MoE's (DeltaNet and gated attention
+    layers, each mixture with its shared expert): the ids and logits digests of every reply are those of each layer
+    in its calls (attention_layer, moe_route, moe_mixture; a DeltaNet layer with a mixture has no call of its own),
+    and of the layers op by op with the mixture in Python (route, expert_outputs, combine, the shared expert)."""
+    model = mixture_model(weights, moe_dir, request, family)
     assert model.runs_as_stack() and model.stack.handle is not None
     stops = counted_stack(model, monkeypatch)
     stacked = replies(model, SETTINGS[name])
     # the engine's forwards ran the whole object, not only the guard's one-layer ones (a forward with a row whose
     # route is unsure stops at its layer: the test below forces one)
     assert any(s.layer == len(model.layers) for s in stops)
+    if model.config.moe.shared_intermediate:  # RED: the object built without its shared experts
+        unshared = [dataclasses.replace(w, mixture=dataclasses.replace(w.mixture, shared=()))
+                    for w in (layer.fused for layer in model.layers)]
+        with monkeypatch.context() as m:
+            m.setattr(model, "stack", model.stack._replace(handle=model.backend.stack(unshared, model.layer_sizes,
+                                                                                        model.sizes)))
+            assert model.runs_as_stack() and replies(model, SETTINGS[name]) != stacked
     monkeypatch.setattr(model, "stack", None)
     assert not model.runs_as_stack() and replies(model, SETTINGS[name]) == stacked
     monkeypatch.setattr(type(model), "runs_in_one_call", lambda self, layer: False)
@@ -193,14 +204,14 @@ def test_control_the_guard_refuses_layers_as_one_object_one_ulp_off(tiny_models,
     assert not model.runs_as_stack()
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "hybrid"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "hybrid", "qwen3_5_moe"])
 def test_control_the_guard_refuses_a_one_object_off_only_between_its_layers(tiny_models, moe_dir, hybrid,  # noqa: F811
-                                                                           family, monkeypatch):
+                                                                           request, family, monkeypatch):
     """The guard runs its layers twice over as one object too: an object whose layers after the first take their
     input norm one ulp off (a fault of the pass between two layers: the residual with the next input norm; a
     one-layer object has none) is refused, named; unharmed, the object of several layers is proved, having run."""
-    model = {"qwen3": lambda: tiny_models["qwen3"].model, "hybrid": lambda: hybrid.model,
-             "qwen3_moe": lambda: load_model(str(moe_dir), progress=False).model}[family]()
+    model = tiny_models["qwen3"].model if family == "qwen3" else hybrid.model if family == "hybrid" else \
+        mixture_model("fp32", moe_dir, request, family)
     build, built = model.stack_of, []
 
     def off(layers):
@@ -213,7 +224,7 @@ def test_control_the_guard_refuses_a_one_object_off_only_between_its_layers(tiny
     assert failure is not None and failure.op == CHAIN, failure
     monkeypatch.setattr(model, "stack_of", lambda layers: built.append(len(layers)) or build(layers))
     assert LayerProof(model, "fp32", False).holds(torch.get_num_threads(), 64, 64) is None
-    assert max(built) == (4 if family == "hybrid" else 2)
+    assert max(built) == (2 if family in ("qwen3", "qwen3_moe") else 4)
 
 
 def test_control_the_guard_refuses_a_one_call_layer_one_ulp_off(tiny_models, monkeypatch):

@@ -114,8 +114,9 @@ class Named : public torch::CustomClassHolder {
 struct Stack : Named<Stack> {
   std::vector<at::Tensor> input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_norm, gate_up, down, routers;
   std::vector<c10::intrusive_ptr<tfq::moe::ExpertBank>> banks;  // a mixture's layer's experts; null in a dense one
+  std::vector<at::Tensor> shared_gate_up, shared_down, shared_gate;  // a mixture's shared expert; undefined if none
   std::vector<c10::optional<DeltaTensors>> deltas;  // a hybrid's DeltaNet layer's own tensors; none elsewhere
-  int64_t heads, kv_heads, head_dim, intermediate, experts, chosen, moe_intermediate;
+  int64_t heads, kv_heads, head_dim, intermediate, experts, chosen, moe_intermediate, shared_intermediate;
   int64_t key_heads = 0, key_dim = 0, value_heads = 0, value_dim = 0;  // a hybrid's DeltaNet layers' sizes
   bool hybrid = false;  // some layer is a DeltaNet layer
   double eps, scale;
@@ -124,16 +125,18 @@ struct Stack : Named<Stack> {
   // weights: each a list of one tensor a layer, in layer order (qkv_bias, q_norm and k_norm: empty where the model
   // has none). routers: empty in a dense model, else one a layer, with no elements where the layer's MLP is dense
   // (and gate_up and down none where it is a mixture); expert_gate_ups and expert_downs: the mixtures' experts, layer
-  // after layer, `experts` a layer. deltanet: a hybrid's DeltaNet layers' own tensors, layer after layer, six a
+  // after layer, `experts` a layer; shared: none, or each mixture's shared expert (Qwen3.5), three a mixture (gate_up,
+  // down, and its gate [1, hidden]). deltanet: a hybrid's DeltaNet layers' own tensors, layer after layer, six a
   // layer (in_proj, conv, A, dt_bias, norm, out_proj); a layer whose qkv has no elements is a DeltaNet layer (its o
   // none too). sizes: heads, kv_heads, head_dim, intermediate, experts, chosen, moe_intermediate, normalized (these
-  // four 0 in a dense model), key_heads, key_dim, value_heads, value_dim (0 without DeltaNet layers).
+  // four 0 in a dense model), key_heads, key_dim, value_heads, value_dim (0 without DeltaNet layers),
+  // shared_intermediate (0 without shared experts).
   Stack(std::vector<at::Tensor> input_norm, std::vector<at::Tensor> qkv, std::vector<at::Tensor> qkv_bias,
         std::vector<at::Tensor> q_norm, std::vector<at::Tensor> k_norm, std::vector<at::Tensor> o,
         std::vector<at::Tensor> post_norm, std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down,
         std::vector<at::Tensor> routers, std::vector<at::Tensor> expert_gate_ups,
-        std::vector<at::Tensor> expert_downs, std::vector<at::Tensor> deltanet, std::vector<int64_t> sizes, double eps,
-        double scale, bool gated)
+        std::vector<at::Tensor> expert_downs, std::vector<at::Tensor> shared, std::vector<at::Tensor> deltanet,
+        std::vector<int64_t> sizes, double eps, double scale, bool gated)
       : input_norm(std::move(input_norm)), qkv(std::move(qkv)), qkv_bias(std::move(qkv_bias)),
         q_norm(std::move(q_norm)), k_norm(std::move(k_norm)), o(std::move(o)), post_norm(std::move(post_norm)),
         gate_up(std::move(gate_up)), down(std::move(down)), routers(std::move(routers)), eps(eps), scale(scale),
@@ -145,11 +148,12 @@ struct Stack : Named<Stack> {
       TORCH_CHECK(opt->empty() || opt->size() == n,
                   "tfq Stack: qkv_bias, q_norm, k_norm and routers: none, or one a layer");
     TORCH_CHECK(this->q_norm.size() == this->k_norm.size(), "tfq Stack: q_norm and k_norm, both or neither");
-    TORCH_CHECK(sizes.size() == 12, "tfq Stack: sizes are heads, kv_heads, head_dim, intermediate, experts, chosen, "
-                "moe_intermediate, normalized, key_heads, key_dim, value_heads, value_dim");
+    TORCH_CHECK(sizes.size() == 13, "tfq Stack: sizes are heads, kv_heads, head_dim, intermediate, experts, chosen, "
+                "moe_intermediate, normalized, key_heads, key_dim, value_heads, value_dim, shared_intermediate");
     heads = sizes[0], kv_heads = sizes[1], head_dim = sizes[2], intermediate = sizes[3];
     experts = sizes[4], chosen = sizes[5], moe_intermediate = sizes[6], normalized = sizes[7] != 0;
     key_heads = sizes[8], key_dim = sizes[9], value_heads = sizes[10], value_dim = sizes[11];
+    shared_intermediate = sizes[12];
     size_t taken = 0;  // the next DeltaNet layer's first tensor
     for (size_t i = 0; i < n; i++) {
       if (this->qkv[i].numel() > 0) {
@@ -166,12 +170,20 @@ struct Stack : Named<Stack> {
                 " for the layers without qkv");
     hybrid = taken > 0;
     TORCH_CHECK(expert_gate_ups.size() == expert_downs.size(), "tfq Stack: a gate_up and a down an expert");
-    size_t next = 0;  // the next layer's first expert
+    size_t next = 0, mixtures = 0;  // the next layer's first expert; the mixtures so far
+    shared_gate_up.resize(n), shared_down.resize(n), shared_gate.resize(n);
     for (size_t i = 0; i < n; i++) {
       if (this->routers.empty() || this->routers[i].numel() == 0) {
         banks.emplace_back();
         continue;
       }
+      if (!shared.empty()) {
+        TORCH_CHECK(3 * mixtures + 3 <= shared.size() && shared_intermediate > 0,
+                    "tfq Stack: shared experts: none, or three tensors a mixture and their size");
+        shared_gate_up[i] = shared[3 * mixtures], shared_down[i] = shared[3 * mixtures + 1];
+        shared_gate[i] = shared[3 * mixtures + 2];
+      }
+      mixtures++;
       TORCH_CHECK(experts > 0 && 0 < chosen && chosen <= experts && next + experts <= expert_gate_ups.size(),
                   "tfq Stack: layer ", i, " has a router but not ", experts, " experts to choose ", chosen, " from");
       const auto from = static_cast<std::ptrdiff_t>(next), to = static_cast<std::ptrdiff_t>(next + experts);
@@ -182,6 +194,8 @@ struct Stack : Named<Stack> {
     }
     TORCH_CHECK(next == expert_gate_ups.size(), "tfq Stack: ", expert_gate_ups.size(), " experts, ", next,
                 " for the layers with a router");
+    TORCH_CHECK(shared.empty() || shared.size() == 3 * mixtures, "tfq Stack: ", shared.size(),
+                " tensors of shared experts for ", mixtures, " mixtures (three each)");
     enlist(this);
   }
 };
@@ -254,8 +268,19 @@ std::tuple<at::Tensor, int64_t, at::Tensor> stack_forward(
     }
     const auto [ids, weights, unsure] = tfq::moe::moe_route(logits, s->chosen, s->normalized);
     if (unsure.numel() > 0) return {x2, i, h2};
+    OptTensor shared;  // Qwen3.5's shared expert times sigmoid(its gate), added before the residual
+    if (s->shared_gate[i].defined()) {
+      const at::Tensor out = mlp_rows(h2, s->shared_gate_up[i], s->shared_down[i], s->shared_intermediate, clock, 2);
+      at::Tensor gate;
+      {
+        Clock c(clock, 2);
+        gate = linear(h2, s->shared_gate[i], c10::nullopt, 1);
+      }
+      shared = sigmoid_gate(out, gate.expand({h2.size(0), h2.size(1)}));
+    }
     const tfq::moe::NextNorm next{s->input_norm[last ? i : i + 1], s->eps, normed};  // unused after the last
-    h = tfq::moe::moe_mixture(h2, ids, weights, s->banks[i], s->moe_intermediate, clock, x2, last ? nullptr : &next);
+    h = tfq::moe::moe_mixture(h2, ids, weights, s->banks[i], s->moe_intermediate, clock, x2, last ? nullptr : &next,
+                              shared);
   }
   return {h, n, at::empty({0}, x.options())};
 }
@@ -276,7 +301,7 @@ TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) {
       torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                   std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                   std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                  std::vector<at::Tensor>, std::vector<int64_t>, double, double, bool>())
+                  std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>, double, double, bool>())
       .def("id", [](const c10::intrusive_ptr<Stack>& self) { return self->id; });
   m.class_<Caches>("Caches")
       .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,

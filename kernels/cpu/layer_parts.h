@@ -175,6 +175,27 @@ struct Clock {
   }
 };
 
+// An MLP on normed rows h [N, hidden]: gate_up, SiLU times up, down (a dense layer's; a mixture's shared expert's);
+// its linear layers' seconds go to the clock's `slot`
+inline at::Tensor mlp_rows(const at::Tensor& h, const at::Tensor& gate_up, const at::Tensor& down,
+                           int64_t intermediate, const OptTensor& clock, int slot) {
+  at::Tensor act;
+  {
+    Clock c(clock, slot);  // 8-bit activations' blocks: SiLU times up in the gate_up kernel (q8::linear_glu)
+    if (gate_up.scalar_type() == at::kByte) act = tfq::q8::linear_glu(h, gate_up, intermediate);
+  }
+  if (!act.defined()) {
+    at::Tensor gu;
+    {
+      Clock c(clock, slot);
+      gu = linear(h, gate_up, c10::nullopt, 2 * intermediate);
+    }
+    act = silu_mul(gu, intermediate);
+  }
+  Clock c(clock, slot);
+  return linear(act, down, c10::nullopt, h.size(1));
+}
+
 // The second half of every layer, from the token mixer's output projected (`mixed`, [N, hidden]): the residual
 // with the post norm, gate_up, SiLU times up, down; returns (the residual, down's output), whose sum is the layer's
 // output (mlp adds them; a model's one object adds them in one pass with the next layer's input norm: add_norm).
@@ -182,27 +203,8 @@ inline std::tuple<at::Tensor, at::Tensor> mlp_part(const at::Tensor& x, const at
                                                    const at::Tensor& post_norm, const at::Tensor& gate_up,
                                                    const at::Tensor& down, int64_t intermediate, double eps,
                                                    const OptTensor& clock) {
-  const int64_t hidden = x.size(1);
   const auto [x2, h2] = add_norm(x, mixed, post_norm, eps);
-  at::Tensor act;
-  {
-    Clock c(clock, 0);  // 8-bit activations' blocks: SiLU times up in the gate_up kernel (q8::linear_glu)
-    if (gate_up.scalar_type() == at::kByte) act = tfq::q8::linear_glu(h2, gate_up, intermediate);
-  }
-  if (!act.defined()) {
-    at::Tensor gu;
-    {
-      Clock c(clock, 0);
-      gu = linear(h2, gate_up, c10::nullopt, 2 * intermediate);
-    }
-    act = silu_mul(gu, intermediate);
-  }
-  at::Tensor out;
-  {
-    Clock c(clock, 0);
-    out = linear(act, down, c10::nullopt, hidden);
-  }
-  return {x2, out};
+  return {x2, mlp_rows(h2, gate_up, down, intermediate, clock, 0)};
 }
 
 inline at::Tensor mlp(const at::Tensor& x, const at::Tensor& mixed, const at::Tensor& post_norm,

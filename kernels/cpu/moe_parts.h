@@ -123,12 +123,13 @@ struct NextNorm {
   at::Tensor& out;
 };
 
-// `residual`, where given, is added to each row's sum last (one rounding, as `residual + mixture` would): the
-// layer's residual in the combine's pass rather than one more op; so is `next`'s norm, by rms_norm's recipe
+// `shared`, where given ([rows, hidden]: a shared expert's gated output), is added to each row's sum, then
+// `residual` (one rounding each, as `residual + (mixture + shared)` would): the layer's residual in the combine's
+// pass rather than more ops; so is `next`'s norm, by rms_norm's recipe
 inline at::Tensor moe_mixture(const at::Tensor& h, const at::Tensor& ids, const at::Tensor& weights,
                               const c10::intrusive_ptr<ExpertBank>& bank, int64_t intermediate,
                               const OptTensor& clock, const OptTensor& residual = c10::nullopt,
-                              const NextNorm* next = nullptr) {
+                              const NextNorm* next = nullptr, const OptTensor& shared = c10::nullopt) {
   const std::vector<at::Tensor>& gate_ups = bank->gate_ups;
   const std::vector<at::Tensor>& downs = bank->downs;
   TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && ids.scalar_type() == at::kLong &&
@@ -218,6 +219,10 @@ inline at::Tensor moe_mixture(const at::Tensor& h, const at::Tensor& ids, const 
   TORCH_CHECK(!base.defined() || (base.sizes() == out.sizes() && base.scalar_type() == at::kFloat),
               "tfq moe_mixture: the residual ", base.sizes(), ", not the rows' ", out.sizes());
   const float* bp = base.defined() ? base.data_ptr<float>() : nullptr;
+  const at::Tensor added = shared.has_value() ? shared->contiguous() : at::Tensor();
+  TORCH_CHECK(!added.defined() || (added.sizes() == out.sizes() && added.scalar_type() == at::kFloat),
+              "tfq moe_mixture: the shared expert's rows ", added.sizes(), ", not the rows' ", out.sizes());
+  const float* sp = added.defined() ? added.data_ptr<float>() : nullptr;
   const float* gp = grouped.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -240,6 +245,8 @@ inline at::Tensor moe_mixture(const at::Tensor& h, const at::Tensor& ids, const 
         const float wj = wp[r * chosen + j];
         for (int64_t i = 0; i < hidden; i++) total[i] = total[i] + y[i] * wj;
       }
+      if (sp)
+        for (int64_t i = 0; i < hidden; i++) total[i] = total[i] + sp[r * hidden + i];
       if (bp)
         for (int64_t i = 0; i < hidden; i++) total[i] = bp[r * hidden + i] + total[i];
       if (np) tfq::rms_norm_row(total, nw, hidden, static_cast<float>(next->eps), np + r * hidden);

@@ -49,7 +49,8 @@ class DeltaLayer:
 
     def __post_init__(self):
         object.__setattr__(self, "fused", DeltaLayerWeights(self.input_norm, self.in_proj, self.mixer, self.out_proj,
-                                                            self.post_norm, self.gate_up, self.down))
+                                                            self.post_norm, self.gate_up, self.down,
+                                                            self.moe.stacked if self.moe is not None else None))
 
 
 def linears(layer: Layer | DeltaLayer) -> dict[str, LinearFn]:

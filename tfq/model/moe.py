@@ -65,13 +65,16 @@ class MoE:
 
     @cached_property
     def stacked(self) -> MixtureWeights | None:
-        """The mixture as a model's one object runs it (kernels/layer.py: layer_stack); None where the router or some
-        expert is not tfq's C++ linear layer, or a shared expert joins (that mixture runs as Fused and Python)."""
-        fns = [self.router, *(f for e in self.experts for f in (e.gate_up, e.down))]
-        if self.shared is not None or not fusable(*fns) or self.router.bias is not None:
+        """The mixture as a model's one object runs it (kernels/layer.py: layer_stack), its shared expert too; None
+        where the router, an expert or the shared one is not tfq's C++ linear layer, or the router or the shared
+        expert has a bias."""
+        shared = (self.shared.gate_up, self.shared.down, self.shared_gate) if self.shared is not None else ()
+        fns = [self.router, *(f for e in self.experts for f in (e.gate_up, e.down)), *shared]
+        if not fusable(*fns) or any(f.bias is not None for f in (self.router, *shared)):
             return None
         return MixtureWeights(self.router, [e.gate_up.panels for e in self.experts],
-                              [e.down.panels for e in self.experts], self.chosen, self.normalized)
+                              [e.down.panels for e in self.experts], self.chosen, self.normalized,
+                              tuple(f.panels for f in shared))
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ class OneObject:
         return (len(built) == len(self.layers) and all(map(operator.is_, built, self.layers))
                 and not (segments is not None and (segments.chunked or segments.experts_by_load))
                 and not (cache is not None and cache.state is not None and cache.state.verify_rows)
-                and all(self.runs_in_one_call(layer) for layer in kinds))
+                and all(self.made_for_one_call(layer) for layer in kinds))
 
     def stack_inputs(self, layers: list, indices: list[int], cache, rope: tuple[torch.Tensor, torch.Tensor],
                      cache_rows: torch.Tensor, batch: AttentionBatch, segments: Segments | None) -> StackInputs:

@@ -123,7 +123,8 @@ class Qwen(OneObject):
             self.config = shard.local_config()
         own = self.config  # what the one-call layers take besides a layer's weights
         self.layer_sizes = LayerSizes(own.num_heads, own.num_kv_heads, own.head_dim, own.intermediate_size,
-                                      own.rms_eps, self.scale, own.moe.intermediate if own.moe_layers else 0)
+                                      own.rms_eps, self.scale, own.moe.intermediate if own.moe_layers else 0,
+                                      own.moe.shared_intermediate if own.moe_layers else 0)
         first = self.layers[c.attention_layers[0]] if c.attention_layers else self.layers[0]
         layers = {"lm_head": self.lm_head}
         dense = next((layer for layer in self.layers if layer.moe is None), None)
@@ -334,19 +335,22 @@ class Qwen(OneObject):
         return DeltaSizes(n.conv_kernel, n.key_heads, n.key_dim, n.value_heads, n.value_dim)
 
     def runs_in_one_call(self, layer: Layer | DeltaLayer) -> bool:
-        """Whether the backend has a one-call layer of this kind and the layer is made of exactly what it runs (the
-        guard's tests swap in flawed kernels, and a clock that wraps a linear layer sees it only op by op)."""
+        """Whether the backend has a one-call layer of this kind and the layer is made of exactly what it runs. A
+        DeltaNet layer with a mixture (Qwen3.5 MoE) has none: it runs op by op, or in the model's one object."""
+        return self.made_for_one_call(layer) and not (isinstance(layer, DeltaLayer) and layer.moe is not None)
+
+    def made_for_one_call(self, layer: Layer | DeltaLayer) -> bool:
+        """Whether the backend's kernels are the one-call layers' and the layer is made of what they run (the guard's
+        tests swap in flawed kernels, and a clock that wraps a linear layer sees it only op by op)."""
         b = self.backend
         if b.rms_norm is not rms_norm_fixed or self.act is not b.silu:
             return False
-        if layer.moe is not None:  # the attention half in one call, then the mixture (tfq/model/moe.py)
-            return (isinstance(layer, Layer) and b.attention_layer is not None and b.attend is attend_fixed
-                    and b.store is write and fusable(layer.qkv, layer.o))
+        mlp = (layer.gate_up, layer.down) if layer.moe is None else ()  # a mixture: its own (tfq/model/moe.py)
         if isinstance(layer, DeltaLayer):
-            return (b.delta_layer is not None and fusable(layer.in_proj, layer.out_proj, layer.gate_up, layer.down)
+            return (b.delta_layer is not None and fusable(layer.in_proj, layer.out_proj, *mlp)
                     and layer.in_proj.bias is None and layer.out_proj.bias is None)
-        return (b.layer is not None and b.attend is attend_fixed and b.store is write
-                and fusable(layer.qkv, layer.o, layer.gate_up, layer.down))
+        return ((b.layer if mlp else b.attention_layer) is not None and b.attend is attend_fixed
+                and b.store is write and fusable(layer.qkv, layer.o, *mlp))
 
     def one_call(self, layer: Layer | DeltaLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache,
                  index: int, cache_rows: torch.Tensor, batch: AttentionBatch,

@@ -78,8 +78,8 @@ class ShardedQwen(Qwen):
                 with sigint_deferred():
                     refused += [p for p in self.group.agree("") if p]
 
-    def runs_in_one_call(self, layer) -> bool:
-        return False  # the gathers sit inside the layer
+    def made_for_one_call(self, layer) -> bool:
+        return False  # the gathers sit inside the layer: neither its one call nor the model's one object
 
     def roll_back(self, cache, slot: int, rows: int) -> None:
         with self._in_step():
