@@ -3,14 +3,17 @@ a run is tfq.bench.memory's (torch-free: the peer's child process measures itsel
 from __future__ import annotations
 
 import functools
+import glob
 import time
+from pathlib import Path
 
 import torch
 
 from tfq.model.config import ModelConfig
 from tfq.plan import row_bytes
 
-BANDWIDTH_MIB = 256  # well past any CPU cache
+BANDWIDTH_MIB = 256  # the probes' least size; more where a cache is large (probe_mib)
+BANDWIDTH_PART_MIB = 256  # the linear probe's weight, as layers of at most this (each packed while one copy is held)
 BANDWIDTH_TRIES = 7
 
 
@@ -53,31 +56,40 @@ def kv_read_bytes(config: ModelConfig, kv_dtype: str, lanes: int, context: float
     return lanes * (context * row_bytes(config, kv_dtype) + 2 * config.state_bytes)
 
 
-def measure_bandwidth(mib: int = BANDWIDTH_MIB, tries: int = BANDWIDTH_TRIES) -> dict[str, float]:
-    """Bytes/s this machine reads, by probe: {"what, N threads": bytes/s}. The probes read tensors far larger
-    than the caches:
+def largest_cache_bytes(caches: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
+    """The largest CPU cache this machine says it has (Linux's sysfs; 0 where it says nothing)."""
+    sizes = []
+    for path in glob.glob(f"{caches}/index*/size"):
+        text = Path(path).read_text().strip()
+        digits, unit = text.rstrip("KMGkmg"), {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:].upper(), 1)
+        if digits.isdigit():
+            sizes.append(int(digits) * unit)
+    return max(sizes, default=0)
 
-    - `linear`: the engine's own linear layer (the CPU backend's) over a weight of `mib` MiB for one and for two rows,
-      the way a decode step streams its weights; its rate is what a step can reach, so it sets the roofline.
+
+def probe_mib() -> int:
+    """How large the probes' tensors are: four times the largest cache, in steps of 256 MiB, at least BANDWIDTH_MIB.
+    A cache keeps part of a stream not much larger than itself: on a Xeon VM with 300 MiB of L3 a probe of 256 MiB
+    read 52-60 GB/s, one of 600 MiB 39-42, 1 GiB 34-36 and 1.5 GiB 31-33 (2026-12-06)."""
+    return max(BANDWIDTH_MIB, -(-4 * largest_cache_bytes() // (256 * 2**20)) * 256)
+
+
+def measure_bandwidth(mib: int | None = None, tries: int = BANDWIDTH_TRIES) -> dict[str, float]:
+    """Bytes/s this machine reads, by probe: {"what, N threads": bytes/s}. The probes read tensors of `mib` MiB
+    (probe_mib: far larger than the caches):
+
+    - `linear`: the engine's own linear layer (the CPU backend's) over weights of `mib` MiB (layers of at most
+      BANDWIDTH_PART_MIB, one after another) for one and for two rows, the way a decode step streams its weights;
+      its rate is what a step can reach, so it sets the roofline.
     - `sum`: a plain reduction over a tensor of `mib` MiB, with one thread and with torch's threads.
 
     Each is the second best of `tries` (a rate reached twice, so one glitch of the clock cannot set the
     roofline); the report takes the best probe (on a shared machine the best read is the nearest to the
     physical limit)."""
-    from tfq.kernels.backend import torch_backend
-
+    mib = mib or probe_mib()
     threads = torch.get_num_threads()
-    out = {}
-    inner = 896
-    weight = torch.rand(mib * 2**20 // 4 // inner, inner)  # distinct pages: nothing a hypervisor could merge
-    layer = torch_backend().linear(weight)
-    del weight
-    for rows in (1, 2):
-        x = torch.rand(rows, inner)
-        layer(x)
-        out[f"linear {rows} row{'s' * (rows > 1)}, {_threads(threads)}"] = (
-            layer.out_features * inner * 4 / _second_best(functools.partial(layer, x), tries))
-    del layer
+    out = {f"linear {rows} row{'s' * (rows > 1)}, {_threads(threads)}": rate
+           for rows, rate in _linear_rates(mib, tries).items()}  # its weights freed before the sum's tensor is made
     a = torch.rand(mib * 2**20 // 4)
     a.sum()
     try:
@@ -87,6 +99,27 @@ def measure_bandwidth(mib: int = BANDWIDTH_MIB, tries: int = BANDWIDTH_TRIES) ->
     finally:
         torch.set_num_threads(threads)
     return out
+
+
+def _linear_rates(mib: int, tries: int) -> dict[int, float]:
+    """Rows -> bytes/s of the CPU backend's linear layer streaming weights of `mib` MiB."""
+    from tfq.kernels.backend import torch_backend
+
+    inner, layers = 896, []
+    for start in range(0, mib, BANDWIDTH_PART_MIB):  # random values: distinct pages, nothing a hypervisor could merge
+        layers.append(torch_backend().linear(torch.rand(min(BANDWIDTH_PART_MIB, mib - start) * 2**20 // 4 // inner,
+                                                        inner)))
+    nbytes, rates = sum(layer.out_features for layer in layers) * inner * 4, {}
+    for rows in (1, 2):
+        stream = functools.partial(_each, layers, torch.rand(rows, inner))
+        stream()
+        rates[rows] = nbytes / _second_best(stream, tries)
+    return rates
+
+
+def _each(layers: list, x: torch.Tensor) -> None:
+    for layer in layers:
+        layer(x)
 
 
 def _threads(n: int) -> str:
