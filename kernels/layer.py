@@ -80,7 +80,7 @@ class DeltaLayerWeights:
     mixer: DeltaWeights
     out_proj: LinearFn
     post_norm: torch.Tensor
-    gate_up: LinearFn | None  # None in a mixture's layer (Qwen3.5 MoE), which runs only in a model's one object
+    gate_up: LinearFn | None  # None in a mixture's layer (Qwen3.5 MoE): delta_layer cannot take it, a Stack can
     down: LinearFn | None
     mixture: MixtureWeights | None = None
 

@@ -295,8 +295,10 @@ def test_moe_mixture_still_refuses_an_expert_id_past_the_bank(expert):
 
 def test_a_mixture_stack_refuses_experts_it_cannot_split_and_a_layer_past_its_own():
     """a Stack's layer with a router takes the next `experts` experts of the flat lists: too few or too many is
-    refused when it is built; a forward from a layer past the stack's is refused. In range, it runs the layer's
-    per-layer calls' bits (attention_layer, the router, moe_route, moe_mixture, the residual)."""
+    refused when it is built, and so are shared experts other than three tensors a mixture; a forward from a layer
+    past the stack's is refused. In range, it runs the layer's per-layer calls' bits (attention_layer, the router,
+    moe_route, moe_mixture, the residual), a shared expert's gated output added to the mixture's before the
+    residual (Qwen3.5: tfq/model/moe.py, moe_mlp)."""
     from tfq.kernels.moe import expert_bank
 
     a = attention_layer_args()
@@ -304,11 +306,13 @@ def test_a_mixture_stack_refuses_experts_it_cannot_split_and_a_layer_past_its_ow
     downs = [pack(HIDDEN, INTER, 30 + e) for e in range(3)]
     sizes = [HEADS, KV_HEADS, HEAD_DIM, INTER, 3, 2, INTER, 1, 0, 0, 0, 0]  # 3 experts, 2 chosen, normalized
     router = pack(3, HIDDEN, 40)
+    shared = [pack(2 * INTER, HIDDEN, 50), pack(HIDDEN, INTER, 51), pack(1, HIDDEN, 52)]  # gate_up, down, gate
 
-    def stack(g: list, d: list):  # one layer, its MLP a mixture (no dense gate_up or down)
+    def stack(g: list, d: list, s: list = ()):  # one layer, its MLP a mixture (no dense gate_up or down)
         none = torch.empty(0)
         return torch.classes.tfq_cpu.Stack([a["input_norm"]], [a["qkv"]], [], [], [], [a["o"]], [a["post_norm"]],
-                                           [none], [none], [router], g, d, [], sizes, 1e-6, a["scale"], False)
+                                           [none], [none], [router], g, d, list(s), [],
+                                           [*sizes, INTER if s else 0], 1e-6, a["scale"], False)
 
     caches = torch.classes.tfq_cpu.Caches([a["k_cache"]], [a["v_cache"]], [], [], [], [])
     forward = dict(x=a["x"], cos=a["cos"], sin=a["sin"], caches=caches.id(), rows=a["rows"], saturate=0.0,
@@ -320,7 +324,17 @@ def test_a_mixture_stack_refuses_experts_it_cannot_split_and_a_layer_past_its_ow
     x2, h2 = op("attention_layer")(**a)
     ids, weights, unsure = op("moe_route")(op("linear")(h2, router, None, 3), 2, True)
     assert layer == 1 and h.numel() == 0 and len(unsure) == 0
-    assert torch.equal(out, x2 + op("moe_mixture")(h2, ids, weights, expert_bank(gate_ups, downs), INTER, None))
+    mixture = op("moe_mixture")(h2, ids, weights, expert_bank(gate_ups, downs), INTER, None)
+    assert torch.equal(out, x2 + mixture)
+    with_shared = stack(gate_ups, downs, shared)  # held: a Stack goes with its last reference
+    out, layer, h = op("stack_forward")(stack=with_shared.id(), first=0, **forward)
+    gu = op("linear")(h2, shared[0], None, 2 * INTER)
+    expert = op("linear")(op("silu")(gu[:, :INTER].contiguous()) * gu[:, INTER:], shared[1], None, HIDDEN)
+    gate = op("linear")(h2, shared[2], None, 1).expand(-1, HIDDEN).contiguous()
+    assert layer == 1 and torch.equal(out, x2 + (mixture + op("sigmoid_gate")(expert, gate)))
+    assert not torch.equal(out, x2 + mixture)
+    with pytest.raises(RuntimeError, match=r"tfq Stack: shared experts: none, or three tensors a mixture"):
+        stack(gate_ups, downs, shared[:2])
     with pytest.raises(RuntimeError, match=r"tfq Stack: layer 0 has a router but not 3 experts to choose 2 from"):
         stack(gate_ups[:2], downs[:2])
     with pytest.raises(RuntimeError, match=r"tfq Stack: 4 experts, 3 for the layers with a router"):

@@ -59,8 +59,9 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& input_norm, cons
 // A model's layers as one object, built once at load (`Stack`): every layer's weights and the model's sizes held
 // here, so that a forward through all of them is one call (`stack_forward`). A dense layer is decoder_layer's ops
 // (attention_part, then the MLP; a hybrid's DeltaNet layer delta_layer's: delta_part.h, then the MLP); a mixture's
-// layer is attention_layer's ops, the router's linear layer, moe_route and moe_mixture (moe_parts.h), then the
-// residual: the same functions on the same tensors as the per-layer calls, in their order, so the same bits by
+// layer is its token mixer's ops (attention_layer's, or delta_part.h), the router's linear layer, moe_route and
+// moe_mixture (moe_parts.h; a Qwen3.5 shared expert's gated rows added in its combine), then the residual: the same
+// functions on the same tensors as the per-layer calls, in their order, so the same bits by
 // construction (the start-up guard still checks it on the running build). Why: a decode step at one lane
 // spent tens of microseconds a layer outside the kernels turning a layer's Python objects into the 29 arguments
 // above, and a mixture's layer hundreds, in four calls from Python, on every layer of every step.
@@ -220,8 +221,8 @@ struct Caches : Named<Caches> {
 // writes the caches its id names, which its schema cannot say. The other arguments are each layer's, as the
 // `layer` op takes them. Returns (the output, the stack's layer count, nothing) or, where a mixture's route for
 // some row was unsure (moe_route: an exp glibc's float64 value cannot round for sure, which Python's route
-// answers), (that layer's attention residual, the layer, its post norm): the caller runs that layer's mixture and
-// goes on from the next layer.
+// answers), (that layer's token mixer's residual, the layer, its post norm): the caller runs that layer's mixture
+// (its shared expert too) and goes on from the next layer.
 std::tuple<at::Tensor, int64_t, at::Tensor> stack_forward(
     const at::Tensor& x, int64_t stack, int64_t first, const at::Tensor& cos, const at::Tensor& sin, int64_t caches,
     const at::Tensor& rows, double saturate, const at::Tensor& table, const at::Tensor& offsets,

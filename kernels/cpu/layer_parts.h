@@ -157,9 +157,9 @@ inline at::Tensor add_rows(const at::Tensor& x, const at::Tensor& d) {
   return y;
 }
 
-// Seconds spent in the linear layers ([0]), the token mixer ([1]: attention, or a hybrid's DeltaNet
-// recurrence) and a mixture's experts ([2]) added to `clock` when given (tfq bench's breakdown); steady_clock costs tens of nanoseconds a
-// reading, nothing beside a layer.
+// Seconds spent in the linear layers ([0]), the token mixer ([1]: attention, or a hybrid's DeltaNet recurrence)
+// and a mixture ([2]: its router, experts, shared expert and its gate) added to `clock` when given (tfq bench's
+// breakdown); steady_clock costs tens of nanoseconds a reading, nothing beside a layer.
 struct Clock {
   double* out;
   int slot;

@@ -51,10 +51,10 @@ def step_breakdown(engine, steps: int, top: int = 0) -> dict:
     engine.step()  # warm-up
     linear, attention, experts = _Clock(), _Clock(), _Clock()
     backend, layers, head = model.backend, model.layers, model.lm_head
-    # the layers as one object (a Qwen3.5 MoE's DeltaNet layers have no call of their own), or each layer one C++
-    # call: their own clock times the linear layers and attention inside (a hybrid's DeltaNet recurrence counts as
-    # its attention there; op by op it counts in the rest)
-    one_call = model.runs_as_stack() or model.runs_in_one_call(layers[0])
+    # the layers as one object (a Qwen3.5 MoE's DeltaNet layers have no call of their own; a drafting hybrid's
+    # forwards leave the object), or each layer one C++ call: their own clock times the linear layers and attention
+    # inside (a hybrid's DeltaNet recurrence counts as its attention there; op by op it counts in the rest)
+    one_call = model.runs_as_stack(cache=engine.runner.cache) or model.runs_in_one_call(layers[0])
     if one_call:
         model.layer_clock = torch.zeros(3, dtype=torch.float64)  # linear layers, attention, experts
         if not model.runs_as_stack():  # the layers as one object clock their routers beside the experts themselves

@@ -56,27 +56,44 @@ def kv_read_bytes(config: ModelConfig, kv_dtype: str, lanes: int, context: float
     return lanes * (context * row_bytes(config, kv_dtype) + 2 * config.state_bytes)
 
 
-def largest_cache_bytes(caches: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
-    """The largest CPU cache this machine says it has (Linux's sysfs; 0 where it says nothing)."""
-    sizes = []
-    for path in glob.glob(f"{caches}/index*/size"):
-        text = Path(path).read_text().strip()
+def largest_cache_bytes(cpus: str = "/sys/devices/system/cpu") -> int:
+    """The most bytes one level of CPU cache holds on this machine, every instance of it counted once (a chip's
+    L3 slices, each core's L2), from Linux's sysfs; 0 where it says nothing."""
+    levels: dict[str, dict[str, int]] = {}  # level -> the CPUs an instance serves -> its bytes
+    for index in glob.glob(f"{cpus}/cpu[0-9]*/cache/index[0-9]*"):
+        try:
+            level, shared, text = (Path(index, name).read_text().strip() for name in ("level", "shared_cpu_list",
+                                                                                        "size"))
+        except OSError:
+            continue
         digits, unit = text.rstrip("KMGkmg"), {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:].upper(), 1)
         if digits.isdigit():
-            sizes.append(int(digits) * unit)
-    return max(sizes, default=0)
+            levels.setdefault(level, {})[shared] = int(digits) * unit
+    return max((sum(instances.values()) for instances in levels.values()), default=0)
 
 
 def probe_mib() -> int:
-    """How large the probes' tensors are: four times the largest cache, in steps of 256 MiB, at least BANDWIDTH_MIB.
-    A cache keeps part of a stream not much larger than itself: on a Xeon VM with 300 MiB of L3 a probe of 256 MiB
-    read 52-60 GB/s, one of 600 MiB 39-42, 1 GiB 34-36 and 1.5 GiB 31-33 (2026-12-06)."""
-    return max(BANDWIDTH_MIB, -(-4 * largest_cache_bytes() // (256 * 2**20)) * 256)
+    """How large the probes' tensors are: four times the largest cache, in steps of 256 MiB, at least BANDWIDTH_MIB
+    and at most a quarter of the memory available now. A cache keeps part of a stream not much larger than itself:
+    on a Xeon VM with 300 MiB of L3 a probe of 256 MiB read 52-60 GB/s, one of 600 MiB 39-42, 1 GiB 34-36 and 1.5 GiB
+    31-33 (2026-12-06)."""
+    want = -(-4 * largest_cache_bytes() // (256 * 2**20)) * 256
+    return max(BANDWIDTH_MIB, min(want, _available_mib() // 4 // 256 * 256))
+
+
+def _available_mib() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) // 1024
+    except OSError:
+        pass
+    return 1 << 30  # unknown: no cap
 
 
 def measure_bandwidth(mib: int | None = None, tries: int = BANDWIDTH_TRIES) -> dict[str, float]:
-    """Bytes/s this machine reads, by probe: {"what, N threads": bytes/s}. The probes read tensors of `mib` MiB
-    (probe_mib: far larger than the caches):
+    """Bytes/s this machine reads, by probe: {"what, N threads, M MiB": bytes/s}. The probes read tensors of `mib`
+    MiB (probe_mib: far larger than the caches):
 
     - `linear`: the engine's own linear layer (the CPU backend's) over weights of `mib` MiB (layers of at most
       BANDWIDTH_PART_MIB, one after another) for one and for two rows, the way a decode step streams its weights;
@@ -88,14 +105,14 @@ def measure_bandwidth(mib: int | None = None, tries: int = BANDWIDTH_TRIES) -> d
     physical limit)."""
     mib = mib or probe_mib()
     threads = torch.get_num_threads()
-    out = {f"linear {rows} row{'s' * (rows > 1)}, {_threads(threads)}": rate
+    out = {f"linear {rows} row{'s' * (rows > 1)}, {_threads(threads)}, {mib} MiB": rate
            for rows, rate in _linear_rates(mib, tries).items()}  # its weights freed before the sum's tensor is made
     a = torch.rand(mib * 2**20 // 4)
     a.sum()
     try:
         for n in sorted({1, threads}):
             torch.set_num_threads(n)
-            out[f"sum, {_threads(n)}"] = a.nbytes / _second_best(a.sum, tries)
+            out[f"sum, {_threads(n)}, {mib} MiB"] = a.nbytes / _second_best(a.sum, tries)
     finally:
         torch.set_num_threads(threads)
     return out

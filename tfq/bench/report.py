@@ -8,7 +8,7 @@ from typing import Sequence
 
 import torch
 
-from tfq.bench.measure import kv_read_bytes, mean_context, probe_mib, weights_read_bytes
+from tfq.bench.measure import kv_read_bytes, mean_context, weights_read_bytes
 from tfq.bench.memory import MemoryProbe
 from tfq.bench.record import Run
 from tfq.bench.rounds import Bench
@@ -106,7 +106,7 @@ def build_report(bench: Bench, bandwidths: tuple[dict, dict], loads: tuple, wall
                     "peer_version": bench.peer.version if bench.peer else None,
                     "python": platform.python_version(), "load_average_before": list(loads[0]),
                     "load_average_after": list(loads[1]), "bandwidth_bytes_per_s": bandwidth,
-                    "bandwidth_start": bandwidths[0], "bandwidth_end": bandwidths[1], "probe_mib": probe_mib(),
+                    "bandwidth_start": bandwidths[0], "bandwidth_end": bandwidths[1],
                     "rss_peak_is_per_run": MemoryProbe().resettable},
         "model": {"family": config.family, "parameters": config.param_count(),
                   "weights": bench.loaded.weights,

@@ -16,7 +16,8 @@ down, final norm, head), the drawn tokens and their log-probabilities must equal
 every thread count proved: references are taken once, at the first count. The first op that differs is named. Where the
 engine runs a layer in one C++ call (kernels/layer.py), that call runs too, on the same input and cache: alone its
 output and cache rows (a DeltaNet layer's: its streams' states) must be those of the layer run op by op, and in every
-scene those alone.
+scene those alone. Where the model's layers run as one object, each proved layer runs as an object of it alone too,
+and the proved layers in a row as one object (the passes between two of its layers), against them op by op.
 
 The proof is remembered on the model (`model.proved`) by its settings, so engines built later on the same
 model (every arm of `tfq together`) pay for it once.
@@ -167,8 +168,9 @@ def _one_call_agrees(record: Record, threads: int) -> Failure | None:
     """Each layer in one call (kernels/layer.py) gives each probe the bits the layer gives op by op: its output
     those of the last residual, its cache rows those of the cache store (a DeltaNet layer: its streams' states
     those of the recurrence); so does the layer run as the model's one object (a Stack of it alone: the
-    engine's forward runs every layer so, one after another). (Their row invariance is then proved with every
-    other op's, scene by scene.)"""
+    engine's forward runs every layer so, one after another), and the proved layers in a row as one object give
+    what they give op by op one after another. (Their row invariance is then proved with every other op's, scene by
+    scene.)"""
     for call, store in ((ONE_CALL, ONE_CALL_STORE), (STACKED, STACKED_STORE)):
         for name in [op for op in record.ops if op.endswith(call)]:
             prefix = name[:-len(call)]  # a hybrid proves one layer of each kind
@@ -256,10 +258,13 @@ class _Bench:
         # where the model runs its layers as one object, that object's code on each proved layer alone (a
         # mixture's layer where the model has one; a hybrid's attention and DeltaNet layers)
         self.stacks = [model.stack_of([layer]) for layer, _ in self.layers] if model.runs_as_stack() else []
-        # and those layers twice over as one object (a hybrid's attention, DeltaNet, attention, DeltaNet), so the
-        # passes between two layers of the object run too: a layer's residual with the next one's input norm
-        self.chain = [layer for layer, _ in self.layers] * 2
-        self.chain_stack = model.stack_of(self.chain) if all(self.stacks) and self.stacks else None
+        # and those layers in a row as one object, the first again last (a hybrid's attention, DeltaNet, attention),
+        # so the passes between two layers of the object run too: a layer's residual with the next one's input norm
+        self.chain = [layer for layer, _ in self.layers] + [self.layers[0][0]]
+        self.chain_stack = model.stack_of(self.chain) if self.stacks and all(self.stacks) else None
+        if self.stacks and all(self.stacks) and self.chain_stack is None:
+            raise TfqError("the start-up guard could not build its proved layers in a row as one object, which "
+                           "the model runs; set TFQ_CPU_KERNELS=torch to run without tfq's kernels")
         config = replace(c, num_layers=len(firsts), layer_types=tuple(k for k, _ in firsts) if c.hybrid else ())
         streams = list(PROBES) + self.fillers
         self.cache = KVCache(config, CacheSpec(lanes=2, window=LANE_WINDOW, page_rows=KEY_TILE, pool_pages=pages,

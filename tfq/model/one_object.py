@@ -1,7 +1,7 @@
 """A model's layers as one C++ object (kernels/layer.py: layer_stack, stack_forward; kernels/cpu/layer.cpp): a
 forward through every layer in one call, each layer a dense MLP's or a mixture of experts', by the same functions
 on the same tensors as each layer in one call, so the same bits by construction; the start-up guard checks it on the
-running build (tfq/engine/layer_guard.py: STACKED).
+running build (tfq/engine/layer_guard.py: STACKED, each proved layer alone; CHAIN, those layers in a row).
 
 Why: at one lane a decode step spent tens of microseconds a dense layer, and hundreds a mixture's, in Python
 between its kernels, on every layer of every step.
@@ -73,8 +73,9 @@ class OneObject:
                   segments: Segments | None = None) -> torch.Tensor:
         """x through `layers` as their one object `handle` runs them, in one call; where some row's route in a
         mixture's layer was unsure (moe_route: an exp glibc cannot round for sure), that layer's mixture as its
-        one call runs it (route asks mpmath for those rows) on the attention half the object gave back, then the
-        object goes on from the next layer: the ops of each layer in one call, in their order."""
+        one call runs it (route asks mpmath for those rows; a shared expert too) on the token mixer's residual and
+        post norm the object gave back, then the object goes on from the next layer: the ops of each layer in one
+        call, in their order."""
         first = 0
         while True:
             out = self.backend.stack_forward(x, handle, inputs, self.layer_clock, first)
