@@ -13,13 +13,14 @@ from test_gguf_hybrid import converter  # noqa: F401 (a fixture)
 from test_gguf_moe import converted  # noqa: F401 (a fixture)
 from test_hybrid import Oracle, hybrid, hybrid_dir  # noqa: F401 (fixtures)
 from test_hybrid import requests as hybrid_requests
-from test_moe import hybrid_moe_dir, moe_dir  # noqa: F401 (fixtures)
+from test_moe import REAL_RATIOS, hybrid_moe_dir, moe_dir  # noqa: F401 (fixtures)
 from test_quant import tiny_file  # noqa: F401 (a fixture)
 from tfq.engine.core import EngineSettings
 from tfq.engine.layer_guard import CHAIN, ONE_CALL, ONE_CALL_STORE, STACKED, STACKED_STORE, LayerProof
 from tfq.engine.stream import Request
 from tfq.kernels.contract import KEY_TILE
 from tfq.model.load import load_model
+from tiny import tiny_model_dir
 
 SETTINGS = {
     "fp32, whole": EngineSettings(window=256, lanes=3, prefill_chunk=512),
@@ -207,28 +208,36 @@ def test_control_the_guard_refuses_layers_as_one_object_one_ulp_off(tiny_models,
     assert not model.runs_as_stack()
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "hybrid", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "qwen3_moe, a dense layer", "hybrid", "qwen3_5_moe"])
 def test_control_the_guard_refuses_a_one_object_off_only_between_its_layers(tiny_models, moe_dir, hybrid,  # noqa: F811
-                                                                           request, family, monkeypatch):
+                                                                           request, tmp_path_factory, family,
+                                                                           monkeypatch):
     """The guard runs its layers in a row as one object too (a hybrid's attention, DeltaNet, attention): an object
     whose layers after the first take their input norm one ulp off (a fault of the pass between two layers: the
     residual with the next input norm; a one-layer object has none) is refused, named; unharmed, the object of
-    several layers is built and proved."""
-    model = tiny_models["qwen3"].model if family == "qwen3" else hybrid.model if family == "hybrid" else \
-        mixture_model("fp32", moe_dir, request, family)
+    several layers is built and proved. A mixture model's dense layer (mlp_only_layers) joins the row: an object off
+    only in the pass out of its dense layer is refused too."""
+    after_dense = family == "qwen3_moe, a dense layer"
+    if after_dense:
+        folder = tiny_model_dir(tmp_path_factory, "qwen3_moe", **dict(REAL_RATIOS, dense_layers=(1,)))
+        model = load_model(str(folder), progress=False).model
+    else:
+        model = tiny_models["qwen3"].model if family == "qwen3" else hybrid.model if family == "hybrid" else \
+            mixture_model("fp32", moe_dir, request, family)
     build, built = model.stack_of, []
 
-    def off(layers):
+    def off(layers):  # each layer after the first, or after a dense one, takes its input norm one ulp up
         up = torch.tensor(float("inf"))
-        return build([layers[0], *(dataclasses.replace(layer, input_norm=torch.nextafter(layer.input_norm, up))
-                                   for layer in layers[1:])])
+        return build([layer if i == 0 or (after_dense and layers[i - 1].moe is not None) else
+                      dataclasses.replace(layer, input_norm=torch.nextafter(layer.input_norm, up))
+                      for i, layer in enumerate(layers)])
 
     monkeypatch.setattr(model, "stack_of", off)
     failure = LayerProof(model, "fp32", False).holds(torch.get_num_threads(), 64, 64)
     assert failure is not None and failure.op == CHAIN, failure
     monkeypatch.setattr(model, "stack_of", lambda layers: built.append(len(layers)) or build(layers))
     assert LayerProof(model, "fp32", False).holds(torch.get_num_threads(), 64, 64) is None
-    assert max(built) == (2 if family in ("qwen3", "qwen3_moe") else 3)
+    assert max(built) == (2 if family in ("qwen3", "qwen3_moe") else 3)  # a hybrid's three, or moe, dense, moe
 
 
 def test_control_the_guard_refuses_a_one_call_layer_one_ulp_off(tiny_models, monkeypatch):

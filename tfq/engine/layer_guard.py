@@ -258,9 +258,11 @@ class _Bench:
         # where the model runs its layers as one object, that object's code on each proved layer alone (a
         # mixture's layer where the model has one; a hybrid's attention and DeltaNet layers)
         self.stacks = [model.stack_of([layer]) for layer, _ in self.layers] if model.runs_as_stack() else []
-        # and those layers in a row as one object, the first again last (a hybrid's attention, DeltaNet, attention),
-        # so the passes between two layers of the object run too: a layer's residual with the next one's input norm
-        self.chain = [layer for layer, _ in self.layers] + [self.layers[0][0]]
+        # and those layers in a row as one object, a dense layer among mixtures next (mlp_only_layers), the first
+        # again last (a hybrid's attention, DeltaNet, attention), so the passes between two layers of the object run
+        # too: a layer's residual with the next one's input norm
+        dense = [next((layer for layer in model.layers if layer.moe is None), None)] if c.moe_layers else []
+        self.chain = [layer for layer, _ in self.layers] + [d for d in dense if d is not None] + [self.layers[0][0]]
         self.chain_stack = model.stack_of(self.chain) if self.stacks and all(self.stacks) else None
         if self.stacks and all(self.stacks) and self.chain_stack is None:
             raise TfqError("the start-up guard could not build its proved layers in a row as one object, which "
