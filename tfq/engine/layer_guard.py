@@ -261,10 +261,11 @@ class _Bench:
         # and those layers in a row as one object, a dense layer among mixtures next (mlp_only_layers), the first
         # again last (a hybrid's attention, DeltaNet, attention), so the passes between two layers of the object run
         # too: a layer's residual with the next one's input norm
-        dense = [next((layer for layer in model.layers if layer.moe is None), None)] if c.moe_layers else []
-        self.chain = [layer for layer, _ in self.layers] + [d for d in dense if d is not None] + [self.layers[0][0]]
-        self.chain_stack = model.stack_of(self.chain) if self.stacks and all(self.stacks) else None
-        if self.stacks and all(self.stacks) and self.chain_stack is None:
+        dense = [layer for layer in model.layers if layer.moe is None][:1] if c.moe_layers else []
+        self.chain = [layer for layer, _ in self.layers] + dense + [self.layers[0][0]]
+        stacked = bool(self.stacks) and all(self.stacks)
+        self.chain_stack = model.stack_of(self.chain) if stacked else None
+        if stacked and self.chain_stack is None:
             raise TfqError("the start-up guard could not build its proved layers in a row as one object, which "
                            "the model runs; set TFQ_CPU_KERNELS=torch to run without tfq's kernels")
         config = replace(c, num_layers=len(firsts), layer_types=tuple(k for k, _ in firsts) if c.hybrid else ())
