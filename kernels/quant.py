@@ -203,13 +203,15 @@ def from_blocks(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> Quantized
         zero = 32
         levels = (f16(208), sc, None, None)
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).reshape(n, -1)  # noqa: E731
+    # astype(copy=False) below: a table's q is already uint8 and its own copy (a second would be 136 MB a head)
     kept = None
     if kind in SUPER:
         d, sc, dmin, m = levels
         i8 = lambda a: t(a.astype(np.int8))  # noqa: E731  (6-bit scales and mins, or Q6_K's int8 ones)
         kept = Levels(t(d.astype(np.float32)), i8(sc), None if dmin is None else t(dmin.astype(np.float32)),
                       None if m is None else i8(m), SUPER[kind])
-    return Quantized(t(q.astype(np.uint8)), t(s.astype(np.float32)), None if o is None else t(o.astype(np.float32)),
+    f32 = lambda a: t(a.astype(np.float32, copy=False))  # noqa: E731
+    return Quantized(t(q.astype(np.uint8, copy=False)), f32(s), None if o is None else f32(o),
                      bits, group, zero, kind, levels=kept)
 
 

@@ -20,7 +20,7 @@ from tfq.kernels.rowwise import FixedOrderLinear
 from tfq.model.gguf_kept import BlockRows
 from tfq.proofs.kernel_check_rowwise import dequantized, linear_bound
 from tfq.proofs.kernel_check_rowwise import random_blocks as check_blocks
-from tiny import held_bytes, write_tiny_gguf
+from tiny import held_bytes, resident_bytes, write_tiny_gguf
 
 pytestmark = pytest.mark.skipif(not cpu_build.load()[0], reason="tfq's CPU kernels do not build here")
 
@@ -191,6 +191,19 @@ def test_the_embedding_keeps_recent_rows_with_the_values_of_its_blocks(loaded, m
     assert not torch.equal(embed.rows(torch.tensor([token])), fp32[[token]])
     embed.kept.clear()
 
+
+def test_the_embedding_rows_are_read_from_the_file_not_its_mapping(loaded, tiny_file):
+    """Looked-up rows come through pread: the file's pages stay in the page cache, none become this process's
+    (on the mapping, each row read would map the 64 KiB about it). The control: the same rows read on the
+    mapping are resident."""
+    embed, fp32 = loaded["gguf"].model.embed, loaded["fp32"].model.embed
+    embed.kept.clear()
+    before = resident_bytes(path=tiny_file)
+    ids = torch.arange(embed.shape[0])
+    assert torch.equal(embed.rows(ids), fp32) and torch.equal(embed.rows(ids[:3]), fp32[:3])
+    assert resident_bytes(path=tiny_file) == before
+    assert int(embed.raw[ids.numpy()].sum()) > 0 and resident_bytes(path=tiny_file) > before
+    embed.kept.clear()
 
 def test_the_plan_counts_the_bytes_the_model_keeps(loaded, tiny_file):
     """The plan's weights (kept_summary, from the header alone) are the bytes the loaded model holds: every

@@ -578,6 +578,21 @@ def held_bytes(model) -> int:
     return out
 
 
+
+def resident_bytes(address: int | None = None, path: str | None = None) -> int:
+    """This process's resident bytes (/proc/self/smaps, Linux) in the mapping holding `address`, or in every
+    mapping of the file at `path`: what the OS counts of them, whatever else the process holds."""
+    total, counting = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and not head[0].endswith(":"):  # a mapping's first line: start-end perms ...
+                start, end = (int(a, 16) for a in head[0].split("-"))
+                counting = (start <= address < end) if address is not None else head[-1] == str(path)
+            elif counting and head[0] == "Rss:":
+                total += int(head[1]) * 1024
+    return total
+
 # Thinking templates (tests/test_thinking.py, tests/test_responses.py): the generation prompt of each family's
 # template, the rest as the tiny template's; Qwen3's writes an empty closed block when thinking is off, Qwen3.5's
 # opens the block in the prompt

@@ -23,7 +23,7 @@ LAYERS = (
     ("tfq.parallel",),  # a model across ranks
     ("tfq.model",),  # config, weights, tokenizer, the forward, the kernel guard
     ("tfq.kernels",),
-    ("tfq.errors", "tfq.nearest"),  # the one error users see; float32 functions rounded exactly
+    ("tfq.errors", "tfq.nearest", "tfq.heap"),  # the one error users see; float32 functions rounded exactly; the heap
 )
 
 

@@ -12,6 +12,7 @@ scratch; a draft verify keeps the state from before its rows and their inputs, s
 """
 from __future__ import annotations
 
+import mmap
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -40,6 +41,19 @@ class CacheSpec:
     snapshots: int = 0  # a hybrid with a prefix cache: states kept at full page boundaries (prefix_snapshots)
 
 
+def zeros_as_written(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros whose memory becomes resident as rows are written: on the CPU an anonymous mapping, whose pages the OS
+    hands out zeroed on first touch, instead of zeros filled up front (a 4,096-row window a chat fills a hundred
+    rows of costs those rows). The values are zeros either way."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = int(np.prod(shape))
+    if count == 0:
+        return torch.zeros(shape, dtype=dtype)
+    pages = mmap.mmap(-1, count * torch.empty((), dtype=dtype).element_size())  # page-aligned; the tensor holds it
+    return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)
+
+
 class KVCache:
     def __init__(self, config: ModelConfig, spec: CacheSpec, *, page_order_seed: int | None = None, backend=None,
                  prefix=None, snapshot_offset: int = 0):
@@ -56,8 +70,8 @@ class KVCache:
         shape = (self.rows_total, config.num_kv_heads, config.head_dim)
         dev = backend.device
         layers = len(config.attention_layers)
-        self.k = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(layers)]
-        self.v = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(layers)]
+        self.k = [zeros_as_written(shape, self.dtype, dev) for _ in range(layers)]
+        self.v = [zeros_as_written(shape, self.dtype, dev) for _ in range(layers)]
         self.state = StateCache(config, s.slots or s.lanes, s.verify_rows, s.snapshots) if config.hybrid else None
         if self.state is not None and s.snapshots and prefix is not None:
             self.pages.keep_states(self.state, snapshot_offset)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,14 +32,15 @@ class BlockRows:
     it reads, with the same values a kept matrix unpacks to (`Quantized.rows`), and only those rows' pages become
     resident. A decode step's few rows come from the most recent rows looked up, kept unpacked (up to ROWS_KEPT
     bytes): a token seen again costs no unpacking (a third of a millisecond a step on the default model), and the
-    values are the same. `activations`: how a head tied to it computes (Quantized.activations)."""
+    values are the same. `activations`: how a head tied to it computes (Quantized.activations). It keeps the
+    file's path, not its header, whose tokenizer strings are tens of MB."""
 
-    def __init__(self, kind: str, raw: np.ndarray, shape: tuple[int, int], h: GgufHeader, t: TensorInfo,
-                 activations: str = "fp32"):
+    def __init__(self, kind: str, data: FileBytes, t: TensorInfo, activations: str = "fp32"):
         from collections import OrderedDict
 
-        self.kind, self.raw, self.shape = kind, raw.reshape(shape[0], -1), tuple(shape)
-        self._h, self._t, self.activations = h, t, activations
+        self.kind, self.raw, self.shape = kind, data.of(t).reshape(t.shape[0], -1), tuple(t.shape)
+        self.path, self._data, self._t, self.activations = data.path, data, t, activations
+        self._file = open(data.path, "rb", buffering=0)  # rows are read with pread (`picked`)
         self.kept: OrderedDict = OrderedDict()  # token id -> its row, least recently used first
         self.most_kept = max(1, ROWS_KEPT // (4 * self.shape[1]))
 
@@ -65,11 +67,21 @@ class BlockRows:
 
         from tfq.kernels.quant import FORMATS, from_blocks
 
-        picked = self.raw[ids.cpu().numpy()]
+        picked = self.picked(ids.cpu().numpy())
         if self.kind in FORMATS:
             return from_blocks(self.kind, picked, (len(picked), self.shape[1])).dequantized().to(ids.device)
         t = TensorInfo(self._t.name, self._t.dims[:1] + (len(picked),), self._t.ggml_type, 0, picked.size)
-        return torch.from_numpy(np.array(dequantized(self._h, picked.reshape(-1), t))).to(ids.device)
+        return torch.from_numpy(np.array(dequantized(self.path, picked.reshape(-1), t))).to(ids.device)
+
+    def picked(self, ids: np.ndarray) -> np.ndarray:
+        """Rows `ids`' bytes, read from the file: they come from the page cache without becoming this process's
+        resident memory, where reading them on the mapping maps the 64 KiB about each row (the start-up guard's few
+        hundred lookups kept 40 MB of the default model's table resident)."""
+        width = self.raw.shape[1]
+        out = np.empty((len(ids), width), dtype=np.uint8)
+        for j, i in enumerate(ids.tolist()):
+            out[j] = np.frombuffer(os.pread(self._file.fileno(), width, self._t.offset + i * width), dtype=np.uint8)
+        return out
 
     def quantized(self):
         """The whole table as a matrix the quantized kernel computes with (a head tied to the embedding)."""
@@ -78,9 +90,12 @@ class BlockRows:
         from tfq.kernels.quant import FORMATS, from_blocks
 
         if self.kind in FORMATS:
-            return from_blocks(self.kind, self.raw, self.shape).with_activations(self.activations)
-        whole = dataclasses.replace(self._t, offset=0)  # offsets into `raw`, the tensor's own bytes
-        return torch.from_numpy(np.array(dequantized(self._h, self.raw.reshape(-1), whole)))
+            out = from_blocks(self.kind, self.raw, self.shape).with_activations(self.activations)
+        else:
+            whole = dataclasses.replace(self._t, offset=0)  # offsets into `raw`, the tensor's own bytes
+            out = torch.from_numpy(np.array(dequantized(self.path, self.raw.reshape(-1), whole)))
+        self._data.release(self._t)  # the copy is made: the table's mapped pages go (rows are read with pread)
+        return out
 
 
 EMBEDDING = "model.embed_tokens.weight"
@@ -108,7 +123,7 @@ def kept_tensors(h: GgufHeader, activations: str = "fp32"):
         kind = GGMLQuantizationType(t.ggml_type).name
         layout = layouts.get(t.name)
         if name == EMBEDDING and len(t.shape) == 2:
-            return BlockRows(kind, data.of(t), t.shape, h, t, activations)
+            return BlockRows(kind, data, t, activations)
         out = None
         if kind in FORMATS and len(t.shape) == 2:
             out = from_blocks(kind, data.of(t), t.shape).with_activations(activations)

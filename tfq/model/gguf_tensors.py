@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator
 
 import numpy as np
@@ -207,8 +208,8 @@ def hf_shape(t: TensorInfo, layout: HfLayout | None) -> tuple[int, ...]:
     return layout.shape if layout is not None and layout.shape else t.shape
 
 
-def dequantized(h: GgufHeader, data: np.ndarray, t: TensorInfo) -> np.ndarray:
-    """One tensor as float32, in its row-major shape."""
+def dequantized(path: Path, data: np.ndarray, t: TensorInfo) -> np.ndarray:
+    """One tensor of the GGUF file at `path` as float32, in its row-major shape."""
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -218,7 +219,7 @@ def dequantized(h: GgufHeader, data: np.ndarray, t: TensorInfo) -> np.ndarray:
     try:
         out = dequantize(raw, qtype)
     except NotImplementedError:
-        raise TfqError(f"{h.path}: tensor {t.name} is {qtype.name}, which the gguf package cannot dequantize") from None
+        raise TfqError(f"{path}: tensor {t.name} is {qtype.name}, which the gguf package cannot dequantize") from None
     out = np.asarray(out, dtype=np.float32).reshape(t.shape)
     return out
 
@@ -229,7 +230,7 @@ def iter_tensors(h: GgufHeader) -> Iterator[tuple[str, np.ndarray]]:
     layouts = hf_layouts(h)
     data = FileBytes(h.path)
     for name, t in names:
-        w = dequantized(h, data.data, t)
+        w = dequantized(h.path, data.data, t)
         yield name, layouts[t.name].values(w, folder=True) if t.name in layouts else w
         data.release(t)
 
@@ -256,7 +257,7 @@ def fp32_value(h: GgufHeader, data: "FileBytes", t: TensorInfo, layout: "HfLayou
     """One tensor dequantized to a float32 torch tensor, in tfq's layout (norms as their multipliers), off the file."""
     import torch
 
-    w = dequantized(h, data.data, t)
+    w = dequantized(h.path, data.data, t)
     return torch.from_numpy(layout.values(w) if layout is not None else np.array(w))
 
 
@@ -267,6 +268,7 @@ class FileBytes:
     def __init__(self, path):
         import mmap
 
+        self.path = Path(path)
         with open(path, "rb") as f:
             self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self.data = np.frombuffer(self.map, dtype=np.uint8)

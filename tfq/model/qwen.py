@@ -18,6 +18,7 @@ import math
 import torch
 
 from tfq.errors import TfqError
+from tfq.heap import give_back
 from tfq.kernels.attention import AttentionBatch, attend_fixed, write
 from tfq.kernels.backend import Backend, LinearFn, torch_backend
 from tfq.kernels.delta import (
@@ -81,6 +82,7 @@ class Qwen(OneObject):
         self.layers: list[Layer | DeltaLayer] = []
         q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         for i, kind in enumerate(c.kinds):
+            give_back()  # the temporaries freed between the weights kept so far (tfq/heap.py)
             p = f"model.layers.{i}."
             m = p + "mlp."
             mlp = dict(input_norm=norm(p + "input_layernorm.weight", c.hidden_size), post_norm=norm(
@@ -140,6 +142,7 @@ class Qwen(OneObject):
             layers.update(out_proj=delta.out_proj, **({"in_proj": delta.in_proj} if delta.in_proj is not None else {}))
         check_layers(layers, backend)
         self.stack = self.one_object()
+        give_back()  # the last layer's temporaries and the kernel check's
 
     def make_linear(self, w, b=None) -> LinearFn:
         """A linear layer on fp32 weights, or on quantized ones kept by load_model (weights: gguf or mlx)."""
