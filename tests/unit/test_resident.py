@@ -20,6 +20,18 @@ def test_a_row_store_is_zeros_and_resident_only_where_written():
     assert 0 < resident_bytes(store.data_ptr()) <= 2 * MiB  # a page (a huge page where the OS gives those)
     assert store.data_ptr() % 64 == 0 and store.dtype == torch.float32 and store.shape == (8192, 16, 128)
     assert torch.equal(store[1:], torch.zeros(8191, 16, 128))  # the rows not written read zeros
+    assert mapping_flags(store.data_ptr()).endswith("p")  # private: a forked process writes its own copy
+
+
+def mapping_flags(address: int) -> str:
+    """The permissions of the mapping holding `address` (/proc/self/maps: rw-p private, rw-s shared)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span, flags = line.split()[:2]
+            start, end = (int(a, 16) for a in span.split("-"))
+            if start <= address < end:
+                return flags
+    raise AssertionError(f"no mapping holds {address:#x}")
 
 
 def test_control_zeros_filled_up_front_are_resident_at_once():

@@ -50,7 +50,9 @@ def zeros_as_written(shape: tuple[int, ...], dtype: torch.dtype, device: torch.d
     count = int(np.prod(shape))
     if count == 0:
         return torch.zeros(shape, dtype=dtype)
-    pages = mmap.mmap(-1, count * torch.empty((), dtype=dtype).element_size())  # page-aligned; the tensor holds it
+    size = count * torch.empty((), dtype=dtype).element_size()
+    # private: a forked process gets its own copy, as it would of torch's memory (page-aligned; the tensor holds it)
+    pages = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)
 
 
