@@ -140,9 +140,9 @@ class Qwen(OneObject):
         if c.deltanet_layers:
             delta = self.layers[c.deltanet_layers[0]]
             layers.update(out_proj=delta.out_proj, **({"in_proj": delta.in_proj} if delta.in_proj is not None else {}))
+        give_back()  # the last layer's temporaries, before the check's outputs (a head's 64 rows: 39 MB)
         check_layers(layers, backend)
         self.stack = self.one_object()
-        give_back()  # the last layer's temporaries and the kernel check's
 
     def make_linear(self, w, b=None) -> LinearFn:
         """A linear layer on fp32 weights, or on quantized ones kept by load_model (weights: gguf or mlx)."""
