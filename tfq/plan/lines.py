@@ -37,7 +37,7 @@ def plan_lines(plan: Plan, config: ModelConfig, layout: Layout) -> list[str]:
         f"every lane's drawing rows, and the prompt rows of streams that score their prompts, in chunks within it",
         f"cached row: {human_bytes(lay.row_bytes)} a row in {dtype}{t('kv.dtype')} ({len(config.attention_layers)} "
         f"{'attention ' * config.hybrid}layers x key and value x {config.num_kv_heads} heads x {config.head_dim} dims "
-        f"x {DTYPE_BYTES[dtype]} bytes)",
+        f"x {DTYPE_BYTES[dtype]} bytes), on the CPU resident once written: the sizes below are full windows'",
         *_state_lines(plan, config, lay),
     ]
     one_window = plan.window * lay.row_bytes
