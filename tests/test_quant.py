@@ -192,6 +192,7 @@ def test_the_embedding_keeps_recent_rows_with_the_values_of_its_blocks(loaded, m
     embed.kept.clear()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
 def test_the_embedding_rows_are_read_from_the_file_not_its_mapping(loaded, tiny_file):
     """Looked-up rows come through pread: the file's pages stay in the page cache, none become this process's
     (on the mapping, each row read would map the 64 KiB about it). The control: the same rows read on the
@@ -204,6 +205,24 @@ def test_the_embedding_rows_are_read_from_the_file_not_its_mapping(loaded, tiny_
     assert resident_bytes(path=tiny_file) == before
     assert int(embed.raw[ids.numpy()].sum()) > 0 and resident_bytes(path=tiny_file) > before
     embed.kept.clear()
+
+
+def test_a_token_outside_the_vocabulary_is_refused_alone(loaded):
+    """The table's rows are read from the file by offset, where a row past its end would be another tensor's
+    bytes: a lookup outside it raises, and a prompt with such a token fails at once, in one line, while the
+    request beside it gets its bits alone."""
+    from tfq.engine.stream import Request
+
+    model = loaded["gguf"].model
+    rows = model.embed.shape[0]
+    for outside in ([rows], [-1], [3, rows + 7]):
+        with pytest.raises(IndexError):
+            model.embed.rows(torch.tensor(outside))
+    good = Request(prompt=(5, 9, 2, 7), max_tokens=6)
+    bad, beside = run(model, [Request(prompt=(5, rows, 2), max_tokens=6), good])
+    assert bad.error == f"request: prompt token {rows} at position 1 is not an id of the model's vocabulary; give " \
+                        f"ids in [0, {loaded['gguf'].config.vocab_size})" and not bad.ids
+    assert not beside.error and bits([beside]) == bits(alone(model, [good]))
 
 def test_the_plan_counts_the_bytes_the_model_keeps(loaded, tiny_file):
     """The plan's weights (kept_summary, from the header alone) are the bytes the loaded model holds: every

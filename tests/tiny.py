@@ -578,7 +578,6 @@ def held_bytes(model) -> int:
     return out
 
 
-
 def resident_bytes(address: int | None = None, path: str | None = None) -> int:
     """This process's resident bytes (/proc/self/smaps, Linux) in the mapping holding `address`, or in every
     mapping of the file at `path`: what the OS counts of them, whatever else the process holds."""

@@ -10,9 +10,11 @@ import functools
 @functools.cache
 def _trim():
     try:
-        return ctypes.CDLL(None).malloc_trim  # the process's own C library
+        trim = ctypes.CDLL(None).malloc_trim  # the process's own C library
     except (OSError, AttributeError):
         return None  # not glibc (musl, macOS): its allocator decides
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
 
 
 def give_back() -> None:

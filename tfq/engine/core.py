@@ -169,6 +169,13 @@ class Engine:
                     decoder=self.tokenizer.stream() if self.tokenizer else None)
         self._next_id += 1
         self.streams[st.id] = st
+        vocab = self.model.config.vocab_size
+        outside = next((i for i, token in enumerate(request.prompt) if not 0 <= token < vocab), None)
+        if outside is not None:  # refused at once: the embedding has no such row
+            st.fail(f"{request.label or 'request'}: prompt token {request.prompt[outside]} at position {outside} is "
+                    f"not an id of the model's vocabulary; give ids in [0, {vocab})")
+            st.status = Status.FINISHED
+            return st.id
         for token in request.resumed:  # its text, stops and budget as the stream that drew them had them
             if not 0 <= token < self.model.config.vocab_size or st.finish is not None:
                 st.fail(f"{request.label or 'request'}: resumed token {token} is not a token of a reply going on "

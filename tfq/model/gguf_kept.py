@@ -40,7 +40,7 @@ class BlockRows:
 
         self.kind, self.raw, self.shape = kind, data.of(t).reshape(t.shape[0], -1), tuple(t.shape)
         self.path, self._data, self._t, self.activations = data.path, data, t, activations
-        self._file = open(data.path, "rb", buffering=0)  # rows are read with pread (`picked`)
+        self._file = open(data.path, "rb", buffering=0)  # rows are read with pread (`picked`); closed with it
         self.kept: OrderedDict = OrderedDict()  # token id -> its row, least recently used first
         self.most_kept = max(1, ROWS_KEPT // (4 * self.shape[1]))
 
@@ -77,6 +77,8 @@ class BlockRows:
         """Rows `ids`' bytes, read from the file: they come from the page cache without becoming this process's
         resident memory, where reading them on the mapping maps the 64 KiB about each row (the start-up guard's few
         hundred lookups kept 40 MB of the default model's table resident)."""
+        if len(ids) and not (0 <= ids.min() and ids.max() < self.shape[0]):  # a read past it would be other bytes
+            raise IndexError(f"rows {ids.tolist()} of a table of {self.shape[0]} rows")
         width = self.raw.shape[1]
         out = np.empty((len(ids), width), dtype=np.uint8)
         for j, i in enumerate(ids.tolist()):
