@@ -7,6 +7,7 @@ byte-level BPE trained here, with Qwen's pre-tokenizer, special tokens and a Qwe
 from __future__ import annotations
 
 import json
+import os
 from functools import lru_cache
 from pathlib import Path
 
@@ -578,19 +579,27 @@ def held_bytes(model) -> int:
     return out
 
 
-def resident_bytes(address: int | None = None, path: str | None = None) -> int:
-    """This process's resident bytes (/proc/self/smaps, Linux) in the mapping holding `address`, or in every
-    mapping of the file at `path`: what the OS counts of them, whatever else the process holds."""
+def resident_bytes(address: int | None = None, nbytes: int = 0, path: str | None = None) -> int:
+    """This process's resident bytes (Linux) in [address, address + nbytes), page by page (/proc/self/pagemap's
+    present bit: the OS may merge a mapping with its neighbours, so a mapping's own count would take theirs), or
+    in every mapping of the file at `path` (/proc/self/smaps)."""
+    if path is None:
+        page = os.sysconf("SC_PAGE_SIZE")
+        first, last = address // page, (address + nbytes - 1) // page
+        with open("/proc/self/pagemap", "rb") as f:
+            f.seek(first * 8)
+            entries = np.frombuffer(f.read((last - first + 1) * 8), dtype=np.uint64)
+        return int(((entries >> np.uint64(63)) & np.uint64(1)).sum()) * page
     total, counting = 0, False
     with open("/proc/self/smaps") as f:
         for line in f:
             head = line.split()
             if "-" in head[0] and not head[0].endswith(":"):  # a mapping's first line: start-end perms ...
-                start, end = (int(a, 16) for a in head[0].split("-"))
-                counting = (start <= address < end) if address is not None else head[-1] == str(path)
+                counting = head[-1] == str(path)
             elif counting and head[0] == "Rss:":
                 total += int(head[1]) * 1024
     return total
+
 
 # Thinking templates (tests/test_thinking.py, tests/test_responses.py): the generation prompt of each family's
 # template, the rest as the tiny template's; Qwen3's writes an empty closed block when thinking is off, Qwen3.5's
