@@ -50,9 +50,8 @@ def zeros_as_written(shape: tuple[int, ...], dtype: torch.dtype, device: torch.d
     count = int(np.prod(shape))
     if count == 0:
         return torch.zeros(shape, dtype=dtype)
-    size = count * torch.empty((), dtype=dtype).element_size()
     # private: a forked process gets its own copy, as it would of torch's memory (page-aligned; the tensor holds it)
-    pages = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    pages = mmap.mmap(-1, count * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)
 
 

@@ -177,9 +177,9 @@ class Engine:
             st.status = Status.FINISHED
             return st.id
         for token in request.resumed:  # its text, stops and budget as the stream that drew them had them
-            if not 0 <= token < self.model.config.vocab_size or st.finish is not None:
+            if not 0 <= token < vocab or st.finish is not None:
                 st.fail(f"{request.label or 'request'}: resumed token {token} is not a token of a reply going on "
-                        f"(an id in [0, {self.model.config.vocab_size}), none after its end)")
+                        f"(an id in [0, {vocab}), none after its end)")
                 st.status = Status.FINISHED
                 return st.id
             st.append(token, self.eos_ids, self.settings.window)

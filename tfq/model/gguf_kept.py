@@ -39,7 +39,7 @@ class BlockRows:
         from collections import OrderedDict
 
         self.kind, self.raw, self.shape = kind, data.of(t).reshape(t.shape[0], -1), tuple(t.shape)
-        self.path, self._data, self._t, self.activations = data.path, data, t, activations
+        self._data, self._t, self.activations = data, t, activations
         self._file = open(data.path, "rb", buffering=0)  # rows are read with pread (`picked`); closed with it
         self.kept: OrderedDict = OrderedDict()  # token id -> its row, least recently used first
         self.most_kept = max(1, ROWS_KEPT // (4 * self.shape[1]))
@@ -71,7 +71,7 @@ class BlockRows:
         if self.kind in FORMATS:
             return from_blocks(self.kind, picked, (len(picked), self.shape[1])).dequantized().to(ids.device)
         t = TensorInfo(self._t.name, self._t.dims[:1] + (len(picked),), self._t.ggml_type, 0, picked.size)
-        return torch.from_numpy(np.array(dequantized(self.path, picked.reshape(-1), t))).to(ids.device)
+        return torch.from_numpy(np.array(dequantized(self._data.path, picked.reshape(-1), t))).to(ids.device)
 
     def picked(self, ids: np.ndarray) -> np.ndarray:
         """Rows `ids`' bytes, read from the file: they come from the page cache without becoming this process's
@@ -95,7 +95,7 @@ class BlockRows:
             out = from_blocks(self.kind, self.raw, self.shape).with_activations(self.activations)
         else:
             whole = dataclasses.replace(self._t, offset=0)  # offsets into `raw`, the tensor's own bytes
-            out = torch.from_numpy(np.array(dequantized(self.path, self.raw.reshape(-1), whole)))
+            out = torch.from_numpy(np.array(dequantized(self._data.path, self.raw.reshape(-1), whole)))
         self._data.release(self._t)  # the copy is made: the table's mapped pages go (rows are read with pread)
         return out
 
