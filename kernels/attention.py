@@ -66,10 +66,12 @@ def key_tables(batch: AttentionBatch, rows: int) -> tuple[torch.Tensor, torch.Te
     """Every query row's keys as (table, offsets, lengths): row n attends to the cache rows
     table[offsets[n] : offsets[n] + lengths[n]], in position order. Built in numpy: a handful of small arrays,
     each torch op of which would cost microseconds once a forward has streamed the weights through the caches."""
+    d = batch.decode
+    if rows == 1 and d is not None and not batch.chunks:  # one lane's decode row: its own keys, as they are
+        return d.cache_rows.reshape(-1), torch.zeros(1, dtype=torch.int64), d.lengths
     parts, offsets, lengths = [], np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
     start = 0
-    if batch.decode is not None:
-        d = batch.decode
+    if d is not None:
         b, lpad = d.cache_rows.shape
         parts.append(d.cache_rows.numpy().reshape(-1))
         offsets[d.q_rows.numpy()] = np.arange(b) * lpad

@@ -84,7 +84,7 @@ def forward(model, cache: KVCache, feeds: list[Feed], arithmetic: Arithmetic = A
     [logits, vocab]."""
     s = step_rows(cache, feeds, arithmetic)
     logits = model.forward(s.ids, s.positions, cache, s.cache_rows, s.batch, s.logit_rows, s.segments)
-    return list(logits.split(s.counts))
+    return [logits] if len(s.counts) == 1 else list(logits.split(s.counts))  # split: tens of us a step at one lane
 
 
 def _decode_group(cache: KVCache, decode: list[tuple[int, Feed]]) -> DecodeGroup | None:
@@ -92,7 +92,10 @@ def _decode_group(cache: KVCache, decode: list[tuple[int, Feed]]) -> DecodeGroup
         return None
     lengths = [f.start + 1 for _, f in decode]
     keys = [cache.key_row_array(f.placement, n) for (_, f), n in zip(decode, lengths)]
-    rows = np.zeros((len(keys), max(len(k) for k in keys)), dtype=np.int64)
-    for i, k in enumerate(keys):
-        rows[i, :len(k)] = k  # past a stream's own tiles: row 0, masked
+    if len(keys) == 1:  # one lane: its own rows, no padding
+        rows = keys[0][None]
+    else:
+        rows = np.zeros((len(keys), max(len(k) for k in keys)), dtype=np.int64)
+        for i, k in enumerate(keys):
+            rows[i, :len(k)] = k  # past a stream's own tiles: row 0, masked
     return DecodeGroup(_longs([r for r, _ in decode]), torch.from_numpy(rows), _longs(lengths))

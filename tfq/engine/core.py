@@ -286,10 +286,11 @@ class Engine:
         confirms the guess fed after it. When its own work fails (draw, detokenize, stops), it alone fails."""
         try:
             draws = 1 + feed.guesses if feed.start + feed.chunk == len(st.tokens) else 0  # 0: short of the end
-            if len(rows) > draws:  # rows before the drawing ones: the request scores its prompt
-                self._score_prompt(st, feed.start + len(feed.tokens) - feed.logits, rows[:len(rows) - draws])
+            n = rows.shape[0]  # (len and slices of a tensor cost microseconds each, every step)
+            if n > draws:  # rows before the drawing ones: the request scores its prompt
+                self._score_prompt(st, feed.start + len(feed.tokens) - feed.logits, rows[:n - draws])
             guesses, outputs = feed.tokens[feed.chunk:], []
-            for row_logits in rows[len(rows) - draws:]:
+            for row_logits in (rows if n == draws else rows[n - draws:]).unbind(0):
                 outputs.append(self._draw(st, row_logits))
                 # the next row was fed the guess after this draw's: it counts only while every draw confirms
                 if st.finish is not None or accepted(guesses, [o.token for o in outputs]) < len(outputs):

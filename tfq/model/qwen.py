@@ -170,7 +170,7 @@ class Qwen(OneObject):
                           **mlp)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        one = int(positions[0]) if len(positions) == 1 else None  # a decode step's row: views, not an index op
+        one = positions.tolist()[0] if positions.shape[0] == 1 else None  # a decode row: views, not an index op
         need = (one if one is not None else int(positions.max())) + 1
         if need > self._rope_rows:  # one table for every position: a row's angles never depend on the batch
             rows = max(need, 2 * self._rope_rows, 4096)
@@ -190,16 +190,18 @@ class Qwen(OneObject):
         each stream's rows for the DeltaNet layers, and their algorithm (tfq.engine.batch.step_rows). Returns fp32
         logits [len(logit_rows), vocab] on the CPU (where sampling and digests run)."""
         dev = self.backend.device
-        ids, positions, logit_rows = ids.to(dev), positions.to(dev), logit_rows.to(dev)
+        if dev.type != "cpu":  # each .to costs microseconds even where it has nothing to do
+            ids, positions, logit_rows = ids.to(dev), positions.to(dev), logit_rows.to(dev)
         cos, sin = self._rope(positions)
         x = self.embedding(ids)
         if self.runs_as_stack(segments, cache):
-            return self.logits(self.run_stack(self.stack.handle, self.layers, x, self.stack_inputs(
-                self.layers, self.cache_index, cache, (cos, sin), cache_rows, batch, segments), segments)[logit_rows])
-        for i, layer in enumerate(self.layers):
-            x = self.decoder_layer(layer, x, cos, sin, cache, self.cache_index[i], cache_rows, batch,
-                                   segments=segments)
-        return self.logits(x[logit_rows])
+            x = self.run_stack(self.stack.handle, self.layers, x, self.stack_inputs(
+                self.layers, self.cache_index, cache, (cos, sin), cache_rows, batch, segments), segments)
+        else:
+            for i, layer in enumerate(self.layers):
+                x = self.decoder_layer(layer, x, cos, sin, cache, self.cache_index[i], cache_rows, batch,
+                                       segments=segments)
+        return self.logits(x.index_select(0, logit_rows))  # a plain gather: x[rows] parses an index first
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows of the embedding for `ids` (a quantized table gives each row its dequantized values)."""
