@@ -206,9 +206,11 @@ def _print_table(report: dict, console: Console) -> None:
         b = r.get("breakdown_ms")
         if b:
             experts = f" + experts {b['experts_ms']:.1f}" if b.get("experts_ms") else ""
+            split = (f" ({b['rest_in_object_ms']:.1f} inside the one object's call, "
+                     f"{b['rest_ms'] - b['rest_in_object_ms']:.1f} around it)") if "rest_in_object_ms" in b else ""
             console.print(f"a whole decode step at {r['lanes']} lane{'s' * (r['lanes'] > 1)}: {b['step_ms']:.1f} ms = "
                           f"linear layers {b['linear_ms']:.1f} + attention {b['attention_ms']:.1f}{experts} + the rest "
-                          f"{b['rest_ms']:.1f}", highlight=False)
+                          f"{b['rest_ms']:.1f}{split}", highlight=False)
     for sk in report["skipped"]:
         console.print(f"skipped: lanes {sk['lanes']} {sk['arm']}: {sk['why']}", highlight=False, style="dim")
     for g in report["targets"]:
