@@ -59,8 +59,9 @@ def alternate(loaded, lanes: int, steps: int, prompt_tokens: int, rounds: int) -
 
 
 def line(r: dict) -> str:
+    inside = f", {r['rest_in_object_ms']:.2f} of it inside the one object's call" if "rest_in_object_ms" in r else ""
     return (f"{r['step_ms']:.1f} ms a step = linear {r['linear_ms']:.1f} + attention {r['attention_ms']:.1f} + "
-            f"experts {r['experts_ms']:.1f} + rest {r['rest_ms']:.2f} (threads {torch.get_num_threads()})")
+            f"experts {r['experts_ms']:.1f} + rest {r['rest_ms']:.2f}{inside} (threads {torch.get_num_threads()})")
 
 
 def main() -> None:
