@@ -92,6 +92,28 @@ def test_silu_times_up_in_the_gate_up_kernel_has_the_bits_of_the_layer_then_silu
         glu(x[:2], odd.panels, 100)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_large_layer_in_runs_that_shrink_has_every_panel_once(restored_threads, threads):
+    """A layer of 700 panels (and a gate_up of 350 pairs): threads claim runs of 32 panels that shrink to one as
+    the layer ends (kernels/cpu/claims.h). At 1, 2 and 3 threads every output is the recipe's; a panel no thread
+    took, or one taken twice into the glu's buffers, would give other bits. The control: one up panel changed."""
+    from tfq.kernels.rowwise import silu_fixed
+
+    torch.set_num_threads(threads)
+    n, k = 16 * 700, 64
+    q = from_blocks("Q8_0", random_blocks("Q8_0", n, k, seed=60), (n, k)).with_activations("q8")
+    f = QuantLinear(q)
+    x = awkward_rows(3, k)
+    want = reference(x, q)
+    assert torch.equal(f(x), want)
+    assert torch.equal(f(x[:1]), want[:1])
+    glu = cpu_build.op("qlinear_glu")(x, f.panels, n // 2)
+    assert torch.equal(glu, silu_fixed(want[:, :n // 2]) * want[:, n // 2:])
+    changed = want.clone()
+    changed[:, -16:] += 1
+    assert not torch.equal(glu, silu_fixed(changed[:, :n // 2]) * changed[:, n // 2:])  # control
+
+
 def test_the_rounding_of_the_activations():
     """Ties go to even, a zero or tiny block is zero, a NaN makes its block's scale NaN."""
     x = torch.zeros(1, 96)

@@ -35,6 +35,7 @@
 #include <utility>
 #include <vector>
 
+#include "claims.h"
 #include "lanes.h"
 #include "panel.h"
 #include "quant_blob.h"
@@ -416,16 +417,18 @@ void linear(const at::Tensor& x, const std::vector<Segment>& segs, const float* 
   const auto panels = panel_jobs(segs);  // named, not bound: the threads' lambda captures them
   const std::vector<int64_t>& job_start = panels.first;
   const std::vector<PanelFn>& fns = panels.second;
-  // Threads take chunks of panels as they come free (a shared counter), not a fixed half each: on a busy
-  // machine a thread that is held up then costs its chunk, not the call. Which thread computes a panel never
-  // changes its bits. A small layer still goes in about 16 chunks, not 64: each chunk is a stream the prefetches
-  // must start again, and the default model's decode step took 21-23 ms in 64 against 20-21 in 16 (or 8).
+  // Threads take runs of panels as they come free (claims.h), not a fixed half each: on a busy machine a thread
+  // that is held up then costs its run, not the call. Which thread computes a panel never changes its bits. A
+  // small layer still goes in runs of about a 16th of it, not 64ths: each run is a stream the prefetches must
+  // start again, and the default model's decode step took 21-23 ms in 64 against 20-21 in 16 (or 8). The runs
+  // shrink as the layer ends: with runs of a fixed size, a 27B shape's large layers left one of two threads idle
+  // for 170-190 us a call while the other finished its last run (10-16 us with runs that shrink).
   const int64_t jobs = job_start.back(), chunk = std::max<int64_t>(1, std::min<int64_t>(CHUNK, jobs / 16));
-  std::atomic<int64_t> next{0};
+  Claims claims(jobs, chunk, at::get_num_threads());
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    for (int64_t p0 = next.fetch_add(chunk); p0 < jobs; p0 = next.fetch_add(chunk)) {
+    for (auto run = claims.next(); run.first < run.second; run = claims.next()) {
       size_t s = 0;
-      for (int64_t p = p0; p < std::min(jobs, p0 + chunk); p++) {
+      for (int64_t p = run.first; p < run.second; p++) {
         while (p >= job_start[s + 1]) s++;
         const Segment& seg = segs[s];
         const int64_t local = p - job_start[s], out = seg.first + local * OUT;
@@ -469,11 +472,11 @@ at::Tensor linear_glu(const at::Tensor& x, const at::Tensor& blob, int64_t I) {
   float* yp = y.data_ptr<float>();
   // as `linear` takes panels, a run of gate panels and then the run of up panels I / 16 after them
   const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(CHUNK, pairs / 16));
-  std::atomic<int64_t> next{0};
+  Claims claims(pairs, chunk, at::get_num_threads());
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> gate(static_cast<size_t>(chunk * OUT * M)), up(gate.size());  // [M, a run's outputs]
-    for (int64_t p0 = next.fetch_add(chunk); p0 < pairs; p0 = next.fetch_add(chunk)) {
-      const int64_t runs = std::min(chunk, pairs - p0), width = runs * OUT;
+    for (auto run = claims.next(); run.first < run.second; run = claims.next()) {
+      const int64_t p0 = run.first, runs = run.second - p0, width = runs * OUT;
       for (int half = 0; half < 2; half++) {
         size_t s = 0;
         for (int64_t q = 0; q < runs; q++) {
