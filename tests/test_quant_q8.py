@@ -94,9 +94,10 @@ def test_silu_times_up_in_the_gate_up_kernel_has_the_bits_of_the_layer_then_silu
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_a_large_layer_in_runs_that_shrink_has_every_panel_once(restored_threads, threads):
-    """A layer of 700 panels (and a gate_up of 350 pairs): threads claim runs of 32 panels that shrink to one as
-    the layer ends (kernels/cpu/claims.h). At 1, 2 and 3 threads every output is the recipe's; a panel no thread
-    took, or one taken twice into the glu's buffers, would give other bits. The control: one up panel changed."""
+    """A layer of 700 panels (and a gate_up of 350 pairs): threads claim runs of up to 32 panels (21 pairs) that
+    shrink to one as the layer ends (kernels/cpu/claims.h). At 1, 2 and 3 threads every output is the recipe's;
+    a panel no thread took, or one taken twice into the glu's buffers, would give other bits. The control: one up
+    panel changed."""
     from tfq.kernels.rowwise import silu_fixed
 
     torch.set_num_threads(threads)

@@ -1,7 +1,7 @@
 // Work handed to threads as they come free, in runs that shrink toward the end (guided scheduling). A run is a
 // stream the prefetches must start again, so runs are long while much is left; near the end they shrink to a
-// single item, so no thread idles for long while another finishes a long run (a 2-core Ice Lake Xeon read a
-// large matrix's last run on one thread). Which thread computes an item never changes its bits.
+// single item, so no thread idles for long while another finishes a long run (quant_q8.cpp says what that cost).
+// Which thread computes an item never changes its bits.
 #pragma once
 
 #include <algorithm>
