@@ -64,19 +64,40 @@ struct ExpertBank : torch::CustomClassHolder {
   }
 };
 
+// A float buffer of n a call reuses from the last (this thread's, where n is at most 64k floats), else one of its own.
+// Why: at one lane every tensor a mixture's layer made after its experts' weights had streamed through the caches
+// cost microseconds of cold allocator code and data (docs/measurements.md); a kept buffer costs none of that.
+struct Scratch {
+  at::Tensor own;
+  float* data;
+  Scratch(std::vector<float>& kept, int64_t n) {
+    if (n <= (int64_t{1} << 16)) {
+      if (static_cast<int64_t>(kept.size()) < n) kept.resize(static_cast<size_t>(n));
+      data = kept.data();
+    } else {
+      own = at::empty({n}, at::kFloat);
+      data = own.data_ptr<float>();
+    }
+  }
+};
+
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t chosen,
                                                                 bool normalized) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous() && chosen > 0 &&
               chosen <= logits.size(1), "tfq moe_route: logits [rows, experts] float32, 0 < chosen <= experts");
   const int64_t rows = logits.size(0), E = logits.size(1);
-  auto ids = at::zeros({rows, chosen}, logits.options().dtype(at::kLong));
-  auto weights = at::zeros({rows, chosen}, logits.options());
+  auto ids = at::empty({rows, chosen}, logits.options().dtype(at::kLong));
+  auto weights = at::empty({rows, chosen}, logits.options());
   std::vector<int64_t> unsure;
   const float* x = logits.data_ptr<float>();
   int64_t* ip = ids.data_ptr<int64_t>();
   float* wp = weights.data_ptr<float>();
-  std::vector<float> p(E);
-  std::vector<int64_t> order(E);
+  // kept between calls, as Scratch's; named through references (a lambda naming a thread_local reads its own thread's)
+  thread_local std::vector<float> p_kept;
+  thread_local std::vector<int64_t> order_kept;
+  std::vector<float>& p = p_kept;
+  std::vector<int64_t>& order = order_kept;
+  p.resize(static_cast<size_t>(E)), order.resize(static_cast<size_t>(E));
   for (int64_t r = 0; r < rows; r++) {
     const float* row = x + r * E;
     float top = row[0];
@@ -90,7 +111,9 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_route(const at::Tensor
       sure = exp32(static_cast<double>(row[i]) - static_cast<double>(top), p[i]);
       total += static_cast<double>(p[i]);
     }
-    if (!sure) {
+    if (!sure) {  // zeros, as the caller's route fills them
+      std::fill(ip + r * chosen, ip + (r + 1) * chosen, int64_t{0});
+      std::fill(wp + r * chosen, wp + (r + 1) * chosen, 0.0f);
       unsure.push_back(r);
       continue;
     }
@@ -141,13 +164,20 @@ inline at::Tensor moe_mixture(const at::Tensor& h, const at::Tensor& ids, const 
   tfq::checks::within("tfq moe_mixture", "ids", ip, pairs, static_cast<int64_t>(gate_ups.size()), "experts");
   // a row's output starts from its first route's
   TORCH_CHECK(chosen > 0 || rows == 0, "tfq moe_mixture: each row needs at least one expert, not ids ", id.sizes());
-  std::vector<int64_t> order(pairs);  // the pairs grouped by expert, in (row, rank) order within a group
+  // buffers kept between calls (Scratch's reason), named through references: a lambda that names a thread_local
+  // reads its own thread's
+  thread_local std::vector<int64_t> order_kept;
+  thread_local std::vector<int64_t> at_pair_kept;
+  std::vector<int64_t>& order = order_kept;  // the pairs grouped by expert, in (row, rank) order within a group
+  order.resize(static_cast<size_t>(pairs));
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ip[a] < ip[b]; });
   struct Group {
     int64_t expert, start, end;
   };
-  std::vector<Group> groups;
+  thread_local std::vector<Group> groups_kept;
+  std::vector<Group>& groups = groups_kept;
+  groups.clear();
   for (int64_t start = 0, end; start < pairs; start = end) {
     for (end = start + 1; end < pairs && ip[order[end]] == ip[order[start]];) end++;
     groups.push_back({ip[order[start]], start, end});
@@ -163,7 +193,8 @@ inline at::Tensor moe_mixture(const at::Tensor& h, const at::Tensor& ids, const 
     for (int64_t q = 0; q < pairs; q++) std::memcpy(pp + q * hidden, xp + (order[q] / chosen) * hidden, hidden * 4);
   }
   const auto row_of = [&](int64_t q) { return in_place ? xp : picked.data_ptr<float>() + q * hidden; };
-  auto grouped = at::empty({pairs, hidden}, x.options());
+  thread_local std::vector<float> grouped_kept;
+  const Scratch grouped(grouped_kept, pairs * hidden);
   // every chosen expert in blobs of one layout (quant.cpp's or quant_q8.cpp's): all their products in one
   // parallel region, by that layout's linear_many
   int32_t magic = groups.empty() ? 0 : bank->magics[groups[0].expert];
@@ -176,23 +207,29 @@ inline at::Tensor moe_mixture(const at::Tensor& h, const at::Tensor& ids, const 
     // 8-bit activations' blobs that pair: SiLU times up in the gate_up kernel (q8::linear_many_glu)
     bool glu = magic == tfq::blob::MAGIC_Q8;
     for (const Group& g : groups) glu = glu && tfq::q8::glu_pairs(bank->gate_up_segs[g.expert], intermediate);
-    at::Tensor gu = at::empty({pairs, glu ? intermediate : 2 * intermediate}, x.options());
-    std::vector<tfq::quant::Product> products;
+    const int64_t width = glu ? intermediate : 2 * intermediate;
+    thread_local std::vector<float> gu_kept;
+    const Scratch gu(gu_kept, pairs * width);
+    thread_local std::vector<tfq::quant::Product> products_kept;
+    std::vector<tfq::quant::Product>& products = products_kept;
+    products.clear();
     for (const Group& g : groups)
       products.push_back({row_of(g.start), g.end - g.start,
-                          checked(bank->gate_up_segs[g.expert], hidden, 2 * intermediate),
-                          gu.data_ptr<float>() + g.start * gu.size(1), gu.size(1), nullptr});
+                          &checked(bank->gate_up_segs[g.expert], hidden, 2 * intermediate),
+                          gu.data + g.start * width, width, nullptr});
     {
       Clock c(clock, 2);
       if (glu) tfq::q8::linear_many_glu(products, intermediate);
       else many(products);
     }
-    const at::Tensor act = glu ? gu : silu_mul(gu, intermediate);  // a row's own: the same bits a group at a time
+    // a row's own: the same bits a group at a time
+    const at::Tensor act = glu ? at::Tensor() : silu_mul(at::from_blob(gu.data, {pairs, width}, x.options()),
+                                                         intermediate);
+    const float* ap = glu ? gu.data : act.data_ptr<float>();
     products.clear();
     for (const Group& g : groups)
-      products.push_back({act.data_ptr<float>() + g.start * intermediate, g.end - g.start,
-                          checked(bank->down_segs[g.expert], intermediate, hidden),
-                          grouped.data_ptr<float>() + g.start * hidden,
+      products.push_back({ap + g.start * intermediate, g.end - g.start,
+                          &checked(bank->down_segs[g.expert], intermediate, hidden), grouped.data + g.start * hidden,
                           hidden, nullptr});
     Clock c(clock, 2);
     many(products);
@@ -209,10 +246,12 @@ inline at::Tensor moe_mixture(const at::Tensor& h, const at::Tensor& ids, const 
         Clock c(clock, 2);
         y = linear(act, downs[g.expert], c10::nullopt, hidden);
       }
-      grouped.slice(0, g.start, g.end).copy_(y);
+      std::memcpy(grouped.data + g.start * hidden, y.contiguous().data_ptr<float>(),
+                  static_cast<size_t>((g.end - g.start) * hidden) * sizeof(float));
     }
   }
-  std::vector<int64_t> at_pair(pairs);  // (row, rank) -> its place among the grouped outputs
+  std::vector<int64_t>& at_pair = at_pair_kept;  // (row, rank) -> its place among the grouped outputs
+  at_pair.resize(static_cast<size_t>(pairs));
   for (int64_t q = 0; q < pairs; q++) at_pair[order[q]] = q;
   auto out = at::empty({rows, hidden}, x.options());
   const at::Tensor base = residual.has_value() ? residual->contiguous() : at::Tensor();
@@ -223,7 +262,7 @@ inline at::Tensor moe_mixture(const at::Tensor& h, const at::Tensor& ids, const 
   TORCH_CHECK(!added.defined() || (added.sizes() == out.sizes() && added.scalar_type() == at::kFloat),
               "tfq moe_mixture: the shared expert's rows ", added.sizes(), ", not the rows' ", out.sizes());
   const float* sp = added.defined() ? added.data_ptr<float>() : nullptr;
-  const float* gp = grouped.data_ptr<float>();
+  const float* gp = grouped.data;
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
   float* np = nullptr;  // the next norm's rows, its weight

@@ -330,7 +330,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& blob, const c10::optio
     tfq::q8::linear(x, segs, b.has_value() ? b->data_ptr<float>() : nullptr, y.data_ptr<float>(), N);
     return y;
   }
-  tfq::quant::linear_many({{x.data_ptr<float>(), M, std::move(segs), y.data_ptr<float>(), N,
+  tfq::quant::linear_many({{x.data_ptr<float>(), M, &segs, y.data_ptr<float>(), N,
                              b.has_value() ? b->data_ptr<float>() : nullptr}});
   return y;
 }
@@ -445,7 +445,7 @@ void linear_many(const std::vector<Product>& products) {
   };
   std::vector<Job> jobs;
   for (const Product& p : products) {
-    for (const Segment& seg : p.segs) {
+    for (const Segment& seg : *p.segs) {
       TORCH_CHECK(seg.h.magic == tfq::blob::MAGIC, "tfq linear_many: blobs of quant.cpp's layout");
       const PanelFn fn = panel_fn(seg.h);
       for (int64_t local = 0; local < seg.h.panels; local++) jobs.push_back({fn, &seg, local, &p});

@@ -134,7 +134,7 @@ namespace tfq::quant {
 struct Product {
   const float* x;
   int64_t M;
-  std::vector<blob::Segment> segs;  // segments_of(W)
+  const std::vector<blob::Segment>* segs;  // segments_of(W), held by the caller (a copy a product cost a malloc)
   float* y;
   int64_t N;
   const float* bias;  // nullptr: none

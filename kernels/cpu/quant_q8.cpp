@@ -494,9 +494,24 @@ at::Tensor linear_glu(const at::Tensor& x, const at::Tensor& blob, int64_t I) {
   return y;
 }
 
+namespace {
+// Product i's rows rounded, once for products in a row that share them (a decode step's lane sends its one row to
+// each of its experts' gate_ups): the same bits either way. `done` holds the roundings so far, with room reserved
+// for one a product (its elements never move).
+const Rounded* rounded_for(const std::vector<quant::Product>& products, size_t i, std::vector<Rounded>& done) {
+  const quant::Product& p = products[i];
+  const int64_t K = (*p.segs)[0].h.k;
+  const quant::Product* before = i > 0 ? &products[i - 1] : nullptr;
+  if (!before || before->x != p.x || before->M != p.M || (*before->segs)[0].h.k != K)
+    done.push_back(round_rows(p.x, p.M, K));
+  return &done.back();
+}
+}  // namespace
+
 void linear_many_glu(const std::vector<quant::Product>& products, int64_t I) {
-  std::vector<Rounded> rounded;  // a product's rows, rounded once for all its panels
+  std::vector<Rounded> rounded;  // the products' rows, rounded once for all their panels
   rounded.reserve(products.size());
+  std::vector<const Rounded*> rows_of;  // each product's
   struct Job {  // a gate panel and its up panel
     PanelFn gate_fn, up_fn;
     const Segment *gate, *up;
@@ -506,12 +521,13 @@ void linear_many_glu(const std::vector<quant::Product>& products, int64_t I) {
   std::vector<Job> jobs;
   for (size_t i = 0; i < products.size(); i++) {
     const quant::Product& p = products[i];
-    TORCH_CHECK(glu_pairs(p.segs, I), "tfq q8 linear_many_glu: gate_up blobs of 2 x ", I, " outputs in whole panels");
-    rounded.push_back(round_rows(p.x, p.M, p.segs[0].h.k));
+    const std::vector<Segment>& segs = *p.segs;
+    TORCH_CHECK(glu_pairs(segs, I), "tfq q8 linear_many_glu: gate_up blobs of 2 x ", I, " outputs in whole panels");
+    rows_of.push_back(rounded_for(products, i, rounded));
     const auto panel_at = [&](int64_t panel) {  // the segment holding a panel of the blob, and the panel's index in it
       size_t s = 0;
-      while (panel >= p.segs[s].h.panels) panel -= p.segs[s++].h.panels;
-      return std::pair<const Segment*, int64_t>{&p.segs[s], panel};
+      while (panel >= segs[s].h.panels) panel -= segs[s++].h.panels;
+      return std::pair<const Segment*, int64_t>{&segs[s], panel};
     };
     for (int64_t j = 0; j < I / OUT; j++) {
       const auto [gs, gl] = panel_at(j);
@@ -527,9 +543,9 @@ void linear_many_glu(const std::vector<quant::Product>& products, int64_t I) {
       const quant::Product& p = products[job.product];
       gate.resize(static_cast<size_t>(p.M * OUT));
       up.resize(gate.size());
-      job.gate_fn(job.gate->h, job.gate->panels + job.gate_local * job.gate->h.panel_bytes, rounded[job.product],
+      job.gate_fn(job.gate->h, job.gate->panels + job.gate_local * job.gate->h.panel_bytes, *rows_of[job.product],
                   p.M, nullptr, gate.data(), OUT, OUT);
-      job.up_fn(job.up->h, job.up->panels + job.up_local * job.up->h.panel_bytes, rounded[job.product], p.M,
+      job.up_fn(job.up->h, job.up->panels + job.up_local * job.up->h.panel_bytes, *rows_of[job.product], p.M,
                 nullptr, up.data(), OUT, OUT);
       silu_times_up(gate.data(), up.data(), p.M, 1, p.y + job.panel * OUT, I);
     }
@@ -537,8 +553,9 @@ void linear_many_glu(const std::vector<quant::Product>& products, int64_t I) {
 }
 
 void linear_many(const std::vector<quant::Product>& products) {
-  std::vector<Rounded> rounded;  // a product's rows, rounded once for all its panels
+  std::vector<Rounded> rounded;  // the products' rows, rounded once for all their panels
   rounded.reserve(products.size());
+  std::vector<const Rounded*> rows_of;  // each product's
   struct Job {
     PanelFn fn;
     const Segment* seg;
@@ -548,8 +565,8 @@ void linear_many(const std::vector<quant::Product>& products) {
   std::vector<Job> jobs;
   for (size_t i = 0; i < products.size(); i++) {
     const quant::Product& p = products[i];
-    rounded.push_back(round_rows(p.x, p.M, p.segs[0].h.k));
-    for (const Segment& seg : p.segs) {
+    rows_of.push_back(rounded_for(products, i, rounded));
+    for (const Segment& seg : *p.segs) {
       TORCH_CHECK(seg.h.magic == blob::MAGIC_Q8, "tfq q8 linear_many: blobs of quant_q8.cpp's layout");
       const PanelFn fn = panel_fn(seg.h);
       for (int64_t local = 0; local < seg.h.panels; local++) jobs.push_back({fn, &seg, local, i});
@@ -563,7 +580,7 @@ void linear_many(const std::vector<quant::Product>& products) {
       const Segment& seg = *job.seg;
       const quant::Product& p = products[job.product];
       const int64_t out = seg.first + job.local * OUT;
-      job.fn(seg.h, seg.panels + job.local * seg.h.panel_bytes, rounded[job.product], p.M,
+      job.fn(seg.h, seg.panels + job.local * seg.h.panel_bytes, *rows_of[job.product], p.M,
              p.bias ? p.bias + out : nullptr, p.y + out, p.N, std::min(OUT, seg.h.n - job.local * OUT));
     }
   });
