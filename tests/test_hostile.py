@@ -325,21 +325,33 @@ def test_after_the_cases_every_page_is_back_and_the_server_is_healthy(running):
 
 
 def test_the_gap_bound_catches_a_stall(tiny):
-    """The control: a request that stalls the engine thread for 8 s (its stop handling made slow on purpose)
-    shows in the reply beside it as a gap past the bound."""
+    """The control: a request that stalls the engine thread (its stop handling held on purpose until the reply
+    beside it has had no token for a second past the bound) shows in that reply as a gap past the bound."""
     import tfq.engine.stream as stream
 
     served = server(tiny, api_keys=(KEY,), served={"limits": LIMITS})
     real = stream.held_back
+    stalled, released = threading.Event(), threading.Event()
 
     def slow(text: str, stops: tuple[str, ...]) -> int:
         if "zzz" in stops:
-            time.sleep(8)  # the stall itself, on the engine thread (past the 3 s floor however loaded)
+            stalled.set()
+            released.wait(120)  # the stall itself, on the engine thread
         return real(text, stops)
 
     with serving(served) as base, Beside(base) as beside:
         beside.wait_tokens(60)
         alone_gap = statistics.median(beside.gaps(0, time.perf_counter()))
+        bound = max(GAP_FACTOR * alone_gap, GAP_FLOOR_S)
+        quiet = lambda: time.perf_counter() - beside.arrivals[-1][1] > bound + 1.0  # noqa: E731
+
+        def release() -> None:  # once the stall has begun and the reply beside it has waited out the bound
+            stalled.wait(120)
+            eventually(quiet, 120)
+            released.set()
+
+        releaser = threading.Thread(target=release, daemon=True)
+        releaser.start()
         stream.held_back = slow
         try:
             start = time.perf_counter()
@@ -347,6 +359,7 @@ def test_the_gap_bound_catches_a_stall(tiny):
             took = time.perf_counter() - start
             beside.wait_tokens(3)
         finally:
+            released.set()
             stream.held_back = real
         assert status == 200
         assert max(beside.gaps(start, start + took)) > max(GAP_FACTOR * alone_gap, GAP_FLOOR_S)
