@@ -149,6 +149,7 @@ class StackHandle(NamedTuple):
 
     obj: object
     id: int
+    head: bool = False  # it holds the model's final norm and head: a forward given logit rows returns their logits
 
 
 @dataclass(frozen=True, eq=False)
@@ -185,10 +186,12 @@ class StackOut(NamedTuple):
     h: torch.Tensor  # no rows where every layer ran
 
 
-def layer_stack(layers: list[AttentionWeights | DeltaLayerWeights], n: LayerSizes, d: DeltaSizes | None = None):
+def layer_stack(layers: list[AttentionWeights | DeltaLayerWeights], n: LayerSizes, d: DeltaSizes | None = None,
+                head: tuple[torch.Tensor, LinearFn] | None = None):
     """A model's layers (attention layers, and a hybrid's DeltaNet layers of `d`'s sizes; a dense MLP or a mixture
     of experts each) as one C++ object built once (kernels/cpu/layer.cpp), which runs them all in one call
-    (stack_forward); None where a layer is not what the one-call layer runs."""
+    (stack_forward); None where a layer is not what the one-call layer runs. `head`: the model's final norm and
+    head, which the object holds too where the head is tfq's C++ linear layer without a bias."""
     attention = [w for w in layers if isinstance(w, AttentionWeights)]
     deltas = [w for w in layers if isinstance(w, DeltaLayerWeights)]
     if not layers or (deltas and d is None) or not all(_stackable(w) for w in layers):
@@ -214,18 +217,19 @@ def layer_stack(layers: list[AttentionWeights | DeltaLayerWeights], n: LayerSize
                                          w.out_proj.panels)]
     qkv, o = ([getattr(w, name).panels if isinstance(w, AttentionWeights) else none for w in layers]
               for name in ("qkv", "o"))
+    held = head is not None and fusable(head[1]) and head[1].bias is None
     stack = torch.classes.tfq_cpu.Stack(
         [w.input_norm for w in layers], qkv, *optional, o, [w.post_norm for w in layers],
         [w.gate_up.panels if w.gate_up is not None else none for w in layers],
         [w.down.panels if w.down is not None else none for w in layers], routers,
         [g for mix in mixtures for g in mix.gate_ups], [down for mix in mixtures for down in mix.downs],
-        [t for mix in mixtures for t in mix.shared], mixer,
+        [t for mix in mixtures for t in mix.shared], mixer, [head[0], head[1].panels] if held else [],
         [n.heads, n.kv_heads, n.head_dim, n.intermediate, len(m.gate_ups) if m else 0, m.chosen if m else 0,
          n.experts_intermediate if m else 0, int(m.normalized) if m else 0,
          *((d.key_heads, d.key_dim, d.value_heads, d.value_dim) if deltas else (0, 0, 0, 0)),
-         n.shared_intermediate if m and m.shared else 0],
+         n.shared_intermediate if m and m.shared else 0, head[1].out_features if held else 0],
         n.eps, n.scale, attention[0].gated if attention else False)
-    return StackHandle(stack, stack.id())
+    return StackHandle(stack, stack.id(), held)
 
 
 def _stackable(w: AttentionWeights | DeltaLayerWeights) -> bool:
@@ -238,15 +242,16 @@ def _stackable(w: AttentionWeights | DeltaLayerWeights) -> bool:
 
 
 def stack_forward(x: torch.Tensor, stack: StackHandle, at: StackInputs, clock: torch.Tensor | None = None,
-                  first: int = 0) -> StackOut:
+                  first: int = 0, logit_rows: torch.Tensor | None = None) -> StackOut:
     """x [N, hidden] through the layers of `stack` from `first` in one call: decoder_layer_fixed layer after layer
     (a DeltaNet layer: delta_layer_fixed's ops; a mixture's: attention_layer_fixed, the router, route_fixed and
     mixture_fixed), the same functions on the same tensors (kernels/cpu/layer.cpp). `clock` gains the router's
-    seconds with the experts'."""
+    seconds with the experts'. `logit_rows` (a stack with a head): the output is those rows' logits, the final norm
+    and the head run after the last layer."""
     table, offsets, lengths = attention_tables(at.batch, x.shape[0])
     return StackOut(*cpu_build.op("stack_forward")(
         x, stack.id, first, at.cos, at.sin, at.caches.id, at.rows, SATURATE.get(at.cache_dtype, 0.0), table, offsets,
-        lengths, KEY_TILE, SPLIT_ROWS if at.batch.partial else 0, at.segments, clock))
+        lengths, KEY_TILE, SPLIT_ROWS if at.batch.partial else 0, at.segments, logit_rows, clock))
 
 
 NO_SEGMENTS = torch.empty(0, 5, dtype=torch.int64)  # a model without DeltaNet layers

@@ -311,8 +311,8 @@ def test_a_mixture_stack_refuses_experts_it_cannot_split_and_a_layer_past_its_ow
     def stack(g: list, d: list, s: list = ()):  # one layer, its MLP a mixture (no dense gate_up or down)
         none = torch.empty(0)
         return torch.classes.tfq_cpu.Stack([a["input_norm"]], [a["qkv"]], [], [], [], [a["o"]], [a["post_norm"]],
-                                           [none], [none], [router], g, d, list(s), [],
-                                           [*sizes, INTER if s else 0], 1e-6, a["scale"], False)
+                                           [none], [none], [router], g, d, list(s), [], [],
+                                           [*sizes, INTER if s else 0, 0], 1e-6, a["scale"], False)
 
     caches = torch.classes.tfq_cpu.Caches([a["k_cache"]], [a["v_cache"]], [], [], [], [])
     forward = dict(x=a["x"], cos=a["cos"], sin=a["sin"], caches=caches.id(), rows=a["rows"], saturate=0.0,
@@ -344,3 +344,36 @@ def test_a_mixture_stack_refuses_experts_it_cannot_split_and_a_layer_past_its_ow
     freed = stack(gate_ups, downs).id()  # the object went with its last reference: its id names nothing
     with pytest.raises(RuntimeError, match=rf"tfq stack_forward: no Stack {freed} \(freed, or never made\)"):
         op("stack_forward")(stack=freed, first=0, **forward)
+
+
+def test_a_stack_with_a_head_gives_its_logit_rows_logits_and_one_without_refuses_them():
+    """A Stack holding the model's final norm and head runs them after its last layer over the logit rows it is
+    given: the bits of rms_norm then linear on those rows of its output (every row in order: no gather; one row:
+    its own). A Stack without a head refuses logit rows; a head without its vocab is refused when it is built."""
+    a = layer_args(3)
+    vocab, norm, head = 40, torch.linspace(0.5, 1.5, HIDDEN), pack(40, HIDDEN, 60)
+
+    def stack(held: list, size: int):  # one dense layer
+        return torch.classes.tfq_cpu.Stack([a["input_norm"]], [a["qkv"]], [], [], [], [a["o"]], [a["post_norm"]],
+                                           [a["gate_up"]], [a["down"]], [], [], [], [], [], held,
+                                           [HEADS, KV_HEADS, HEAD_DIM, INTER, 0, 0, 0, 0, 0, 0, 0, 0, 0, size],
+                                           a["eps"], a["scale"], False)
+
+    caches = torch.classes.tfq_cpu.Caches([a["k_cache"]], [a["v_cache"]], [], [], [], [])
+    forward = dict(x=a["x"], first=0, cos=a["cos"], sin=a["sin"], caches=caches.id(), rows=a["rows"], saturate=0.0,
+                   table=a["table"], offsets=a["offsets"], lengths=a["lengths"], tile=64, split=0,
+                   segments=torch.empty(0, 5, dtype=torch.int64), clock=None)
+    headless, held = stack([], 0), stack([norm, head], vocab)
+    out = op("stack_forward")(stack=headless.id(), **forward)[0]
+    for rows in ([2], [0, 1, 2], [2, 0]):
+        logit_rows = torch.tensor(rows)
+        got, layer, _ = op("stack_forward")(stack=held.id(), logit_rows=logit_rows, **forward)
+        want = op("linear")(op("rms_norm")(out.index_select(0, logit_rows), norm, a["eps"]), head, None, vocab)
+        assert layer == 1 and got.shape == (len(rows), vocab) and torch.equal(got, want), rows
+        other = op("linear")(op("rms_norm")(out.index_select(0, logit_rows), norm.flip(0), a["eps"]), head, None,
+                             vocab)
+        assert not torch.equal(got, other)  # control: another final norm gives other logits
+    with pytest.raises(RuntimeError, match=r"tfq stack_forward: logit rows for a Stack without a head"):
+        op("stack_forward")(stack=headless.id(), logit_rows=torch.tensor([0]), **forward)
+    with pytest.raises(RuntimeError, match=r"tfq Stack: a head is its final norm and panels, with its vocab"):
+        stack([norm, head], 0)

@@ -16,7 +16,7 @@ from test_hybrid import requests as hybrid_requests
 from test_moe import REAL_RATIOS, hybrid_moe_dir, moe_dir  # noqa: F401 (fixtures)
 from test_quant import tiny_file  # noqa: F401 (a fixture)
 from tfq.engine.core import EngineSettings
-from tfq.engine.layer_guard import CHAIN, ONE_CALL, ONE_CALL_STORE, STACKED, STACKED_STORE, LayerProof
+from tfq.engine.layer_guard import CHAIN, ONE_CALL, ONE_CALL_STORE, STACKED, STACKED_HEAD, STACKED_STORE, LayerProof
 from tfq.engine.stream import Request
 from tfq.kernels.contract import KEY_TILE
 from tfq.model.load import load_model
@@ -65,15 +65,16 @@ def with_stack_forward(model, monkeypatch, stack_forward) -> None:
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_a_dense_model_runs_its_layers_as_one_object_with_the_bits_of_each_layer(tiny_models, family, name,
                                                                                  monkeypatch):
-    """A dense model's forward runs every layer in one call to its one object (kernels/cpu/layer.cpp): the ids and
-    logits digests of every reply are those of the layers in one call each, and of the layers op by op."""
+    """A dense model's forward runs every layer, the final norm and the head in one call to its one object
+    (kernels/cpu/layer.cpp): the ids and logits digests of every reply are those of the layers in one call each and
+    the head op by op, and of the layers op by op."""
     model = tiny_models[family].model
-    assert model.runs_as_stack()
-    calls = []
+    assert model.runs_as_stack() and model.stack.handle.head
+    heads = []  # whether each call ran the head too (its logit rows given)
     one = model.backend.stack_forward
-    with_stack_forward(model, monkeypatch, lambda *a: calls.append(1) or one(*a))
+    with_stack_forward(model, monkeypatch, lambda *a: heads.append(a[5] is not None) or one(*a))
     stacked = replies(model, SETTINGS[name])
-    assert len(calls) > 0
+    assert heads and all(heads)
     monkeypatch.setattr(model, "stack", None)
     assert not model.runs_as_stack() and replies(model, SETTINGS[name]) == stacked
     monkeypatch.setattr(type(model), "runs_in_one_call", lambda self, layer: False)
@@ -208,6 +209,24 @@ def test_control_the_guard_refuses_layers_as_one_object_one_ulp_off(tiny_models,
     assert not model.runs_as_stack()
 
 
+def test_control_the_guard_refuses_a_head_in_the_one_object_one_ulp_off(tiny_models, monkeypatch):
+    """An object whose head takes its final norm one ulp off (its layers unharmed) is refused, named: the guard
+    runs the head the object holds against the final norm and head op by op."""
+    model = tiny_models["qwen3"].model
+    build = model.stack_of
+
+    def off(layers):
+        with monkeypatch.context() as m:
+            m.setattr(model, "norm", torch.nextafter(model.norm, torch.tensor(float("inf"))))
+            return build(layers)
+
+    monkeypatch.setattr(model, "stack_of", off)
+    failure = LayerProof(model, "fp32", False).holds(torch.get_num_threads(), 64, 64)
+    assert failure is not None and failure.op == STACKED_HEAD, failure
+    monkeypatch.setattr(model, "stack_of", build)
+    assert LayerProof(model, "fp32", False).holds(torch.get_num_threads(), 64, 64) is None
+
+
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "qwen3_moe, a dense layer", "hybrid", "qwen3_5_moe"])
 def test_control_the_guard_refuses_a_one_object_off_only_between_its_layers(tiny_models, moe_dir, hybrid,  # noqa: F811
                                                                            request, tmp_path_factory, family,
@@ -325,8 +344,8 @@ def test_control_the_guard_refuses_a_hybrids_one_object_one_ulp_off(hybrid, monk
     model = hybrid.model
     one, up = model.backend.stack_forward, torch.tensor(float("inf"))
 
-    def nudged(x, handle, inputs, clock, first):
-        out = one(x, handle, inputs, clock, first)
+    def nudged(x, handle, inputs, *rest):
+        out = one(x, handle, inputs, *rest)
         if harm == "output":
             return out._replace(x=torch.nextafter(out.x, up))
         for rec in inputs.caches.rec:

@@ -117,6 +117,8 @@ struct Stack : Named<Stack> {
   std::vector<c10::intrusive_ptr<tfq::moe::ExpertBank>> banks;  // a mixture's layer's experts; null in a dense one
   std::vector<at::Tensor> shared_gate_up, shared_down, shared_gate;  // a mixture's shared expert; undefined if none
   std::vector<c10::optional<DeltaTensors>> deltas;  // a hybrid's DeltaNet layer's own tensors; none elsewhere
+  at::Tensor final_norm, head_panels;  // the model's final norm and head; undefined where the object has none
+  int64_t vocab = 0;  // the head's outputs
   int64_t heads, kv_heads, head_dim, intermediate, experts, chosen, moe_intermediate, shared_intermediate;
   int64_t key_heads = 0, key_dim = 0, value_heads = 0, value_dim = 0;  // a hybrid's DeltaNet layers' sizes
   bool hybrid = false;  // some layer is a DeltaNet layer
@@ -131,13 +133,14 @@ struct Stack : Named<Stack> {
   // layer (in_proj, conv, A, dt_bias, norm, out_proj); a layer whose qkv has no elements is a DeltaNet layer (its o
   // none too). sizes: heads, kv_heads, head_dim, intermediate, experts, chosen, moe_intermediate, normalized (these
   // four 0 in a dense model), key_heads, key_dim, value_heads, value_dim (0 without DeltaNet layers),
-  // shared_intermediate (0 without shared experts).
+  // shared_intermediate (0 without shared experts), vocab (0 without a head). head: none, or the model's final norm
+  // and its head's panels, which a forward given logit rows runs after the last layer.
   Stack(std::vector<at::Tensor> input_norm, std::vector<at::Tensor> qkv, std::vector<at::Tensor> qkv_bias,
         std::vector<at::Tensor> q_norm, std::vector<at::Tensor> k_norm, std::vector<at::Tensor> o,
         std::vector<at::Tensor> post_norm, std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down,
         std::vector<at::Tensor> routers, std::vector<at::Tensor> expert_gate_ups,
         std::vector<at::Tensor> expert_downs, std::vector<at::Tensor> shared, std::vector<at::Tensor> deltanet,
-        std::vector<int64_t> sizes, double eps, double scale, bool gated)
+        std::vector<at::Tensor> head, std::vector<int64_t> sizes, double eps, double scale, bool gated)
       : input_norm(std::move(input_norm)), qkv(std::move(qkv)), qkv_bias(std::move(qkv_bias)),
         q_norm(std::move(q_norm)), k_norm(std::move(k_norm)), o(std::move(o)), post_norm(std::move(post_norm)),
         gate_up(std::move(gate_up)), down(std::move(down)), routers(std::move(routers)), eps(eps), scale(scale),
@@ -149,12 +152,15 @@ struct Stack : Named<Stack> {
       TORCH_CHECK(opt->empty() || opt->size() == n,
                   "tfq Stack: qkv_bias, q_norm, k_norm and routers: none, or one a layer");
     TORCH_CHECK(this->q_norm.size() == this->k_norm.size(), "tfq Stack: q_norm and k_norm, both or neither");
-    TORCH_CHECK(sizes.size() == 13, "tfq Stack: sizes are heads, kv_heads, head_dim, intermediate, experts, chosen, "
-                "moe_intermediate, normalized, key_heads, key_dim, value_heads, value_dim, shared_intermediate");
+    TORCH_CHECK(sizes.size() == 14, "tfq Stack: sizes are heads, kv_heads, head_dim, intermediate, experts, chosen, "
+                "moe_intermediate, normalized, key_heads, key_dim, value_heads, value_dim, shared_intermediate, vocab");
     heads = sizes[0], kv_heads = sizes[1], head_dim = sizes[2], intermediate = sizes[3];
     experts = sizes[4], chosen = sizes[5], moe_intermediate = sizes[6], normalized = sizes[7] != 0;
     key_heads = sizes[8], key_dim = sizes[9], value_heads = sizes[10], value_dim = sizes[11];
-    shared_intermediate = sizes[12];
+    shared_intermediate = sizes[12], vocab = sizes[13];
+    TORCH_CHECK(head.empty() ? vocab == 0 : head.size() == 2 && vocab > 0,
+                "tfq Stack: a head is its final norm and panels, with its vocab; or none, with vocab 0");
+    if (!head.empty()) final_norm = head[0], head_panels = head[1];
     size_t taken = 0;  // the next DeltaNet layer's first tensor
     for (size_t i = 0; i < n; i++) {
       if (this->qkv[i].numel() > 0) {
@@ -215,6 +221,19 @@ struct Caches : Named<Caches> {
   }
 };
 
+// The head over the last layer's rows that draw (`rows`: their indices): the final norm, then the head, as
+// Qwen.logits runs them op by op. A forward whose every row draws in order (a decode step's) gathers nothing.
+at::Tensor logits_of(const Stack& s, const at::Tensor& h, const at::Tensor& rows, const OptTensor& clock) {
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.is_contiguous(),
+              "tfq stack_forward: logit rows are a contiguous int64 vector");
+  const int64_t* r = rows.data_ptr<int64_t>();
+  bool all = rows.numel() == h.size(0);
+  for (int64_t i = 0; all && i < rows.numel(); i++) all = r[i] == i;
+  const at::Tensor normed = rms_norm(all ? h : h.index_select(0, rows), s.final_norm, s.eps);
+  Clock c(clock, 0);  // the head is a linear layer
+  return linear(normed, s.head_panels, c10::nullopt, s.vocab);
+}
+
 // x [N, hidden] through the stack's layers from `first`; attention layer i's keys and values go to the caches'
 // k[i] and v[i] at `rows`; DeltaNet layer i's streams' states are their conv[i] and rec[i] by `segments` (saved
 // first into save_conv[i] and save_rec[i] where a segment says so). `stack` and `caches` are ids (Named): the op
@@ -226,8 +245,10 @@ struct Caches : Named<Caches> {
 std::tuple<at::Tensor, int64_t, at::Tensor> stack_forward(
     const at::Tensor& x, int64_t stack, int64_t first, const at::Tensor& cos, const at::Tensor& sin, int64_t caches,
     const at::Tensor& rows, double saturate, const at::Tensor& table, const at::Tensor& offsets,
-    const at::Tensor& lengths, int64_t tile, int64_t split, const at::Tensor& segments, const OptTensor& clock) {
+    const at::Tensor& lengths, int64_t tile, int64_t split, const at::Tensor& segments, const OptTensor& logit_rows,
+    const OptTensor& clock) {
   const Stack* s = &Stack::at(stack, "Stack");
+  TORCH_CHECK(!logit_rows || s->head_panels.defined(), "tfq stack_forward: logit rows for a Stack without a head");
   const Caches* bound = &Caches::at(caches, "Caches");
   const int64_t n = static_cast<int64_t>(s->input_norm.size());
   TORCH_CHECK(static_cast<int64_t>(bound->k.size()) == n && static_cast<int64_t>(bound->v.size()) == n,
@@ -283,6 +304,7 @@ std::tuple<at::Tensor, int64_t, at::Tensor> stack_forward(
     h = tfq::moe::moe_mixture(h2, ids, weights, s->banks[i], s->moe_intermediate, clock, x2, last ? nullptr : &next,
                               shared);
   }
+  if (logit_rows) h = logits_of(*s, h, *logit_rows, clock);
   return {h, n, at::empty({0}, x.options())};
 }
 
@@ -302,7 +324,8 @@ TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) {
       torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                   std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                   std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                  std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>, double, double, bool>())
+                  std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>, double,
+                  double, bool>())
       .def("id", [](const c10::intrusive_ptr<Stack>& self) { return self->id; });
   m.class_<Caches>("Caches")
       .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
@@ -311,7 +334,7 @@ TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) {
   // stack and caches: the ids of a Stack and a Caches the caller holds (their id()); it writes those caches
   m.def("stack_forward(Tensor x, int stack, int first, Tensor cos, Tensor sin, int caches, Tensor rows, "
         "float saturate, Tensor table, Tensor offsets, Tensor lengths, int tile, int split, Tensor segments, "
-        "Tensor? clock) -> (Tensor, int, Tensor)");
+        "Tensor? logit_rows=None, Tensor? clock=None) -> (Tensor, int, Tensor)");
 }
 TORCH_LIBRARY_IMPL(tfq_cpu, CPU, m) {
   m.impl("layer", decoder_layer);

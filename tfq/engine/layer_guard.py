@@ -16,8 +16,9 @@ down, final norm, head), the drawn tokens and their log-probabilities must equal
 every thread count proved: references are taken once, at the first count. The first op that differs is named. Where the
 engine runs a layer in one C++ call (kernels/layer.py), that call runs too, on the same input and cache: alone its
 output and cache rows (a DeltaNet layer's: its streams' states) must be those of the layer run op by op, and in every
-scene those alone. Where the model's layers run as one object, each proved layer runs as an object of it alone too,
-and the proved layers in a row as one object (the passes between two of its layers), against them op by op.
+scene those alone. Where the model's layers run as one object, each proved layer runs as an object of it alone too
+(then with the head the object holds), and the proved layers in a row as one object (the passes between two of its
+layers), against them op by op.
 
 The proof is remembered on the model (`model.proved`) by its settings, so engines built later on the same
 model (every arm of `tfq together`) pay for it once.
@@ -30,10 +31,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from tfq.decode.penalties import Penalties
-from tfq.decode.sampling import digest, logprob, sample
+from tfq.decode.sampling import digest
 from tfq.engine.batch import Arithmetic, Feed, step_rows
 from tfq.engine.cache import CacheSpec, KVCache
+from tfq.engine.guard_draws import drawn_tokens, scores
 from tfq.engine.pages import Placement, pages_for
 from tfq.errors import TfqError
 from tfq.kernels.contract import KEY_TILE
@@ -57,11 +58,6 @@ PROBES = (
     Probe("prompt chunk", 0, 37, False, 1),
     Probe("chunk at 230", 230, 45, True, 1),
 )
-SAMPLE = dict(temperature=0.8, top_p=0.9, seed=7)  # besides greedy: a seeded top-p draw per logits row
-# and a penalized draw, and one from a masked row (a grammar's mask as tfq/engine/core.py applies it: here every
-# third token allowed), over a fixed history of tokens
-PENALIZED = Penalties(presence=0.5, frequency=0.3, repetition=1.2, bias=((0, 2.0), (1, -100.0)))
-HISTORY = (0, 1, 1, 2, 3, 5, 8, 13, 21, 34)
 
 
 @dataclass
@@ -148,8 +144,9 @@ class LayerProof:
     def _prove(self, threads: int, rows: int, chunk: int, draws: int) -> Failure | None:
         bench = _Bench(self.model, self.kv_dtype, self.partial, rows, chunk, draws)
         alone = bench.alone()
-        alone.ops["sampler"] = _draws(alone)  # functions of one logits row: proved per thread count only
-        alone.ops["log-probabilities"] = _scores(alone)
+        heads = {p.name: (alone.ops["head"][p.name], p.start + p.count) for p in PROBES}  # where a token sits
+        alone.ops["sampler"] = {name: drawn_tokens(*h) for name, h in heads.items()}  # proved per thread count only
+        alone.ops["log-probabilities"] = {name: scores(rows) for name, (rows, _) in heads.items()}
         if self.reference is None:  # references are taken at the first count proved
             self.reference = alone.digested()
         else:
@@ -173,15 +170,16 @@ class LayerProof:
 ONE_CALL, ONE_CALL_STORE = "layer in one call", "layer in one call's cache store"
 STACKED, STACKED_STORE = "layer as the model's one object", "layer as the model's one object's cache store"
 CHAIN, CHAIN_BY_OPS = "layers in a row as the model's one object", "layers in a row op by op"
+STACKED_HEAD, HEAD_BY_OPS = "head in the model's one object", "head op by op after the one object's layer"
 
 
 def _one_call_agrees(record: Record, threads: int) -> Failure | None:
     """Each layer in one call (kernels/layer.py) gives each probe the bits the layer gives op by op: its output
     those of the last residual, its cache rows those of the cache store (a DeltaNet layer: its streams' states
     those of the recurrence); so does the layer run as the model's one object (a Stack of it alone: the
-    engine's forward runs every layer so, one after another), and the proved layers in a row as one object give
-    what they give op by op one after another. (Their row invariance is then proved with every other op's, scene by
-    scene.)"""
+    engine's forward runs every layer so, one after another), its head after it the logits of the final norm and head
+    op by op, and the proved layers in a row as one object give what they give op by op one after another. (Their
+    row invariance is then proved with every other op's, scene by scene.)"""
     for call, store in ((ONE_CALL, ONE_CALL_STORE), (STACKED, STACKED_STORE)):
         for name in [op for op in record.ops if op.endswith(call)]:
             prefix = name[:-len(call)]  # a hybrid proves one layer of each kind
@@ -190,46 +188,18 @@ def _one_call_agrees(record: Record, threads: int) -> Failure | None:
                 for probe, rows in record.ops[one].items():
                     if not torch.equal(rows, record.ops[by_ops][probe]):
                         return Failure(one, probe, "from those of the layer run op by op", threads)
-    for probe, rows in record.ops.get(CHAIN, {}).items():
-        if not torch.equal(rows, record.ops[CHAIN_BY_OPS][probe]):
-            return Failure(CHAIN, probe, "from those of the layers run op by op", threads)
+    pairs = [(op, op[:-len(STACKED_HEAD)] + HEAD_BY_OPS, "final norm and head") for op in record.ops
+             if op.endswith(STACKED_HEAD)] + [(CHAIN, CHAIN_BY_OPS, "layers")] * (CHAIN in record.ops)
+    for one, by_ops, what in pairs:  # the head the object holds, its layers in a row
+        for probe, rows in record.ops[one].items():
+            if not torch.equal(rows, record.ops[by_ops][probe]):
+                return Failure(one, probe, f"from those of the {what} run op by op", threads)
     return None
 
 
 def _kept_nowhere(name: str, t: torch.Tensor) -> torch.Tensor:
     """A tap that keeps nothing: a layer given it runs op by op (an untapped one runs in one call)."""
     return t
-
-
-def _draws(record: Record) -> dict[str, torch.Tensor]:
-    """The tokens the sampler draws from each probe's logits rows: greedy, a seeded top-p draw, a penalized
-    greedy draw and a seeded draw from a masked row."""
-    drawn = {}
-    for p in PROBES:
-        position = p.start + p.count  # where a drawn token would sit
-        drawn[p.name] = torch.tensor([[sample(row, 0.0, 1.0, 0, position), sample(row, position=position, **SAMPLE),
-                                       sample(PENALIZED.apply(row, HISTORY[:4], HISTORY[4:]), 0.0, 1.0, 0, position),
-                                       sample(_masked(row), position=position, **SAMPLE)]
-                                      for row in record.ops["head"][p.name]])
-    return drawn
-
-
-def _masked(row: torch.Tensor) -> torch.Tensor:
-    allowed = torch.arange(len(row)) % 3 == 0
-    return torch.where(allowed, row, float("-inf"))
-
-
-def _scores(record: Record) -> dict[str, torch.Tensor]:
-    """What the server returns as log-probabilities for each probe's logits rows: the greedy token's and the
-    top 5 (ids and values)."""
-    scored = {}
-    for p in PROBES:
-        rows = []
-        for row in record.ops["head"][p.name]:
-            s = logprob(row, int(row.argmax()), top=5)
-            rows.append([s.logprob, *(v for pair in s.top for v in pair)])
-        scored[p.name] = torch.tensor(rows, dtype=torch.float64)
-    return scored
 
 
 def _compare(reference: Record, got: Record, scene: str, threads: int) -> Failure | None:
@@ -361,10 +331,17 @@ class _Bench:
                     continue
                 self.restore()
                 tap = _Tap(keep, record, prefix)
-                tap(STACKED, model.run_stack(stack, [layer], x0, model.stack_inputs(
+                x = tap(STACKED, model.run_stack(stack, [layer], x0, model.stack_inputs(
                     [layer], [0], self.cache, (cos, sin), s.cache_rows, s.batch, s.segments), s.segments))
                 tap(STACKED_STORE, self.cache.state.fingerprint(0, s.segments, x0.shape[0])
                     if isinstance(layer, DeltaLayer) else self.cache.stored(0, s.cache_rows))
+                if stack.head:  # its head after this layer, as the engine's forward runs it after the last
+                    head = _Tap(keep_logits, record, prefix)
+                    head(HEAD_BY_OPS, model.logits(x.index_select(0, s.logit_rows)))
+                    self.restore()
+                    head(STACKED_HEAD, model.run_stack(stack, [layer], x0, model.stack_inputs(
+                        [layer], [0], self.cache, (cos, sin), s.cache_rows, s.batch, s.segments), s.segments,
+                        s.logit_rows))
             if self.chain_stack is not None:  # each kind's cache layer 0 again for each of its layers in the row
                 tap = _Tap(keep, record)
                 if chain_by_ops:

@@ -32,9 +32,11 @@ class OneObject:
         return BuiltStack(b, tuple(self.layers), self.stack_of(self.layers))
 
     def stack_of(self, layers: list):
-        """`layers` as one C++ object (a handle), or None where one of them is not what the object runs."""
+        """`layers` as one C++ object (a handle), or None where one of them is not what the object runs. The object
+        holds the model's final norm and head too (where the head is tfq's C++ linear layer), which a forward runs
+        after its last layer: a decode step's head is then no call of its own."""
         return self.backend.stack([layer.fused for layer in layers], self.layer_sizes,
-                                  self.sizes if self.config.hybrid else None)
+                                  self.sizes if self.config.hybrid else None, (self.norm, self.lm_head))
 
     def runs_as_stack(self, segments: Segments | None = None, cache=None) -> bool:
         """Whether this forward's layers run as the model's one C++ object (`stack`): built for these layers and
@@ -70,15 +72,15 @@ class OneObject:
                            NO_SEGMENTS if all(attention) else segments.table)
 
     def run_stack(self, handle, layers: list[Layer], x: torch.Tensor, inputs: StackInputs,
-                  segments: Segments | None = None) -> torch.Tensor:
+                  segments: Segments | None = None, logit_rows: torch.Tensor | None = None) -> torch.Tensor:
         """x through `layers` as their one object `handle` runs them, in one call; where some row's route in a
         mixture's layer was unsure (moe_route: an exp glibc cannot round for sure), that layer's mixture as its
         one call runs it (route asks mpmath for those rows; a shared expert too) on the token mixer's residual and
         post norm the object gave back, then the object goes on from the next layer: the ops of each layer in one
-        call, in their order."""
+        call, in their order. With `logit_rows` (a handle with a head) it returns those rows' logits."""
         first = 0
         while True:
-            out = self.backend.stack_forward(x, handle, inputs, self.layer_clock, first)
+            out = self.backend.stack_forward(x, handle, inputs, self.layer_clock, first, logit_rows)
             if out.layer == len(layers):
                 return out.x
             x, first = out.x + self.mixture(layers[out.layer].moe, out.h, untapped, segments), out.layer + 1

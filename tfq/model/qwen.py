@@ -195,8 +195,12 @@ class Qwen(OneObject):
         cos, sin = self._rope(positions)
         x = self.embedding(ids)
         if self.runs_as_stack(segments, cache):
-            x = self.run_stack(self.stack.handle, self.layers, x, self.stack_inputs(
-                self.layers, self.cache_index, cache, (cos, sin), cache_rows, batch, segments), segments)
+            handle = self.stack.handle  # with the head: it returns the logits rows' logits, on the CPU
+            x = self.run_stack(handle, self.layers, x, self.stack_inputs(
+                self.layers, self.cache_index, cache, (cos, sin), cache_rows, batch, segments), segments,
+                logit_rows if handle.head else None)
+            if handle.head:
+                return x
         else:
             for i, layer in enumerate(self.layers):
                 x = self.decoder_layer(layer, x, cos, sin, cache, self.cache_index[i], cache_rows, batch,
