@@ -165,11 +165,11 @@ def test_the_guard_proves_each_count_once_and_names_no_op_when_it_holds(wide, th
 
 
 def test_the_guard_refuses_a_penalty_that_follows_the_thread_count(wide, threads, monkeypatch):
-    """The guard's draws include a penalized row and a masked one (tfq/engine/layer_guard.py); a penalty whose
+    """The guard's draws include a penalized row and a masked one (tfq/engine/guard_draws.py); a penalty whose
     arithmetic follows the thread count (the control: the count picks which token it lifts) is refused at the
     second count, naming the sampler."""
     from tfq.decode.penalties import Penalties
-    from tfq.engine import layer_guard
+    from tfq.engine import guard_draws
 
     class Drifting(Penalties):
         def apply(self, row, prompt, reply):
@@ -180,7 +180,7 @@ def test_the_guard_refuses_a_penalty_that_follows_the_thread_count(wide, threads
     proof = LayerProof(wide, "fp32", False)
     threads(1)
     assert proof.holds(1, 100, 50) is None
-    monkeypatch.setattr(layer_guard, "PENALIZED", Drifting(**{f: getattr(layer_guard.PENALIZED, f) for f in
+    monkeypatch.setattr(guard_draws, "PENALIZED", Drifting(**{f: getattr(guard_draws.PENALIZED, f) for f in
                                                               ("presence", "frequency", "repetition", "bias")}))
     threads(3)
     failure = proof.holds(3, 100, 50)
