@@ -331,17 +331,15 @@ class _Bench:
                     continue
                 self.restore()
                 tap = _Tap(keep, record, prefix)
-                x = tap(STACKED, model.run_stack(stack, [layer], x0, model.stack_inputs(
-                    [layer], [0], self.cache, (cos, sin), s.cache_rows, s.batch, s.segments), s.segments))
+                inputs = model.stack_inputs([layer], [0], self.cache, (cos, sin), s.cache_rows, s.batch, s.segments)
+                x = tap(STACKED, model.run_stack(stack, [layer], x0, inputs, s.segments))
                 tap(STACKED_STORE, self.cache.state.fingerprint(0, s.segments, x0.shape[0])
                     if isinstance(layer, DeltaLayer) else self.cache.stored(0, s.cache_rows))
                 if stack.head:  # its head after this layer, as the engine's forward runs it after the last
                     head = _Tap(keep_logits, record, prefix)
                     head(HEAD_BY_OPS, model.logits(x.index_select(0, s.logit_rows)))
                     self.restore()
-                    head(STACKED_HEAD, model.run_stack(stack, [layer], x0, model.stack_inputs(
-                        [layer], [0], self.cache, (cos, sin), s.cache_rows, s.batch, s.segments), s.segments,
-                        s.logit_rows))
+                    head(STACKED_HEAD, model.run_stack(stack, [layer], x0, inputs, s.segments, s.logit_rows))
             if self.chain_stack is not None:  # each kind's cache layer 0 again for each of its layers in the row
                 tap = _Tap(keep, record)
                 if chain_by_ops:
