@@ -157,3 +157,57 @@ def test_a_few_rows_and_many_get_the_same_store_rows():
     before = cache.rows(paged, 10, 8)
     paged.blocks = list(reversed(paged.blocks))
     assert not torch.equal(cache.rows(paged, 10, 8), before)
+
+
+def tables_of(s) -> list[torch.Tensor]:
+    """Every tensor a forward's rows hold (tfq.engine.batch.StepRows), its attention's key tables too."""
+    from tfq.kernels.attention import key_tables
+
+    d = s.batch.decode
+    return [s.ids, s.positions, s.cache_rows, s.logit_rows, torch.tensor(s.counts), s.segments.table,
+            *((d.q_rows, d.cache_rows, d.lengths) if d else ()), *(c.cache_rows for c in s.batch.chunks),
+            *key_tables(s.batch, len(s.ids))]
+
+
+def same_tables(a, b) -> bool:
+    return all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(tables_of(a), tables_of(b)))
+
+
+def test_kept_decode_tables_rewritten_in_place_equal_tables_built_anew():
+    """The runner's decode tables (DecodeRows), kept from step to step and rewritten in place, equal step_rows'
+    built anew at every step: one lane and three, lanes and pages, across key tiles and pages, a lane leaving, a
+    page replaced in place, a prompt chunk between. The controls: last step's tables are not this step's, and
+    tables that keep what a stream's blocks were (blind to a page replaced) are RED."""
+    from tfq.engine.batch import DecodeRows, step_rows
+    from tfq.engine.cache import CacheSpec, KVCache
+
+    cache = KVCache(StubModel().config, CacheSpec(lanes=2, window=256, page_rows=64, pool_pages=12))
+    lanes = [cache.pages.lane(0), cache.pages.lane(1), cache.pages.paged(slot=2)]
+    assert all(cache.pages.grow(p, 256) for p in lanes)
+
+    class Blind(DecodeRows):  # the control: a stream's blocks not among what the kept tables hold
+        @staticmethod
+        def _holds(f: Feed) -> tuple:
+            return f.placement.slot, tile_count(f.start + 1)
+
+    from tfq.kernels.attention import tile_count
+
+    kept, blind, g = DecodeRows(cache), Blind(cache), random.Random(5)
+    starts, served, stale_seen, blind_seen = [60, 3, 120], 0, False, False
+    for step in range(150):
+        who = [0] if step < 40 else [0, 1, 2] if step < 100 or step % 9 == 0 else [2, 0]
+        if step == 120:  # a page replaced in place (as copy-on-write of a shared page does)
+            lanes[2].blocks[0], lanes[2].blocks[1] = lanes[2].blocks[1], lanes[2].blocks[0]
+        chunk = step % 37 == 36  # a prompt chunk between decode steps: built anew
+        feeds = [Feed(lanes[i], starts[i], [g.randrange(VOCAB)] * (4 if chunk and i == who[0] else 1)) for i in who]
+        before = [t.clone() for t in tables_of(kept.kept)] if kept.kept is not None else None
+        got, want = kept.rows(feeds, Arithmetic()), step_rows(cache, feeds, Arithmetic())
+        assert same_tables(got, want), step
+        served += got is kept.kept and not chunk
+        if before is not None and got is kept.kept:  # rewritten in place: last step's values are gone
+            stale_seen |= not all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(before, tables_of(want)))
+        blind_got = blind.rows(feeds, Arithmetic())
+        blind_seen |= not same_tables(blind_got, want)
+        for i in who:
+            starts[i] += len(feeds[who.index(i)].tokens)
+    assert served > 100 and stale_seen and blind_seen  # mostly kept; both controls RED

@@ -115,7 +115,7 @@ class Engine:
         self._grammars_once = threading.Lock()  # a server compiles grammars in its request threads
         self.mask = controls.mask or OwnMask()
         self._compile = controls.compile
-        self.expected_s: float | None = None  # what the step running now should take, by the learned cost
+        self._running = None  # the step running now (its expected seconds are asked by the server's watchdog)
         self.proof = None  # tfq.engine.layer_guard.LayerProof: the model's layer proved row-invariant here
         if not model.backend.interpreted:  # under Triton's interpreter the tests prove the same, faster
             self.proof = prove(model, s.kv_dtype, s.partial, torch.get_num_threads(), self.largest_forward,
@@ -198,6 +198,13 @@ class Engine:
         return st.id
 
     @property
+    def expected_s(self) -> float | None:
+        """What the step running now should take, by the cost learned so far (None before it is learned). Asked
+        when a watchdog looks, not solved at every step."""
+        step = self._running
+        return None if step is None else self.scheduler.expected_seconds(step)
+
+    @property
     def grammars(self) -> Grammars:
         """The model's grammars (tfq/decode/grammar.py): what compiles a request's constraint."""
         with self._grammars_once:
@@ -217,7 +224,7 @@ class Engine:
         proposed = self.runner.propose(*self.scheduler.guess_budgets(self.drawing_rows - 1))
         guesses, failed = self._grammatical(proposed)
         step = self.scheduler.schedule(guesses)
-        self.expected_s = self.scheduler.expected_seconds(step)
+        self._running = step
         outputs = [Output(st.id, -1, "", True) for st in failed + step.failed]
         if step.scheduled:
             if self.threads is not None:

@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from tfq.engine.batch import Arithmetic, Feed, forward
+from tfq.engine.batch import Arithmetic, DecodeRows, Feed, forward
 from tfq.engine.cache import KVCache
 from tfq.engine.scheduler import Verified
 from tfq.engine.stream import Stream
@@ -66,11 +66,12 @@ class Runner:
         self.model, self.cache, self.policy = model, cache, policy
         self.drafter = drafter  # tfq.engine.draft.Drafter or None
         self.forwards = 0
+        self.decode_rows = DecodeRows(cache)
 
     def run(self, feeds: list[Feed]) -> list[torch.Tensor]:
         """Each feed's logits rows [logits, vocab] (fp32, on the CPU)."""
         self.forwards += 1
-        return forward(self.model, self.cache, feeds, self.policy(feeds))
+        return forward(self.model, self.cache, feeds, self.policy(feeds), self.decode_rows)
 
     def propose(self, streams: list[Stream], budgets: list[int]) -> dict[int, list[int]]:
         """The drafter's guesses for the next step: stream id -> up to budgets[i] tokens."""

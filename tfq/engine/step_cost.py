@@ -81,11 +81,12 @@ class StepCost:
         return self.seen >= LEAST_STEPS
 
     def seconds(self, work: Work) -> float:
-        if self._coef is None:
+        coef = self._coef  # read once: a server's watchdog asks from its own thread while a step observes
+        if coef is None:
             # the terms differ by orders of magnitude: solved on the scaled system
-            root = [math.sqrt(max(self._gram[i][i], 1e-12)) for i in range(3)]
-            gram = [[self._gram[i][j] / (root[i] * root[j]) + (RIDGE if i == j else 0.0) for j in range(3)]
-                    for i in range(3)]
-            coef = _solve3(gram, [m / r for m, r in zip(self._moment, root)])
-            self._coef = [max(c / r, 0.0) for c, r in zip(coef, root)]  # no term makes a step faster
-        return sum(c * t for c, t in zip(self._coef, work.terms()))
+            g, moment = self._gram, self._moment
+            root = [math.sqrt(max(g[i][i], 1e-12)) for i in range(3)]
+            gram = [[g[i][j] / (root[i] * root[j]) + (RIDGE if i == j else 0.0) for j in range(3)] for i in range(3)]
+            solved = _solve3(gram, [m / r for m, r in zip(moment, root)])
+            self._coef = coef = [max(c / r, 0.0) for c, r in zip(solved, root)]  # no term makes a step faster
+        return sum(c * t for c, t in zip(coef, work.terms()))
