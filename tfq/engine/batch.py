@@ -98,16 +98,15 @@ class DecodeRows:
         if not all(len(f.tokens) == 1 and f.logits == 1 and f.guesses == 0 and f.start > 0 for f in feeds):
             return step_rows(self.cache, feeds, arithmetic)
         key = (arithmetic, tuple(self._holds(f) for f in feeds))
-        if key != self.key or self.kept is None:
+        if key != self.key:  # () at first: no forward's key
             self.kept, self.key = step_rows(self.cache, feeds, arithmetic), key
             d = self.kept.batch.decode
             self._ids, self._positions, self._rows, self._lengths = (
                 t.numpy() for t in (self.kept.ids, self.kept.positions, self.kept.cache_rows, d.lengths))
             return self.kept
         for i, f in enumerate(feeds):
-            p = f.placement
             self._ids[i], self._positions[i], self._lengths[i] = f.tokens[0], f.start, f.start + 1
-            self._rows[i] = p.blocks[f.start // p.block_rows] + f.start % p.block_rows
+            self._rows[i] = f.placement.row(f.start)
         self.kept.batch.memo.clear()  # what the attention derived from the last step's lengths
         self.kept.batch.decode.memo.clear()
         return self.kept

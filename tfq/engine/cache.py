@@ -125,8 +125,7 @@ class KVCache:
         between forwards that streamed the weights through the caches). A decode step's few rows in Python's
         integers: five numpy ops cost tens of microseconds on those caches, every step."""
         if count <= 8:
-            return np.array([p.blocks[i // p.block_rows] + i % p.block_rows for i in range(start, start + count)],
-                            dtype=np.int64)
+            return np.array([p.row(i) for i in range(start, start + count)], dtype=np.int64)
         pos = np.arange(start, start + count)
         return np.asarray(p.blocks, dtype=np.int64)[pos // p.block_rows] + pos % p.block_rows
 

@@ -33,6 +33,10 @@ class Placement:
     def capacity(self) -> int:
         return self.block_rows * len(self.blocks)
 
+    def row(self, position: int) -> int:
+        """The store row holding `position`."""
+        return self.blocks[position // self.block_rows] + position % self.block_rows
+
 
 class PagePool:
     def __init__(self, lanes: int, window: int, page_rows: int = 0, pool_pages: int = 0,
