@@ -37,6 +37,7 @@
 
 #include "checks.h"
 #include "lanes.h"
+#include "pool.h"
 
 namespace {
 
@@ -337,7 +338,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   TORCH_CHECK(q.size(2) == k_cache.size(2), "tfq attend: queries' head_dim ", q.size(2), ", the cache's ",
               k_cache.size(2));
   check_keys(q.size(0), k_cache.size(0), table, offsets, lengths);
-  auto out = at::empty_like(q);
+  auto out = tfq::pool::empty_like(q);
   if (q.size(0) == 0) return out;
   switch (k_cache.scalar_type()) {
     case at::kFloat: attend_all<float>(q, k_cache, v_cache, table, offsets, lengths, scale, tile, split, out); break;

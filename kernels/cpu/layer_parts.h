@@ -14,6 +14,7 @@
 
 #include "checks.h"
 #include "lanes.h"
+#include "pool.h"
 #include "quant_blob.h"
 
 namespace tfq::layer {
@@ -95,7 +96,7 @@ inline std::tuple<at::Tensor, at::Tensor> add_norm(const at::Tensor& x, const at
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && d.is_contiguous() && x.sizes() == d.sizes(),
               "tfq layer: add_norm layouts");
   tfq::checks::vector_of("tfq layer", "add_norm's norm", w, x.size(1), "inputs");  // the row width is x's
-  auto sum = at::empty_like(x), y = at::empty_like(x);
+  auto sum = tfq::pool::empty_like(x), y = tfq::pool::empty_like(x);
   const int64_t n = x.size(1), rows = x.size(0);
   const float* xp = x.data_ptr<float>();
   const float* dp = d.data_ptr<float>();
@@ -117,7 +118,7 @@ inline std::tuple<at::Tensor, at::Tensor> add_norm(const at::Tensor& x, const at
 inline at::Tensor silu_mul(const at::Tensor& gu, int64_t I) {
   TORCH_CHECK(gu.is_contiguous() && gu.size(1) == 2 * I, "tfq layer: silu_mul layout");
   const int64_t rows = gu.size(0);
-  auto y = at::empty({rows, I}, gu.options());
+  auto y = tfq::pool::empty({rows, I}, gu.options());
   const float* gp = gu.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   // a decode step's few rows inline: starting the threads costs more than the work
@@ -146,7 +147,7 @@ inline at::Tensor silu_mul(const at::Tensor& gu, int64_t I) {
 inline at::Tensor add_rows(const at::Tensor& x, const at::Tensor& d) {
   TORCH_CHECK(x.is_contiguous() && d.is_contiguous() && x.sizes() == d.sizes() && x.scalar_type() == at::kFloat &&
               d.scalar_type() == at::kFloat, "tfq layer: add_rows layouts");
-  auto y = at::empty_like(x);
+  auto y = tfq::pool::empty_like(x);
   const float* xp = x.data_ptr<float>();
   const float* dp = d.data_ptr<float>();
   float* yp = y.data_ptr<float>();

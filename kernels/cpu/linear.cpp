@@ -26,6 +26,7 @@
 
 #include "checks.h"
 #include "lanes.h"
+#include "pool.h"
 #include "panel.h"
 
 namespace {
@@ -211,7 +212,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& panels, const c10::opti
   const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
   TORCH_CHECK(N <= P * PANEL && N > (P - 1) * PANEL, "tfq linear: N does not match the panels");
   if (b.has_value()) tfq::checks::vector_of("tfq linear", "the bias", *b, N, "outputs");
-  auto y = at::empty({M, N}, x.options());
+  auto y = tfq::pool::empty({M, N}, x.options());
   if (M == 0) return y;
   const float* xp = x.data_ptr<float>();
   const float* wp = panels.data_ptr<float>();

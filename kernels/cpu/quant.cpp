@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "lanes.h"
+#include "pool.h"
 #include "panel.h"
 #include "quant_blob.h"
 
@@ -324,7 +325,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& blob, const c10::optio
   TORCH_CHECK(!b.has_value() || (b->scalar_type() == at::kFloat && b->is_contiguous() && b->numel() == N),
               "tfq qlinear: bias [N] fp32");
   const int64_t M = x.size(0);
-  auto y = at::empty({M, N}, x.options());
+  auto y = tfq::pool::empty({M, N}, x.options());
   if (M == 0) return y;
   if (segs[0].h.magic == tfq::blob::MAGIC_Q8) {  // activations rounded to 8 bits (quant_q8.cpp)
     tfq::q8::linear(x, segs, b.has_value() ? b->data_ptr<float>() : nullptr, y.data_ptr<float>(), N);

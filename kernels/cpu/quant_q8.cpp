@@ -37,6 +37,7 @@
 
 #include "claims.h"
 #include "lanes.h"
+#include "pool.h"
 #include "panel.h"
 #include "quant_blob.h"
 
@@ -463,7 +464,7 @@ at::Tensor linear_glu(const at::Tensor& x, const at::Tensor& blob, int64_t I) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == segs[0].h.k && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "tfq linear_glu: x [M, K] fp32, contiguous");
   const int64_t M = x.size(0), K = segs[0].h.k, pairs = I / OUT;
-  auto y = at::empty({M, I}, x.options());
+  auto y = tfq::pool::empty({M, I}, x.options());
   if (M == 0) return y;
   const Rounded rounded = round_rows(x.data_ptr<float>(), M, K);
   const auto panels = panel_jobs(segs);  // named, not bound: the threads' lambda captures them

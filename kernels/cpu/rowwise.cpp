@@ -17,6 +17,7 @@
 #include <string>
 
 #include "lanes.h"
+#include "pool.h"
 
 namespace {
 
@@ -25,7 +26,7 @@ using tfq::V;
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && x.is_contiguous() &&
               w.is_contiguous() && w.dim() == 1 && x.size(-1) == w.size(0), "tfq rms_norm: x [..., n], w [n], fp32");
-  auto y = at::empty_like(x);
+  auto y = tfq::pool::empty_like(x);
   const int64_t n = w.size(0), rows = n ? x.numel() / n : 0;
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
@@ -39,7 +40,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
 
 at::Tensor silu(const at::Tensor& x) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "tfq silu: fp32, contiguous");
-  auto y = at::empty_like(x);
+  auto y = tfq::pool::empty_like(x);
   const int64_t n = x.numel();
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -66,7 +67,7 @@ at::Tensor fma_op(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c)
   TORCH_CHECK(a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat && c.scalar_type() == at::kFloat &&
               a.is_contiguous() && b.is_contiguous() && c.is_contiguous() && a.sizes() == b.sizes() &&
               a.sizes() == c.sizes(), "tfq fma: three fp32 tensors of one shape, contiguous");
-  auto y = at::empty_like(a);
+  auto y = tfq::pool::empty_like(a);
   const int64_t n = a.numel();
   const float *ap = a.data_ptr<float>(), *bp = b.data_ptr<float>(), *cp = c.data_ptr<float>();
   float* yp = y.data_ptr<float>();

@@ -70,14 +70,18 @@ def fix_threads(n: int | None) -> None:
 
 
 def release_workers() -> bool:
-    """This thread gives back its OpenMP workers (kernels/cpu/workers.cpp), before another thread takes over the
-    forwards: libgomp keeps a pool for every thread that ran a parallel region, and with more of them than cores
-    its workers barely spin, so the stepping thread's steps slow by a third (measured: tfq serve's decode step,
-    34-35 ms against 24 ms). The runtime starts workers again if this thread computes once more. False where
-    tfq's kernels are not loaded or the OpenMP runtime cannot."""
+    """This thread gives back its OpenMP workers (kernels/cpu/workers.cpp) and the tensors its kernels keep for
+    reuse (kernels/cpu/pool.h), before another thread takes over the forwards: libgomp keeps a pool for every
+    thread that ran a parallel region, and with more of them than cores its workers barely spin, so the stepping
+    thread's steps slow by a third (measured: tfq serve's decode step, 34-35 ms against 24 ms). The runtime starts
+    workers again if this thread computes once more. False where tfq's kernels are not loaded or the OpenMP runtime
+    cannot."""
     from tfq.kernels import cpu_build
 
-    return cpu_build.built() and bool(cpu_build.op("release_workers")())
+    if not cpu_build.built():
+        return False
+    cpu_build.op("pool_release")()
+    return bool(cpu_build.op("release_workers")())
 
 
 def ladder(most: int) -> list[int]:
