@@ -22,7 +22,7 @@ from pathlib import Path
 SOURCES = ("linear.cpp", "attention.cpp", "rowwise.cpp", "layer.cpp", "quant.cpp", "quant_q8.cpp", "delta.cpp",
            "delta_layer.cpp", "moe.cpp", "workers.cpp", "pool.cpp")
 HEADERS = ("lanes.h", "panel.h", "layer_parts.h", "attention_part.h", "moe_parts.h", "delta_part.h", "quant_blob.h",
-           "checks.h", "claims.h", "pool.h")
+           "checks.h", "claims.h", "pool.h", "ops.h")
 FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
 CHOICES = ("auto", "tfq", "torch")
 OPS = ("pack", "linear", "attend", "rms_norm", "silu", "layer", "qpack", "qcat", "qlinear", "deltanet",

@@ -37,6 +37,7 @@
 
 #include "checks.h"
 #include "lanes.h"
+#include "ops.h"
 #include "pool.h"
 
 namespace {
@@ -351,6 +352,12 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 }
 
 }  // namespace
+
+at::Tensor tfq::ops::attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& table, const at::Tensor& offsets, const at::Tensor& lengths,
+                            double scale, int64_t tile, int64_t split) {
+  return ::attend(q, k_cache, v_cache, table, offsets, lengths, scale, tile, split);
+}
 
 TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) {
   m.def("attend(Tensor q, Tensor k_cache, Tensor v_cache, Tensor table, Tensor offsets, Tensor lengths, float scale, "

@@ -7,7 +7,7 @@
 // need. Each of the ~25 ops of a layer, dispatched from Python, runs its interpreter and dispatcher code cold,
 // after a linear layer has streamed tens of megabytes through the caches. Here a layer is one dispatch.
 //
-// The kernels are tfq's own ops (linear, rms_norm, attend), called through torch's dispatcher; the elementwise
+// The kernels are tfq's own ops (linear, rms_norm, attend), called straight (ops.h); the elementwise
 // steps are written here with the same roundings as the ops Python calls: rotary and the store into an fp32
 // cache in one pass (a narrow cache keeps torch's clamp and cast), the attention residual with the post norm,
 // SiLU (lanes.h, as tfq's silu) times up. Each is a row's own work, so it is row-invariant by construction.

@@ -1,5 +1,5 @@
 // The pieces a decoder layer in one call is made of (layer.cpp: attention layers; delta_layer.cpp: a hybrid's
-// DeltaNet layers): tfq's own ops called through torch's dispatcher, and the elementwise steps written with the
+// DeltaNet layers): tfq's own ops called straight (ops.h), and the elementwise steps written with the
 // roundings of the ops the layer written op by op calls (tfq/model/qwen.py). Each is a row's own work.
 #pragma once
 
@@ -14,6 +14,7 @@
 
 #include "checks.h"
 #include "lanes.h"
+#include "ops.h"
 #include "pool.h"
 #include "quant_blob.h"
 
@@ -23,27 +24,21 @@ using OptTensor = c10::optional<at::Tensor>;
 
 // fp32 panels (linear.cpp) or a quantized blob (quant.cpp, uint8): the same recipe either way
 inline at::Tensor linear(const at::Tensor& x, const at::Tensor& panels, const OptTensor& bias, int64_t n) {
-  using Linear = at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t);
-  static auto fp32 = c10::Dispatcher::singleton().findSchemaOrThrow("tfq_cpu::linear", "").typed<Linear>();
-  static auto quant = c10::Dispatcher::singleton().findSchemaOrThrow("tfq_cpu::qlinear", "").typed<Linear>();
-  return (panels.scalar_type() == at::kByte ? quant : fp32).call(x.contiguous(), panels, bias, n);
+  return panels.scalar_type() == at::kByte ? tfq::ops::qlinear(x.contiguous(), panels, bias, n)
+                                           : tfq::ops::linear(x.contiguous(), panels, bias, n);
 }
 
 inline at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("tfq_cpu::rms_norm", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
-  return op.call(x.contiguous(), w, eps);
+  return tfq::ops::rms_norm(x.contiguous(), w, eps);
 }
 
 inline at::Tensor attend(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& table,
-                  const at::Tensor& offsets, const at::Tensor& lengths, double scale, int64_t tile, int64_t split) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("tfq_cpu::attend", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                         const at::Tensor&, const at::Tensor&, double, int64_t, int64_t)>();
-  return op.call(q.contiguous(), kc, vc, table, offsets, lengths, scale, tile, split);
+                         const at::Tensor& offsets, const at::Tensor& lengths, double scale, int64_t tile,
+                         int64_t split) {
+  return tfq::ops::attend(q.contiguous(), kc, vc, table, offsets, lengths, scale, tile, split);
 }
+
+constexpr int64_t MOST_ROTARY = 1024;  // dimensions a head turns (Qwen's: 64 to 256)
 
 // Rotary on queries and keys over each head's first R dimensions (R = D, or fewer for a hybrid's partial
 // rotary), x_i * cos_i + x_{(i + R/2) mod R} * sin_i (two products and a sum, each rounded once: torch's x * cos +
@@ -56,7 +51,7 @@ inline void rotary_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tenso
                          at::Tensor& v_cache, const at::Tensor& rows, int64_t H, int64_t Hkv, int64_t D) {
   TORCH_CHECK(qkv.is_contiguous() && qkv.size(1) >= (H + 2 * Hkv) * D && cos.is_contiguous() && sin.is_contiguous() &&
               rows.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && cos.size(-1) <= D &&
-              cos.size(-1) % 2 == 0, "tfq layer: rotary_store layouts");
+              cos.size(-1) % 2 == 0 && cos.size(-1) <= MOST_ROTARY, "tfq layer: rotary_store layouts");
   const int64_t n = qkv.size(0), width = qkv.size(1), R = cos.size(-1), half = R / 2;
   float* qkvp = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
@@ -66,7 +61,7 @@ inline void rotary_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tenso
   float* vcp = v_cache.data_ptr<float>();
   const int64_t row = Hkv * D;
   at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
-    std::vector<float> head(R);  // a query head's values before it turns in place
+    float head[MOST_ROTARY];  // a query head's values before it turns in place (no allocation a call)
     for (int64_t r = r0; r < r1; r++) {
       const float* c = cp + r * R;
       const float* s = sp + r * R;
@@ -75,8 +70,8 @@ inline void rotary_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tenso
         const float* x = line + h * D;
         float* out = h < H ? line + h * D : kcp + rp[r] * row + (h - H) * D;
         if (h < H) {
-          std::copy(x, x + R, head.begin());
-          x = head.data();
+          std::copy(x, x + R, head);
+          x = head;
         }
         for (int64_t i = 0; i < R; i++) {
           const float a = x[i] * c[i], b = x[i < half ? i + half : i - half] * s[i];

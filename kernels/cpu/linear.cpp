@@ -26,6 +26,7 @@
 
 #include "checks.h"
 #include "lanes.h"
+#include "ops.h"
 #include "pool.h"
 #include "panel.h"
 
@@ -227,6 +228,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& panels, const c10::opti
 }
 
 }  // namespace
+
+at::Tensor tfq::ops::linear(const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& b,
+                            int64_t N) {
+  return ::linear(x, panels, b, N);
+}
 
 namespace tfq {
 

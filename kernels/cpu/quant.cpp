@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "lanes.h"
+#include "ops.h"
 #include "pool.h"
 #include "panel.h"
 #include "quant_blob.h"
@@ -434,6 +435,11 @@ at::Tensor qcat(at::TensorList blobs) {
 }
 
 }  // namespace
+
+at::Tensor tfq::ops::qlinear(const at::Tensor& x, const at::Tensor& blob, const c10::optional<at::Tensor>& b,
+                             int64_t N) {
+  return ::qlinear(x, blob, b, N);
+}
 
 namespace tfq::quant {
 

@@ -17,6 +17,7 @@
 #include <string>
 
 #include "lanes.h"
+#include "ops.h"
 #include "pool.h"
 
 namespace {
@@ -80,6 +81,8 @@ at::Tensor fma_op(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c)
 std::string lanes() { return tfq::LANES; }
 
 }  // namespace
+
+at::Tensor tfq::ops::rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) { return ::rms_norm(x, w, eps); }
 
 TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) {
   m.def("lanes() -> str", lanes);
