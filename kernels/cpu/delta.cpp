@@ -29,6 +29,7 @@
 
 #include "checks.h"
 #include "lanes.h"
+#include "pool.h"
 
 namespace {
 
@@ -197,10 +198,11 @@ at::Tensor deltanet(const at::Tensor& x, const at::Tensor& a, const at::Tensor& 
   }
   TORCH_CHECK(!d.saves || (save_conv.sizes() == conv_state.sizes() && save_rec.sizes() == rec_state.sizes()),
               "tfq deltanet: save_conv and save_rec shaped as the states");
-  auto conv = at::empty_like(x);
-  auto q = at::empty({d.rows, qk}, x.options()), k = at::empty({d.rows, qk}, x.options());
-  auto beta = at::empty({d.rows, value_heads}, x.options()), decay = at::empty({d.rows, value_heads}, x.options());
-  auto out = at::empty({d.rows, value_heads * value_dim}, x.options());
+  auto conv = tfq::pool::empty_like(x);
+  auto q = tfq::pool::empty({d.rows, qk}, x.options()), k = tfq::pool::empty({d.rows, qk}, x.options());
+  auto beta = tfq::pool::empty({d.rows, value_heads}, x.options());
+  auto decay = tfq::pool::empty({d.rows, value_heads}, x.options());
+  auto out = tfq::pool::empty({d.rows, value_heads * value_dim}, x.options());
   const int64_t window = (d.kernel - 1) * d.channels, state = value_heads * key_dim * value_dim;
   float* cs = conv_state.data_ptr<float>();
   float* rs = rec_state.data_ptr<float>();
@@ -239,7 +241,7 @@ at::Tensor gated_rms_norm(const at::Tensor& x, const at::Tensor& w, const at::Te
   TORCH_CHECK(x.scalar_type() == at::kFloat && z.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat &&
               x.is_contiguous() && z.is_contiguous() && w.is_contiguous() && x.sizes() == z.sizes() &&
               x.size(-1) == w.size(0), "tfq gated_rms_norm: x and z [..., n], w [n], fp32");
-  auto y = at::empty_like(x);
+  auto y = tfq::pool::empty_like(x);
   const int64_t n = w.size(0), rows = n ? x.numel() / n : 0;
   const float e = static_cast<float>(eps);
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
@@ -264,7 +266,7 @@ at::Tensor gated_rms_norm(const at::Tensor& x, const at::Tensor& w, const at::Te
 at::Tensor sigmoid_gate(const at::Tensor& x, const at::Tensor& g) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && g.scalar_type() == at::kFloat && x.is_contiguous() &&
               g.is_contiguous() && x.sizes() == g.sizes(), "tfq sigmoid_gate: x and g alike, fp32");
-  auto y = at::empty_like(x);
+  auto y = tfq::pool::empty_like(x);
   const int64_t n = x.numel();
   at::parallel_for(0, (n + 15) / 16, 256, [&](int64_t b0, int64_t b1) {
     alignas(64) float in[16], s[16];

@@ -86,8 +86,8 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_route(const at::Tensor
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous() && chosen > 0 &&
               chosen <= logits.size(1), "tfq moe_route: logits [rows, experts] float32, 0 < chosen <= experts");
   const int64_t rows = logits.size(0), E = logits.size(1);
-  auto ids = at::empty({rows, chosen}, logits.options().dtype(at::kLong));
-  auto weights = at::empty({rows, chosen}, logits.options());
+  auto ids = tfq::pool::empty({rows, chosen}, logits.options().dtype(at::kLong));
+  auto weights = tfq::pool::empty({rows, chosen}, logits.options());
   std::vector<int64_t> unsure;
   const float* x = logits.data_ptr<float>();
   int64_t* ip = ids.data_ptr<int64_t>();
@@ -188,7 +188,7 @@ inline at::Tensor moe_mixture(const at::Tensor& h, const at::Tensor& ids, const 
   const bool in_place = rows == 1 && static_cast<int64_t>(groups.size()) == pairs;
   at::Tensor picked;
   if (!in_place) {
-    picked = at::empty({pairs, hidden}, x.options());
+    picked = tfq::pool::empty({pairs, hidden}, x.options());
     float* pp = picked.data_ptr<float>();
     for (int64_t q = 0; q < pairs; q++) std::memcpy(pp + q * hidden, xp + (order[q] / chosen) * hidden, hidden * 4);
   }
@@ -253,7 +253,7 @@ inline at::Tensor moe_mixture(const at::Tensor& h, const at::Tensor& ids, const 
   std::vector<int64_t>& at_pair = at_pair_kept;  // (row, rank) -> its place among the grouped outputs
   at_pair.resize(static_cast<size_t>(pairs));
   for (int64_t q = 0; q < pairs; q++) at_pair[order[q]] = q;
-  auto out = at::empty({rows, hidden}, x.options());
+  auto out = tfq::pool::empty({rows, hidden}, x.options());
   const at::Tensor base = residual.has_value() ? residual->contiguous() : at::Tensor();
   TORCH_CHECK(!base.defined() || (base.sizes() == out.sizes() && base.scalar_type() == at::kFloat),
               "tfq moe_mixture: the residual ", base.sizes(), ", not the rows' ", out.sizes());
@@ -269,7 +269,7 @@ inline at::Tensor moe_mixture(const at::Tensor& h, const at::Tensor& ids, const 
   const float* nw = nullptr;
   if (next) {
     tfq::checks::vector_of("tfq moe_mixture", "the next norm", next->w, hidden, "hidden");
-    next->out = at::empty({rows, hidden}, x.options());
+    next->out = tfq::pool::empty({rows, hidden}, x.options());
     np = next->out.data_ptr<float>();
     nw = next->w.data_ptr<float>();
   }
