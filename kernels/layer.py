@@ -166,6 +166,16 @@ class StackInputs:
     segments: torch.Tensor
 
 
+@dataclass
+class DrawFacts:
+    """A table the one object's head fills, a row for each logits row it returns: (1 if every value is finite else
+    0, the row's first largest, `stamp`) (kernels/cpu/row_facts.h). Its owner advances `stamp` before each forward,
+    so a row holding another stamp was not written by this forward (its head ran elsewhere)."""
+
+    table: torch.Tensor  # [rows, 3] int64
+    stamp: int = 0
+
+
 class BuiltStack(NamedTuple):
     """A model's layers as one C++ object (layer_stack), with the backend and the layers it was built from: it runs
     only while the model still holds both."""
@@ -242,16 +252,17 @@ def _stackable(w: AttentionWeights | DeltaLayerWeights) -> bool:
 
 
 def stack_forward(x: torch.Tensor, stack: StackHandle, at: StackInputs, clock: torch.Tensor | None = None,
-                  first: int = 0, logit_rows: torch.Tensor | None = None) -> StackOut:
+                  first: int = 0, logit_rows: torch.Tensor | None = None, facts: DrawFacts | None = None) -> StackOut:
     """x [N, hidden] through the layers of `stack` from `first` in one call: decoder_layer_fixed layer after layer
     (a DeltaNet layer: delta_layer_fixed's ops; a mixture's: attention_layer_fixed, the router, route_fixed and
     mixture_fixed), the same functions on the same tensors (kernels/cpu/layer.cpp). `clock` gains the router's
     seconds with the experts'. `logit_rows` (a stack with a head): the output is those rows' logits, the final norm
-    and the head run after the last layer."""
+    and the head run after the last layer; `facts`, then, gains what a draw reads of each (DrawFacts)."""
     table, offsets, lengths = attention_tables(at.batch, x.shape[0])
     return StackOut(*cpu_build.op("stack_forward")(
         x, stack.id, first, at.cos, at.sin, at.caches.id, at.rows, SATURATE.get(at.cache_dtype, 0.0), table, offsets,
-        lengths, KEY_TILE, SPLIT_ROWS if at.batch.partial else 0, at.segments, logit_rows, clock))
+        lengths, KEY_TILE, SPLIT_ROWS if at.batch.partial else 0, at.segments, logit_rows, clock,
+        facts and facts.table, facts.stamp if facts else 0))
 
 
 NO_SEGMENTS = torch.empty(0, 5, dtype=torch.int64)  # a model without DeltaNet layers

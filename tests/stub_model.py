@@ -41,7 +41,7 @@ class StubModel:
         self.rows_run = 0  # rows through forward, in all
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache, cache_rows: torch.Tensor, batch,
-                logit_rows: torch.Tensor, segments=None) -> torch.Tensor:
+                logit_rows: torch.Tensor, segments=None, facts=None) -> torch.Tensor:  # facts: no object fills them
         keys = cache.k[0]
         keys[cache_rows, 0, 0] = ids.to(keys.dtype)
         keys[cache_rows, 0, 1] = (positions + 1).to(keys.dtype)  # 0: a row never written

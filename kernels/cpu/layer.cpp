@@ -21,6 +21,7 @@
 #include "attention_part.h"
 #include "delta_part.h"
 #include "moe_parts.h"
+#include "row_facts.h"
 
 namespace {
 
@@ -223,15 +224,32 @@ struct Caches : Named<Caches> {
 
 // The head over the last layer's rows that draw (`rows`: their indices): the final norm, then the head, as
 // Qwen.logits runs them op by op. A forward whose every row draws in order (a decode step's) gathers nothing.
-at::Tensor logits_of(const Stack& s, const at::Tensor& h, const at::Tensor& rows, const OptTensor& clock) {
+// `facts` [rows, 3] int64, where given: each logits row's (every value finite, its first largest, `stamp`).
+at::Tensor logits_of(const Stack& s, const at::Tensor& h, const at::Tensor& rows, const OptTensor& clock,
+                     const OptTensor& facts, int64_t stamp) {
   TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.is_contiguous(),
               "tfq stack_forward: logit rows are a contiguous int64 vector");
   const int64_t* r = rows.data_ptr<int64_t>();
   bool all = rows.numel() == h.size(0);
   for (int64_t i = 0; all && i < rows.numel(); i++) all = r[i] == i;
   const at::Tensor normed = rms_norm(all ? h : h.index_select(0, rows), s.final_norm, s.eps);
-  Clock c(clock, 0);  // the head is a linear layer
-  return linear(normed, s.head_panels, c10::nullopt, s.vocab);
+  at::Tensor logits;
+  {
+    Clock c(clock, 0);  // the head is a linear layer
+    logits = linear(normed, s.head_panels, c10::nullopt, s.vocab);
+  }
+  if (facts) {  // on this thread, which the draw's digest reads the row on next
+    TORCH_CHECK(facts->dim() == 2 && facts->size(0) == logits.size(0) && facts->size(1) == 3 &&
+                facts->scalar_type() == at::kLong && facts->is_contiguous(), "tfq stack_forward: facts [",
+                logits.size(0), ", 3] contiguous int64, not ", facts->sizes(), " ", facts->scalar_type());
+    int64_t* f = facts->data_ptr<int64_t>();
+    const float* lp = logits.data_ptr<float>();
+    for (int64_t r = 0; r < logits.size(0); r++) {
+      const tfq::RowFacts row = tfq::row_facts(lp + r * s.vocab, s.vocab);
+      f[3 * r] = row.finite, f[3 * r + 1] = row.first, f[3 * r + 2] = stamp;
+    }
+  }
+  return logits;
 }
 
 // x [N, hidden] through the stack's layers from `first`; attention layer i's keys and values go to the caches'
@@ -241,12 +259,12 @@ at::Tensor logits_of(const Stack& s, const at::Tensor& h, const at::Tensor& rows
 // `layer` op takes them. Returns (the output, the stack's layer count, nothing) or, where a mixture's route for
 // some row was unsure (moe_route: an exp glibc's float64 value cannot round for sure, which Python's route
 // answers), (that layer's token mixer's residual, the layer, its post norm): the caller runs that layer's mixture
-// (its shared expert too) and goes on from the next layer.
+// (its shared expert too) and goes on from the next layer. `facts`, where the head runs: logits_of's.
 std::tuple<at::Tensor, int64_t, at::Tensor> stack_forward(
     const at::Tensor& x, int64_t stack, int64_t first, const at::Tensor& cos, const at::Tensor& sin, int64_t caches,
     const at::Tensor& rows, double saturate, const at::Tensor& table, const at::Tensor& offsets,
     const at::Tensor& lengths, int64_t tile, int64_t split, const at::Tensor& segments, const OptTensor& logit_rows,
-    const OptTensor& clock) {
+    const OptTensor& clock, const OptTensor& facts, int64_t stamp) {
   const Stack* s = &Stack::at(stack, "Stack");
   TORCH_CHECK(!logit_rows || s->head_panels.defined(), "tfq stack_forward: logit rows for a Stack without a head");
   const Caches* bound = &Caches::at(caches, "Caches");
@@ -304,7 +322,7 @@ std::tuple<at::Tensor, int64_t, at::Tensor> stack_forward(
     h = tfq::moe::moe_mixture(h2, ids, weights, s->banks[i], s->moe_intermediate, clock, x2, last ? nullptr : &next,
                               shared);
   }
-  if (logit_rows) h = logits_of(*s, h, *logit_rows, clock);
+  if (logit_rows) h = logits_of(*s, h, *logit_rows, clock, facts, stamp);
   return {h, n, at::empty({0}, x.options())};
 }
 
@@ -334,7 +352,8 @@ TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) {
   // stack and caches: the ids of a Stack and a Caches the caller holds (their id()); it writes those caches
   m.def("stack_forward(Tensor x, int stack, int first, Tensor cos, Tensor sin, int caches, Tensor rows, "
         "float saturate, Tensor table, Tensor offsets, Tensor lengths, int tile, int split, Tensor segments, "
-        "Tensor? logit_rows=None, Tensor? clock=None) -> (Tensor, int, Tensor)");
+        "Tensor? logit_rows=None, Tensor? clock=None, Tensor(a!)? facts=None, int stamp=0) "
+        "-> (Tensor, int, Tensor)");
 }
 TORCH_LIBRARY_IMPL(tfq_cpu, CPU, m) {
   m.impl("layer", decoder_layer);

@@ -19,6 +19,7 @@
 #include "lanes.h"
 #include "ops.h"
 #include "pool.h"
+#include "row_facts.h"
 
 namespace {
 
@@ -80,6 +81,21 @@ at::Tensor fma_op(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c)
 
 std::string lanes() { return tfq::LANES; }
 
+// rows [R, n] fp32 -> [R, 2] int64: each row's (1 if every value is finite else 0, its first largest or -1), as the
+// model's one object gives them beside its logits (row_facts.h); an op of its own for the tests and the guard
+at::Tensor row_facts_op(const at::Tensor& rows) {
+  TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == at::kFloat && rows.is_contiguous(),
+              "tfq row_facts: rows [R, n] fp32, contiguous");
+  auto out = at::empty({rows.size(0), 2}, rows.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  const float* xp = rows.data_ptr<float>();
+  for (int64_t r = 0; r < rows.size(0); r++) {
+    const tfq::RowFacts f = tfq::row_facts(xp + r * rows.size(1), rows.size(1));
+    op[2 * r] = f.finite, op[2 * r + 1] = f.first;
+  }
+  return out;
+}
+
 }  // namespace
 
 at::Tensor tfq::ops::rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) { return ::rms_norm(x, w, eps); }
@@ -89,9 +105,11 @@ TORCH_LIBRARY_FRAGMENT(tfq_cpu, m) {
   m.def("fma(Tensor a, Tensor b, Tensor c) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("silu(Tensor x) -> Tensor");
+  m.def("row_facts(Tensor rows) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(tfq_cpu, CPU, m) {
   m.impl("fma", fma_op);
   m.impl("rms_norm", rms_norm);
   m.impl("silu", silu);
+  m.impl("row_facts", row_facts_op);
 }

@@ -10,6 +10,7 @@ from tfq.engine.cache import KVCache
 from tfq.engine.pages import Placement
 from tfq.kernels.attention import AttentionBatch, Chunk, DecodeGroup, tile_count
 from tfq.kernels.contract import KEY_TILE
+from tfq.kernels.layer import DrawFacts
 from tfq.model.segments import Segment, Segments
 
 
@@ -50,6 +51,7 @@ class StepRows:
     logit_rows: torch.Tensor  # rows whose logits are drawn from, feed by feed
     counts: list[int]  # logits rows of each feed
     segments: Segments
+    facts: DrawFacts | None = None  # what the one object's head says of each logits row (DecodeRows' tables)
 
 
 def step_rows(cache: KVCache, feeds: list[Feed], arithmetic: Arithmetic) -> StepRows:
@@ -92,24 +94,38 @@ class DecodeRows:
         self.cache = cache
         self.kept: StepRows | None = None
         self.key: tuple = ()
-        self._ids = self._positions = self._rows = self._lengths = None  # numpy views of the kept tensors
+        self.served = False  # the last forward ran on these tables
+        self.stamp = 0  # advanced every forward they serve: the facts of that forward carry it
+        self._ids = self._positions = self._rows = self._lengths = self._facts = None  # numpy views of the tensors
 
     def rows(self, feeds: list[Feed], arithmetic: Arithmetic) -> StepRows:
-        if not all(len(f.tokens) == 1 and f.logits == 1 and f.guesses == 0 and f.start > 0 for f in feeds):
+        self.served = all(len(f.tokens) == 1 and f.logits == 1 and f.guesses == 0 and f.start > 0 for f in feeds)
+        if not self.served:
             return step_rows(self.cache, feeds, arithmetic)
+        self.stamp += 1
         key = (arithmetic, tuple(self._holds(f) for f in feeds))
         if key != self.key:  # () at first: no forward's key
             self.kept, self.key = step_rows(self.cache, feeds, arithmetic), key
+            self.kept.facts = DrawFacts(torch.zeros(len(feeds), 3, dtype=torch.int64), self.stamp)
             d = self.kept.batch.decode
-            self._ids, self._positions, self._rows, self._lengths = (
-                t.numpy() for t in (self.kept.ids, self.kept.positions, self.kept.cache_rows, d.lengths))
+            self._ids, self._positions, self._rows, self._lengths, self._facts = (t.numpy() for t in (
+                self.kept.ids, self.kept.positions, self.kept.cache_rows, d.lengths, self.kept.facts.table))
             return self.kept
+        self.kept.facts.stamp = self.stamp
         for i, f in enumerate(feeds):
             self._ids[i], self._positions[i], self._lengths[i] = f.tokens[0], f.start, f.start + 1
             self._rows[i] = f.placement.row(f.start)
         self.kept.batch.memo.clear()  # what the attention derived from the last step's lengths
         self.kept.batch.decode.memo.clear()
         return self.kept
+
+    def drawn(self, i: int) -> tuple[bool, int] | None:
+        """What the last forward's one object said of feed i's logits row: (every value finite, its first
+        largest); None where that forward did not run on these tables or its head ran elsewhere."""
+        if not self.served:
+            return None
+        finite, first, stamp = self._facts[i].tolist()
+        return (finite == 1, first) if stamp == self.stamp else None
 
     @staticmethod
     def _holds(f: Feed) -> tuple:
@@ -125,7 +141,7 @@ def forward(model, cache: KVCache, feeds: list[Feed], arithmetic: Arithmetic = A
     """Run every feed in one forward (cache first), in `arithmetic`; returns each feed's logits rows
     [logits, vocab]. `kept`: the runner's decode tables, rewritten in place where they serve."""
     s = kept.rows(feeds, arithmetic) if kept is not None else step_rows(cache, feeds, arithmetic)
-    logits = model.forward(s.ids, s.positions, cache, s.cache_rows, s.batch, s.logit_rows, s.segments)
+    logits = model.forward(s.ids, s.positions, cache, s.cache_rows, s.batch, s.logit_rows, s.segments, s.facts)
     return [logits] if len(s.counts) == 1 else list(logits.split(s.counts))  # split: tens of us a step at one lane
 
 

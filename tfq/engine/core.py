@@ -229,7 +229,8 @@ class Engine:
         if step.scheduled:
             if self.threads is not None:
                 self.threads.step(self._proved)
-            drawn = [self._draw_rows(s.stream, s.feed, rows) for s, rows in zip(step.scheduled, self._forward(step))]
+            drawn = [self._draw_rows(s.stream, s.feed, rows, self.runner.drawn(i))
+                     for i, (s, rows) in enumerate(zip(step.scheduled, self._forward(step)))]
             self.runner.settle(self.scheduler.update(step, [len(d) for d in drawn], time.perf_counter() - start))
             outputs += [out for d in drawn for out in d]
         return outputs
@@ -288,9 +289,10 @@ class Engine:
         return results
 
     # -- applying a forward ---------------------------------------------------------------------------------
-    def _draw_rows(self, st: Stream, feed, rows: torch.Tensor) -> list[Output]:
+    def _draw_rows(self, st: Stream, feed, rows: torch.Tensor, facts: tuple[bool, int] | None = None) -> list[Output]:
         """One stream's logits rows: the prompt rows score its prompt; then it draws row by row while each draw
-        confirms the guess fed after it. When its own work fails (draw, detokenize, stops), it alone fails."""
+        confirms the guess fed after it. When its own work fails (draw, detokenize, stops), it alone fails. `facts`:
+        what the model's one object said of its one row (Runner.drawn)."""
         try:
             draws = 1 + feed.guesses if feed.start + feed.chunk == len(st.tokens) else 0  # 0: short of the end
             n = rows.shape[0]  # (len and slices of a tensor cost microseconds each, every step)
@@ -298,7 +300,7 @@ class Engine:
                 self._score_prompt(st, feed.start + len(feed.tokens) - feed.logits, rows[:n - draws])
             guesses, outputs = feed.tokens[feed.chunk:], []
             for row_logits in (rows if n == draws else rows[n - draws:]).unbind(0):
-                outputs.append(self._draw(st, row_logits))
+                outputs.append(self._draw(st, row_logits, facts if n == 1 else None))
                 # the next row was fed the guess after this draw's: it counts only while every draw confirms
                 if st.finish is not None or accepted(guesses, [o.token for o in outputs]) < len(outputs):
                     break
@@ -314,14 +316,18 @@ class Engine:
         log.error("stream %d failed %s", st.id, doing, exc_info=e)
         st.fail(f"the stream failed while {doing}: {type(e).__name__}: {e}", fault=True)
 
-    def _draw(self, st: Stream, logits: torch.Tensor) -> Output:
+    def _draw(self, st: Stream, logits: torch.Tensor, facts: tuple[bool, int] | None = None) -> Output:
+        """`facts`: (every value finite, the first largest) as the one object found them where its head wrote
+        the row, the same answers as numpy's here (kernels/cpu/row_facts.h), read there for speed."""
         req = st.request
-        if not finite(logits):
+        if not (facts[0] if facts is not None else finite(logits)):
             raise FloatingPointError(f"the logits row at position {len(st.tokens)} is not finite")
         st.digests.append(digest(logits))
         if self.keep_logits:
             st.logits.append(logits.clone())
-        token = sample(self._shaped(st, logits), req.temperature, req.top_p, req.seed, len(st.tokens))
+        shaped = self._shaped(st, logits)
+        greedy = facts is not None and shaped is logits and req.temperature <= 0  # the model's row, its largest
+        token = facts[1] if greedy else sample(shaped, req.temperature, req.top_p, req.seed, len(st.tokens))
         scored = logprob(logits, token, req.logprobs) if req.logprobs is not None else None
         if scored is not None:
             st.logprobs.append(scored)

@@ -31,13 +31,14 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from tfq.decode.sampling import digest
+from tfq.decode.sampling import digest, finite
 from tfq.engine.batch import Arithmetic, Feed, step_rows
 from tfq.engine.cache import CacheSpec, KVCache
 from tfq.engine.guard_draws import drawn_tokens, scores
 from tfq.engine.pages import Placement, pages_for
 from tfq.errors import TfqError
 from tfq.kernels.contract import KEY_TILE
+from tfq.kernels.layer import DrawFacts
 from tfq.model.layers import DeltaLayer
 
 LANE_WINDOW = 384  # rows of each probe lane: the deepest probe sits at position 300, past a 256-row split
@@ -171,6 +172,7 @@ ONE_CALL, ONE_CALL_STORE = "layer in one call", "layer in one call's cache store
 STACKED, STACKED_STORE = "layer as the model's one object", "layer as the model's one object's cache store"
 CHAIN, CHAIN_BY_OPS = "layers in a row as the model's one object", "layers in a row op by op"
 STACKED_HEAD, HEAD_BY_OPS = "head in the model's one object", "head op by op after the one object's layer"
+STACKED_FACTS, FACTS_BY_NUMPY = "draw's facts in the model's one object", "draw's facts by numpy"
 
 
 def _one_call_agrees(record: Record, threads: int) -> Failure | None:
@@ -178,7 +180,8 @@ def _one_call_agrees(record: Record, threads: int) -> Failure | None:
     those of the last residual, its cache rows those of the cache store (a DeltaNet layer: its streams' states
     those of the recurrence); so does the layer run as the model's one object (a Stack of it alone: the
     engine's forward runs every layer so, one after another), its head after it the logits of the final norm and head
-    op by op, and the proved layers in a row as one object give what they give op by op one after another. (Their
+    op by op (and, of each logits row, numpy's finite check and argmax: the facts the engine's draw takes), and the
+    proved layers in a row as one object give what they give op by op one after another. (Their
     row invariance is then proved with every other op's, scene by scene.)"""
     for call, store in ((ONE_CALL, ONE_CALL_STORE), (STACKED, STACKED_STORE)):
         for name in [op for op in record.ops if op.endswith(call)]:
@@ -188,13 +191,21 @@ def _one_call_agrees(record: Record, threads: int) -> Failure | None:
                 for probe, rows in record.ops[one].items():
                     if not torch.equal(rows, record.ops[by_ops][probe]):
                         return Failure(one, probe, "from those of the layer run op by op", threads)
-    pairs = [(op, op[:-len(STACKED_HEAD)] + HEAD_BY_OPS, "final norm and head") for op in record.ops
-             if op.endswith(STACKED_HEAD)] + [(CHAIN, CHAIN_BY_OPS, "layers")] * (CHAIN in record.ops)
-    for one, by_ops, what in pairs:  # the head the object holds, its layers in a row
+    pairs = [(op, op[:-len(end)] + by_ops, what) for end, by_ops, what in (
+        (STACKED_HEAD, HEAD_BY_OPS, "final norm and head"), (STACKED_FACTS, FACTS_BY_NUMPY, "draw's checks"))
+        for op in record.ops if op.endswith(end)] + [(CHAIN, CHAIN_BY_OPS, "layers")] * (CHAIN in record.ops)
+    for one, by_ops, what in pairs:  # the head the object holds and what it says of its rows, its layers in a row
         for probe, rows in record.ops[one].items():
             if not torch.equal(rows, record.ops[by_ops][probe]):
                 return Failure(one, probe, f"from those of the {what} run op by op", threads)
     return None
+
+
+def _facts_by_numpy(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's (1 if every value is finite else 0, its first largest, or -1) as the engine's draw finds them
+    without the object: sampling.finite and numpy's argmax."""
+    return torch.tensor([[1, int(r.numpy().argmax())] if finite(r) else [0, -1] for r in logits.cpu()],
+                        dtype=torch.int64).reshape(-1, 2)
 
 
 def _kept_nowhere(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -339,7 +350,11 @@ class _Bench:
                     head = _Tap(keep_logits, record, prefix)
                     head(HEAD_BY_OPS, model.logits(x.index_select(0, s.logit_rows)))
                     self.restore()
-                    head(STACKED_HEAD, model.run_stack(stack, [layer], x0, inputs, s.segments, s.logit_rows))
+                    facts = DrawFacts(torch.zeros(s.logit_rows.shape[0], 3, dtype=torch.int64), 1)
+                    logits = head(STACKED_HEAD, model.run_stack(stack, [layer], x0, inputs, s.segments, s.logit_rows,
+                                                                facts))
+                    head(STACKED_FACTS, facts.table[:, :2].clone())
+                    head(FACTS_BY_NUMPY, _facts_by_numpy(logits))
             if self.chain_stack is not None:  # each kind's cache layer 0 again for each of its layers in the row
                 tap = _Tap(keep, record)
                 if chain_by_ops:

@@ -73,6 +73,10 @@ class Runner:
         self.forwards += 1
         return forward(self.model, self.cache, feeds, self.policy(feeds), self.decode_rows)
 
+    def drawn(self, i: int) -> tuple[bool, int] | None:
+        """What the last forward's one object said of feed i's logits row (DecodeRows.drawn), or None."""
+        return self.decode_rows.drawn(i)
+
     def propose(self, streams: list[Stream], budgets: list[int]) -> dict[int, list[int]]:
         """The drafter's guesses for the next step: stream id -> up to budgets[i] tokens."""
         if self.drafter is None or not streams:

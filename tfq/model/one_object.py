@@ -13,7 +13,7 @@ import operator
 import torch
 
 from tfq.kernels.attention import AttentionBatch
-from tfq.kernels.layer import NO_SEGMENTS, BuiltStack, StackInputs, bind_caches
+from tfq.kernels.layer import NO_SEGMENTS, BuiltStack, DrawFacts, StackInputs, bind_caches
 from tfq.model.layers import Layer
 from tfq.model.moe import untapped
 from tfq.model.segments import Segments
@@ -72,15 +72,17 @@ class OneObject:
                            NO_SEGMENTS if all(attention) else segments.table)
 
     def run_stack(self, handle, layers: list[Layer], x: torch.Tensor, inputs: StackInputs,
-                  segments: Segments | None = None, logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+                  segments: Segments | None = None, logit_rows: torch.Tensor | None = None,
+                  facts: DrawFacts | None = None) -> torch.Tensor:
         """x through `layers` as their one object `handle` runs them, in one call; where some row's route in a
         mixture's layer was unsure (moe_route: an exp glibc cannot round for sure), that layer's mixture as its
         one call runs it (route asks mpmath for those rows; a shared expert too) on the token mixer's residual and
         post norm the object gave back, then the object goes on from the next layer: the ops of each layer in one
-        call, in their order. With `logit_rows` (a handle with a head) it returns those rows' logits."""
+        call, in their order. With `logit_rows` (a handle with a head) it returns those rows' logits, and `facts`
+        gains what a draw reads of each."""
         first = 0
         while True:
-            out = self.backend.stack_forward(x, handle, inputs, self.layer_clock, first, logit_rows)
+            out = self.backend.stack_forward(x, handle, inputs, self.layer_clock, first, logit_rows, facts)
             if out.layer == len(layers):
                 return out.x
             x, first = out.x + self.mixture(layers[out.layer].moe, out.h, untapped, segments), out.layer + 1

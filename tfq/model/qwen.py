@@ -29,7 +29,7 @@ from tfq.kernels.delta import (
     gated_rms_norm,
     sigmoid_gate,
 )
-from tfq.kernels.layer import AttentionInputs, DeltaState, LayerSizes, fusable
+from tfq.kernels.layer import AttentionInputs, DeltaState, DrawFacts, LayerSizes, fusable
 from tfq.kernels.quant import Quantized, Stacked
 from tfq.kernels.rowwise import rms_norm_fixed
 from tfq.model.config import ModelConfig
@@ -185,10 +185,12 @@ class Qwen(OneObject):
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache, cache_rows: torch.Tensor,
-                batch: AttentionBatch, logit_rows: torch.Tensor, segments: Segments | None = None) -> torch.Tensor:
+                batch: AttentionBatch, logit_rows: torch.Tensor, segments: Segments | None = None,
+                facts: DrawFacts | None = None) -> torch.Tensor:
         """ids, positions, cache_rows: [N] (cache_rows: where each row's key and value are stored); segments:
         each stream's rows for the DeltaNet layers, and their algorithm (tfq.engine.batch.step_rows). Returns fp32
-        logits [len(logit_rows), vocab] on the CPU (where sampling and digests run)."""
+        logits [len(logit_rows), vocab] on the CPU (where sampling and digests run). `facts` gains what a draw
+        reads of each row where the one object runs the head (elsewhere it is left as it was)."""
         dev = self.backend.device
         if dev.type != "cpu":  # each .to costs microseconds even where it has nothing to do
             ids, positions, logit_rows = ids.to(dev), positions.to(dev), logit_rows.to(dev)
@@ -198,7 +200,7 @@ class Qwen(OneObject):
             handle = self.stack.handle  # with the head: it returns the logits rows' logits, on the CPU
             x = self.run_stack(handle, self.layers, x, self.stack_inputs(
                 self.layers, self.cache_index, cache, (cos, sin), cache_rows, batch, segments), segments,
-                logit_rows if handle.head else None)
+                logit_rows if handle.head else None, facts)
             if handle.head:
                 return x
         else:

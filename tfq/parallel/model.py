@@ -105,16 +105,16 @@ class ShardedQwen(Qwen):
         return cache.serial
 
     @torch.inference_mode()
-    def forward(self, ids, positions, cache, cache_rows, batch, logit_rows, segments=None):
+    def forward(self, ids, positions, cache, cache_rows, batch, logit_rows, segments=None, facts=None):
         if self.local or self.shard.rank != 0:
-            return super().forward(ids, positions, cache, cache_rows, batch, logit_rows, segments)
+            return super().forward(ids, positions, cache, cache_rows, batch, logit_rows, segments, facts)
         with self.group.in_step():  # the other ranks run this forward's collectives with rank 0 to the end
             serial = self._serial(cache)
             dropped = list(self.dropped)
             self.dropped.clear()
             self.group.send(("forward", self.what, serial, cache.spec, dropped,
                              (ids, positions, cache_rows, batch, logit_rows, segments)))
-            return super().forward(ids, positions, cache, cache_rows, batch, logit_rows, segments)
+            return super().forward(ids, positions, cache, cache_rows, batch, logit_rows, segments, facts)
 
 
 def _first_layer(weights: dict, config) -> dict:
