@@ -175,6 +175,11 @@ class DrawFacts:
     table: torch.Tensor  # [rows, 3] int64
     stamp: int = 0
 
+    @classmethod
+    def blank(cls, rows: int, stamp: int) -> DrawFacts:
+        """A table for `rows` logits rows that no forward has written (stamp 0 in every row)."""
+        return cls(torch.zeros(rows, 3, dtype=torch.int64), stamp)
+
 
 class BuiltStack(NamedTuple):
     """A model's layers as one C++ object (layer_stack), with the backend and the layers it was built from: it runs

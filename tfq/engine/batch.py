@@ -106,7 +106,7 @@ class DecodeRows:
         key = (arithmetic, tuple(self._holds(f) for f in feeds))
         if key != self.key:  # () at first: no forward's key
             self.kept, self.key = step_rows(self.cache, feeds, arithmetic), key
-            self.kept.facts = DrawFacts(torch.zeros(len(feeds), 3, dtype=torch.int64), self.stamp)
+            self.kept.facts = DrawFacts.blank(len(feeds), self.stamp)
             d = self.kept.batch.decode
             self._ids, self._positions, self._rows, self._lengths, self._facts = (t.numpy() for t in (
                 self.kept.ids, self.kept.positions, self.kept.cache_rows, d.lengths, self.kept.facts.table))

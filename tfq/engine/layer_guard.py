@@ -350,7 +350,7 @@ class _Bench:
                     head = _Tap(keep_logits, record, prefix)
                     head(HEAD_BY_OPS, model.logits(x.index_select(0, s.logit_rows)))
                     self.restore()
-                    facts = DrawFacts(torch.zeros(s.logit_rows.shape[0], 3, dtype=torch.int64), 1)
+                    facts = DrawFacts.blank(s.logit_rows.shape[0], 1)
                     logits = head(STACKED_HEAD, model.run_stack(stack, [layer], x0, inputs, s.segments, s.logit_rows,
                                                                 facts))
                     head(STACKED_FACTS, facts.table[:, :2].clone())
