@@ -141,6 +141,7 @@ def forward(model, cache: KVCache, feeds: list[Feed], arithmetic: Arithmetic = A
     """Run every feed in one forward (cache first), in `arithmetic`; returns each feed's logits rows
     [logits, vocab]. `kept`: the runner's decode tables, rewritten in place where they serve."""
     s = kept.rows(feeds, arithmetic) if kept is not None else step_rows(cache, feeds, arithmetic)
+    cache.ahead.before(s.cache_rows.numpy())
     logits = model.forward(s.ids, s.positions, cache, s.cache_rows, s.batch, s.logit_rows, s.segments, s.facts)
     return [logits] if len(s.counts) == 1 else list(logits.split(s.counts))  # split: tens of us a step at one lane
 

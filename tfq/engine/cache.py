@@ -12,7 +12,6 @@ scratch; a draft verify keeps the state from before its rows and their inputs, s
 """
 from __future__ import annotations
 
-import mmap
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -20,6 +19,7 @@ import numpy as np
 import torch
 
 from tfq.engine.pages import PagePool, Placement
+from tfq.engine.resident import Ahead, zeros_as_written
 from tfq.kernels.attention import tile_count
 from tfq.kernels.contract import CACHE_DTYPES, KEY_TILE
 from tfq.kernels.delta import NONE
@@ -41,20 +41,6 @@ class CacheSpec:
     snapshots: int = 0  # a hybrid with a prefix cache: states kept at full page boundaries (prefix_snapshots)
 
 
-def zeros_as_written(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zeros whose memory becomes resident as rows are written: on the CPU an anonymous mapping, whose pages the OS
-    hands out zeroed on first touch, instead of zeros filled up front (a 4,096-row window a chat fills a hundred
-    rows of costs those rows). The values are zeros either way."""
-    if torch.device(device).type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    count = int(np.prod(shape))
-    if count == 0:
-        return torch.zeros(shape, dtype=dtype)
-    # private: a forked process gets its own copy, as it would of torch's memory (page-aligned; the tensor holds it)
-    pages = mmap.mmap(-1, count * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)
-
-
 class KVCache:
     def __init__(self, config: ModelConfig, spec: CacheSpec, *, page_order_seed: int | None = None, backend=None,
                  prefix=None, snapshot_offset: int = 0):
@@ -73,6 +59,7 @@ class KVCache:
         layers = len(config.attention_layers)
         self.k = [zeros_as_written(shape, self.dtype, dev) for _ in range(layers)]
         self.v = [zeros_as_written(shape, self.dtype, dev) for _ in range(layers)]
+        self.ahead = Ahead(self.k + self.v)  # a forward's rows resident before it writes them (its one caller)
         self.state = StateCache(config, s.slots or s.lanes, s.verify_rows, s.snapshots) if config.hybrid else None
         if self.state is not None and s.snapshots and prefix is not None:
             self.pages.keep_states(self.state, snapshot_offset)

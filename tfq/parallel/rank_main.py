@@ -67,6 +67,7 @@ def serve_rank(rank: int, world: int, store_host: str, port: int, device: str, s
                 from tfq.engine.cache import KVCache
 
                 caches[cache] = KVCache(model.config, spec, backend=model.backend)
+            caches[cache].ahead.before(args[2].numpy())  # its cache rows resident first, as rank 0's forward does
             model.forward(*args[:2], caches[cache], *args[2:])
         except Exception:  # noqa: BLE001 - the group cannot go on without this rank: say why, then stop
             traceback.print_exc()
