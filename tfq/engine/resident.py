@@ -6,7 +6,8 @@ A page taken by a fault inside a kernel is dear, though: 3 to 9 us a page on a 2
 and a decode step of a 14B model starts a page in each of its 80 stores every token (a row of 8 heads of 128 floats
 is a page). So before a forward the chunks of rows it writes that are not resident yet are taken in one call a
 store (`Ahead`: Linux's madvise(MADV_POPULATE_WRITE), about a third of a fault's cost a page): a store then holds
-at most a chunk (64 KiB) more than the rows written into it. The pages hold zeros either way: no value changes.
+at most a chunk (64 KiB) more than its rows written, for each stream writing into it. The pages hold zeros either
+way: no value changes.
 """
 from __future__ import annotations
 
@@ -70,4 +71,3 @@ class Ahead:
                 if start < size and self.madvise(address + start, min(end, size) - start, MADV_POPULATE_WRITE):
                     self.madvise = None  # refused (a kernel before 5.14): faults take the pages, as before
                     return
-
