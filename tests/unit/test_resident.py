@@ -94,10 +94,7 @@ def test_a_chats_stores_hold_the_chunks_of_its_rows():
         cache = engine.runner.cache
         if not ahead_on:
             cache.ahead.madvise = None
-        for n, t in ((40, 30), (70, 12), (5, 60)):
-            engine.add(Request(tuple(range(1, n + 1)), max_tokens=t))
-        while engine.has_work():
-            engine.step()
+        engine.generate([Request(tuple(range(1, n + 1)), max_tokens=t) for n, t in ((40, 30), (70, 12), (5, 60))])
         return cache
 
     cache = chats(True)

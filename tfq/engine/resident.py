@@ -55,6 +55,7 @@ class Ahead:
         self.stores = [(t.data_ptr(), t.nbytes) for t in stores if t.device.type == "cpu" and t.nbytes]
         self.row_bytes = stores[0].nbytes // stores[0].shape[0] if self.stores else 0
         self.rows = max(1, CHUNK_BYTES // max(1, self.row_bytes))  # rows a chunk
+        self.span = self.rows * self.row_bytes  # a chunk's bytes
         self.taken: set[int] = set()  # chunks made resident
         self.madvise = _madvise() if self.stores else None
 
@@ -65,8 +66,8 @@ class Ahead:
         for chunk in {r // self.rows for r in rows.tolist()} - self.taken:  # a decode step: one row a lane
             self.taken.add(chunk)
             page = mmap.PAGESIZE
-            start = chunk * self.rows * self.row_bytes // page * page
-            end = -(-(chunk + 1) * self.rows * self.row_bytes // page) * page
+            start = chunk * self.span // page * page
+            end = -(-(chunk + 1) * self.span // page) * page
             for address, size in self.stores:
                 if start < size and self.madvise(address + start, min(end, size) - start, MADV_POPULATE_WRITE):
                     self.madvise = None  # refused (a kernel before 5.14): faults take the pages, as before
