@@ -4,6 +4,9 @@ random weights through the engine's linear layer, at a few row counts, in each a
 
     python benchmarks/linear_shapes.py --rows 1,4,8 --weights fp32,Q4_K,Q5_0,Q5_K,Q6_K,Q8_0,Q8_0-q8
 
+`--shape qwen3-14b` (or another dense shape of benchmarks/write_shape.py) takes that model's widths instead: a
+14B's layer reads 16 times the default's bytes, so take a few `--layers`.
+
 `fp32` is the fp32 panels; a GGUF type name (Q4_K, Q5_0, Q5_K, Q6_K, Q8_0, Q4_0, ...) is every matrix in that
 format with random blocks (tfq.proofs.kernel_check_rowwise.random_blocks), computed by the `gguf` recipe (the
 dequantized fp32 model's bits; a K format's rows of 896 inputs grow to 1,024, whole super blocks); a `-q8`
@@ -27,6 +30,20 @@ import torch
 
 SHAPES = {"qkv": (1152, 896), "o": (896, 896), "gate_up": (9728, 896), "down": (896, 4864)}
 HEAD = (151936, 896)
+
+
+def widths(shape: str) -> tuple[dict[str, tuple[int, int]], tuple[int, int]]:
+    """A step's layers ([out, in] by name) and head: the default model's, or a dense shape of write_shape.py's."""
+    if shape == "default":
+        return SHAPES, HEAD
+    from write_shape import SHAPES as MODELS  # this folder's, beside this script
+
+    if MODELS.get(shape, ("",))[0] != "qwen3":
+        raise SystemExit(f"--shape {shape!r}: name default or a dense shape of write_shape.py: "
+                         + ", ".join(n for n, s in MODELS.items() if s[0] == "qwen3"))
+    _, _, hidden, heads, kv, dim, ffn, vocab = MODELS[shape]
+    return ({"qkv": ((heads + 2 * kv) * dim, hidden), "o": (hidden, heads * dim), "gate_up": (2 * ffn, hidden),
+             "down": (hidden, ffn)}, (vocab, hidden))
 
 
 def make_linear(weights: str, n: int, k: int, rng: np.random.Generator):
@@ -102,11 +119,13 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4,8")
     ap.add_argument("--weights", default="fp32", help="comma-separated: fp32 or GGUF type names, -q8 for gguf-q8")
     ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--shape", default="default", help="default (the 0.5B's widths) or a dense write_shape.py shape")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", default=None)
     ap.add_argument("--prefetch", default=None, help="L1:L2 byte pairs for the -q8 kernels, e.g. 384:2048,4096:8192")
     a = ap.parse_args()
     pairs = [prefetch_pair(pair) for pair in a.prefetch.split(",")] if a.prefetch else []
+    shapes, head_shape = widths(a.shape)
     from tfq.bench.measure import measure_bandwidth
     from tfq.kernels.backend import torch_backend
 
@@ -116,8 +135,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     results = []
     for weights in a.weights.split(","):
-        layers = {name: [make_linear(weights, n, k, rng) for _ in range(a.layers)] for name, (n, k) in SHAPES.items()}
-        head = make_linear(weights, *HEAD, rng)
+        layers = {name: [make_linear(weights, n, k, rng) for _ in range(a.layers)] for name, (n, k) in shapes.items()}
+        head = make_linear(weights, *head_shape, rng)
         nbytes = step_bytes(layers, head)
         reaches = pairs if pairs and weights.endswith("-q8") else [None]
         for rows in (int(r) for r in a.rows.split(",")):
@@ -135,7 +154,7 @@ def main() -> None:
         del layers, head
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"threads": torch.get_num_threads(), "bandwidth": bandwidth, "layers": a.layers,
+            json.dump({"threads": torch.get_num_threads(), "bandwidth": bandwidth, "layers": a.layers, "shape": a.shape,
                        "results": results}, f, indent=1)
 
 
