@@ -20,7 +20,7 @@ import torch
 
 from served import TINY_PLAN, metrics, until
 from tfq.engine.core import Engine
-from tfq.engine.prefix_store import MAGIC, checksum
+from tfq.engine.prefix_store import MAGIC, PrefixStore, Shape, checksum
 from tfq.engine.stream import Request
 from tfq.plan.resolve import resolve_plan
 from tiny import CORPUS
@@ -148,6 +148,32 @@ def test_a_hybrid_keeps_its_states_on_disk_too_and_a_restart_resumes_from_them(t
     for f in tmp_path.rglob("*.state"):
         f.unlink()
     assert run(fresh("kv.prefix_cache=on", f"kv.prefix_store={tmp_path}"), p).reused == 0
+
+
+HANDED_OVER_THEN_EXIT = """
+import sys, torch
+from tfq.engine.prefix_store import PrefixStore, Shape
+shape = Shape.page(64, 4, 8, 128, torch.bfloat16)
+store = PrefixStore(sys.argv[1], bytes(16), [shape], 1 << 40)
+rows = [torch.full(t, i, dtype=torch.bfloat16) for i, t in enumerate(shape.tensors)]
+for key in range(int(sys.argv[2])):
+    store.save(key.to_bytes(16, "little"), rows)
+"""  # the process ends while its store's thread writes: that thread once aborted the exit, and lost the pages
+
+
+def test_a_process_that_ends_right_after_handing_pages_over_exits_cleanly_with_every_page_on_disk(tmp_path):
+    shape = Shape.page(64, 4, 8, 128, torch.bfloat16)
+    for folder in (tmp_path / str(n) for n in range(3)):  # the race lost the pages in every try, aborted in some
+        done = subprocess.run([sys.executable, "-c", HANDED_OVER_THEN_EXIT, str(folder), "60"], capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        store = PrefixStore(folder, bytes(16), [shape], 1 << 40)
+        for key in range(60):
+            rows = store.load(key.to_bytes(16, "little"))
+            assert rows is not None and all(torch.equal(r, torch.full_like(r, i)) for i, r in enumerate(rows))
+        store.close()
+    store.save(bytes(15) + b"\xff", rows)  # after close a page is not kept (no thread writes it)
+    assert not store.has(bytes(15) + b"\xff") and len(page_files(folder)) == 60
 
 
 def test_the_store_needs_the_prefix_cache(tiny_dirs, tiny_models, tmp_path):

@@ -263,6 +263,11 @@ class Engine:
         if self.streams[id].status is Status.FINISHED:
             del self.streams[id]
 
+    def close(self) -> None:
+        """The pages handed to the prefix store written to disk and its thread ended (also done at exit)."""
+        if self.pages.store is not None:
+            self.pages.store.close()
+
     def generate(self, requests: Sequence[Request], on_token: OnToken | None = None) -> list[Result]:
         """Run requests to the end; results in their order. on_token(request index, token id, new text)."""
         for r in requests:

@@ -9,10 +9,12 @@ its checksum must match its rows; anything else is ignored (one log line) and th
 
 Files are written to a temporary name and renamed (atomic), so several processes may share one folder; the folder
 is kept under a size bound by removing the least recently used files (a file read is touched). Writes go to a
-thread of their own from a copy of the page's rows, so a step never waits on the disk.
+thread of their own from a copy of the page's rows, so a step never waits on the disk; close() (and the process's
+exit) writes what is queued and ends that thread, since one still in torch when the interpreter ends aborts it.
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import logging
@@ -74,8 +76,10 @@ class PrefixStore:
             raise TfqError(f"kv.prefix_store {folder}: cannot use it ({e.strerror or e}); give a folder this process "
                            f"may write, or kv.prefix_store: off") from None
         self._queue: queue.Queue = queue.Queue(QUEUED)
+        self._closed = False
         self._writer = threading.Thread(target=self._write_loop, name="tfq-prefix-store", daemon=True)
         self._writer.start()
+        atexit.register(self.close)
 
     def path(self, key: bytes, kind: str = "page") -> Path:
         return self.folder / f"{key.hex()}.{kind}"
@@ -125,8 +129,8 @@ class PrefixStore:
     # -- writing ----------------------------------------------------------------------------------------------
     def save(self, key: bytes, tensors: list[torch.Tensor], kind: str = "page") -> None:
         """Keep a page's rows (or a state) under `key`: copied now, written by the store's thread; one already
-        kept is not written again."""
-        if self.has(key, kind):
+        kept is not written again, nor any after close()."""
+        if self._closed or self.has(key, kind):
             return
         copies = [t.detach().to("cpu", copy=True).contiguous() for t in tensors]
         try:
@@ -138,13 +142,23 @@ class PrefixStore:
         """Wait until every page handed over so far is on disk."""
         self._queue.join()
 
+    def close(self) -> None:
+        """Write every page handed over so far, then end the writing thread (the store keeps nothing after)."""
+        atexit.unregister(self.close)
+        self._closed = True
+        if self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join()
+
     def _write_loop(self) -> None:
         while True:
-            key, rows, kind = self._queue.get()
+            item = self._queue.get()
             try:
-                self._write(key, rows, kind)
+                if item is None:  # close(): what came before it is written
+                    return
+                self._write(*item)
             except Exception as e:  # the thread goes on: a page not kept is computed again later
-                log.warning("prefix store: cannot write %s %s in %s (%s)", kind, key.hex(), self.folder, e)
+                log.warning("prefix store: cannot write %s %s in %s (%s)", item[2], item[0].hex(), self.folder, e)
             finally:
                 self._queue.task_done()
 

@@ -114,12 +114,13 @@ class EngineLoop:
         self._watchdog.start()
 
     def stop(self) -> None:
-        """Abort what is left and end the thread (a stuck one is left behind: it is a daemon)."""
+        """Abort what is left and end the thread (a stuck one is left behind: it is a daemon), then the engine."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
         if self.dead is None:
             self._thread.join()
+        self.engine.close()
 
     def health(self) -> tuple[bool, dict]:
         """(serving, what /health says): the engine thread's state, and how long the step now running has run."""
