@@ -20,15 +20,15 @@ import platform
 from pathlib import Path
 
 SOURCES = ("linear.cpp", "attention.cpp", "rowwise.cpp", "layer.cpp", "quant.cpp", "quant_q8.cpp", "delta.cpp",
-           "delta_layer.cpp", "moe.cpp", "workers.cpp", "pool.cpp")
+           "delta_layer.cpp", "moe.cpp", "workers.cpp", "pool.cpp", "memory.cpp")
 HEADERS = ("lanes.h", "panel.h", "layer_parts.h", "attention_part.h", "moe_parts.h", "delta_part.h", "quant_blob.h",
-           "checks.h", "claims.h", "pool.h", "ops.h", "row_facts.h")
+           "checks.h", "claims.h", "pool.h", "ops.h", "row_facts.h", "memory.h")
 FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
 CHOICES = ("auto", "tfq", "torch")
 OPS = ("pack", "linear", "attend", "rms_norm", "silu", "layer", "qpack", "qcat", "qlinear", "deltanet",
        "gated_rms_norm", "sigmoid_gate", "delta_layer", "qpack_q8", "fma", "lanes", "moe_route",
        "moe_mixture", "stack_forward", "release_workers", "q8_prefetch", "qlinear_glu", "pool_counts",
-       "pool_release", "row_facts")
+       "pool_release", "row_facts", "lasting_blocks")
 EMULATED = "SSE2, fma emulated"  # lanes.h's path for x86-64 without FMA: the same bits, many times slower
 
 _state: dict[str, object] = {}  # once a process: "ok" -> bool, "why" -> str

@@ -276,7 +276,7 @@ class QuantLinear:
         self.kind = kinds.pop() if len(kinds) == 1 else "mixed"
         self.bits, self.nbytes = max(p.bits for p in parts), weight.nbytes()
         blobs = [pack(p) for p in parts]
-        self.panels = blobs[0] if len(blobs) == 1 else cpu_build.op("qcat")(blobs)
+        self.panels = cpu_build.op("qcat")(blobs)  # kept: a small one beside the others (kernels/cpu/memory.h)
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -206,12 +206,13 @@ def test_the_mixture_in_one_call_is_the_loops_bits(moe_dir):
 
 
 @pytest.mark.parametrize("activations", ["fp32", "q8"])
-def test_the_mixture_on_kept_blocks_is_the_loops_bits(activations):
-    """Experts kept in GGUF blocks (gate and up Q4_K, down Q6_K), with fp32 activations (`weights: gguf`) or 8-bit
-    ones (`gguf-q8`): the one-call mixture runs all their products in one parallel region (quant.cpp's and
-    quant_q8.cpp's linear_many); against each expert's layers called one by one in Python, at 1 to 100 rows (100:
-    more than the buffers the call keeps between calls hold) and at one again after it; the control hands the call
-    each expert's neighbour."""
+@pytest.mark.parametrize("inter, down", [(256, "Q6_K"), (384, "Q8_0")])
+def test_the_mixture_on_kept_blocks_is_the_loops_bits(activations, inter, down):
+    """Experts kept in GGUF blocks (gate and up Q4_K, down Q6_K or Q8_0), with fp32 activations (`weights: gguf`)
+    or 8-bit ones (`gguf-q8`): the one-call mixture runs all their products in one parallel region (quant.cpp's and
+    quant_q8.cpp's linear_many; a gate_up's panels in runs of 16, the last one shorter at 384 outputs); against
+    each expert's layers called one by one in Python, at 1 to 100 rows (100: more than the buffers the call keeps
+    between calls hold) and at one again after it; the control hands the call each expert's neighbour."""
     from test_quant import random_blocks
     from tfq.kernels import cpu_build
     from tfq.kernels.moe import mixture_fixed
@@ -221,11 +222,11 @@ def test_the_mixture_on_kept_blocks_is_the_loops_bits(activations):
 
     if not cpu_build.load()[0]:
         pytest.skip("tfq's CPU kernels did not build here")
-    hidden, inter, experts = 256, 256, 8
+    hidden, experts = 256, 8
     q = lambda kind, n, k, seed: from_blocks(kind, random_blocks(kind, n, k, seed), (n, k)).with_activations(  # noqa: E731
         activations)
     mix = MoE(None, [Expert(QuantLinear(join([q("Q4_K", inter, hidden, 3 * e), q("Q4_K", inter, hidden, 3 * e + 1)])),
-                            QuantLinear(q("Q6_K", hidden, inter, 3 * e + 2))) for e in range(experts)], 3, True)
+                            QuantLinear(q(down, hidden, inter, 3 * e + 2))) for e in range(experts)], 3, True)
     g = torch.Generator().manual_seed(7)
     for rows in (1, 3, 24, 100, 1):
         h = torch.randn(rows, hidden, generator=g)

@@ -148,6 +148,28 @@ def test_the_blob_is_the_files_size():
     assert f.panels.numel() == 64 + 128 * 1024 * 6 // 8
 
 
+def test_small_kept_blobs_lie_side_by_side_in_blocks_freed_with_their_last_blob():
+    """A blob under 2 MiB that a layer keeps (a mixture's expert) is carved from a block of 2 MiB pages shared with
+    the blobs kept before and after it (kernels/cpu/memory.h), 64-byte aligned; a block is freed with its last
+    blob. A lone blob of 2 MiB or more keeps its own pages: qcat hands it back as it is."""
+    blob = QuantLinear(from_blocks("Q4_K", random_blocks("Q4_K", 1024, 1024, seed=8), (1024, 1024))).panels
+    qcat, blocks = cpu_build.op("qcat"), cpu_build.op("lasting_blocks")
+    step = -(-blob.numel() // 64) * 64
+    before = blocks()
+    kept = [qcat([blob]) for _ in range(120)]  # 68 MB: at least two blocks of their own
+    starts = [k.data_ptr() for k in kept]
+    assert all(start % 64 == 0 for start in starts) and all(torch.equal(k, blob) for k in kept)
+    assert sum(b - a == step for a, b in zip(starts, starts[1:])) >= 110  # a new block only a few times
+    assert blocks() >= before + 2
+    last = kept.pop()
+    del kept
+    assert blocks() == before + 1  # the blocks only the others held are gone; the last blob's stays
+    del last
+    assert blocks() == before
+    big = QuantLinear(from_blocks("Q8_0", random_blocks("Q8_0", 2048, 1024, seed=9), (2048, 1024))).panels
+    assert big.numel() >= 2 << 20 and qcat([big]).data_ptr() == big.data_ptr()
+
+
 # -- through the model and the engine, on a tiny GGUF with the default model's types ------------------------
 
 @pytest.fixture(scope="module")

@@ -15,19 +15,15 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/from_blob.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cstdlib>
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
 
 #include "checks.h"
 #include "lanes.h"
 #include "ops.h"
 #include "pool.h"
+#include "memory.h"
 #include "panel.h"
 
 namespace {
@@ -235,20 +231,6 @@ at::Tensor tfq::ops::linear(const at::Tensor& x, const at::Tensor& panels, const
 }
 
 namespace tfq {
-
-at::Tensor weights_memory(int64_t bytes) {
-  const auto options = at::TensorOptions().dtype(at::kByte);
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr size_t HUGE = size_t(2) << 20;
-  const size_t n = static_cast<size_t>(bytes);
-  void* mem = nullptr;
-  if (n >= HUGE && posix_memalign(&mem, HUGE, n) == 0) {
-    madvise(mem, n / HUGE * HUGE, MADV_HUGEPAGE);  // advice only: without it the pages are small, same bits
-    return at::from_blob(mem, {bytes}, [](void* p) { std::free(p); }, options);
-  }
-#endif
-  return at::empty({bytes}, options);
-}
 
 void panel_rows_fp32(const float* x, int64_t M, int64_t K, const float* panel, const float* bias, float* y, int64_t N,
                      int64_t outputs) {

@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "lanes.h"
+#include "memory.h"
 #include "ops.h"
 #include "pool.h"
 #include "panel.h"
@@ -415,9 +416,11 @@ at::Tensor qpack(const at::Tensor& q, const at::Tensor& s, const c10::optional<a
   return blob;
 }
 
-// Blobs stacked by outputs into one layer (each keeps its segments and their formats)
+// Blobs stacked by outputs into the one a layer keeps (each keeps its segments and their formats), in
+// lasting_memory: a lone blob that has pages of its own is kept as it is, a smaller one moves into a shared block
 at::Tensor qcat(at::TensorList blobs) {
   TORCH_CHECK(!blobs.empty(), "tfq qcat: at least one blob");
+  if (blobs.size() == 1 && blobs[0].numel() >= tfq::HUGE_PAGE) return blobs[0];
   int64_t total = 0, k = -1;
   for (const at::Tensor& b : blobs) {
     const auto segs = segments_of(b);
@@ -425,7 +428,7 @@ at::Tensor qcat(at::TensorList blobs) {
     k = segs[0].h.k;
     total += b.numel();
   }
-  auto blob = tfq::weights_memory(total);
+  auto blob = tfq::lasting_memory(total);
   uint8_t* out = blob.data_ptr<uint8_t>();
   for (const at::Tensor& b : blobs) {
     std::memcpy(out, b.data_ptr<uint8_t>(), static_cast<size_t>(b.numel()));
