@@ -403,7 +403,8 @@ PanelFn with_bits(int bits) {
 PanelFn panel_fn(const Header& h) { return h.has_offset ? with_bits<true>(h.bits) : with_bits<false>(h.bits); }
 
 // Each segment's first panel among the blob's (and the panel count last), and its panel function
-std::pair<std::vector<int64_t>, std::vector<PanelFn>> panel_jobs(const std::vector<Segment>& segs) {
+using PanelJobs = std::pair<std::vector<int64_t>, std::vector<PanelFn>>;
+PanelJobs panel_jobs(const std::vector<Segment>& segs) {
   std::vector<int64_t> job_start{0};
   std::vector<PanelFn> fns;
   for (const Segment& s : segs) {
@@ -457,6 +458,27 @@ void silu_times_up(const float* gate, const float* up, int64_t M, int64_t runs, 
       tfq::vstore(y + m * I + i, tfq::vmul(tfq::vsilu(tfq::vload(gate + m * width + i)),
                                           tfq::vload(up + m * width + i)));
 }
+
+// silu(gate) * up of a run of `runs` panel pairs of a gate_up blob, from gate panel `first` (its up panels I / 16
+// after), at M rows into y (row stride I): the run's gate panels, then its up panels, into gate and up [M, runs * 16]
+void glu_run(const std::vector<Segment>& segs, const PanelJobs& jobs_of, const Rounded& rows, int64_t M, int64_t first,
+             int64_t runs, int64_t I, std::vector<float>& gate, std::vector<float>& up, float* y) {
+  const std::vector<int64_t>& job_start = jobs_of.first;
+  const int64_t width = runs * OUT;
+  gate.resize(static_cast<size_t>(M * width));
+  up.resize(gate.size());
+  for (int half = 0; half < 2; half++) {
+    size_t s = 0;
+    for (int64_t q = 0; q < runs; q++) {
+      const int64_t p = first + q + half * (I / OUT);
+      while (p >= job_start[s + 1]) s++;
+      const Segment& seg = segs[s];
+      jobs_of.second[s](seg.h, seg.panels + (p - job_start[s]) * seg.h.panel_bytes, rows, M, nullptr,
+                        (half ? up : gate).data() + q * OUT, width, OUT);
+    }
+  }
+  silu_times_up(gate.data(), up.data(), M, runs, y + first * OUT, I);
+}
 }  // namespace
 
 at::Tensor linear_glu(const at::Tensor& x, const at::Tensor& blob, int64_t I) {
@@ -468,30 +490,15 @@ at::Tensor linear_glu(const at::Tensor& x, const at::Tensor& blob, int64_t I) {
   auto y = tfq::pool::empty({M, I}, x.options());
   if (M == 0) return y;
   const Rounded rounded = round_rows(x.data_ptr<float>(), M, K);
-  const auto panels = panel_jobs(segs);  // named, not bound: the threads' lambda captures them
-  const std::vector<int64_t>& job_start = panels.first;
-  const std::vector<PanelFn>& fns = panels.second;
+  const PanelJobs jobs_of = panel_jobs(segs);
   float* yp = y.data_ptr<float>();
   // as `linear` takes panels, a run of gate panels and then the run of up panels I / 16 after them
   const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(CHUNK, pairs / 16));
   Claims claims(pairs, chunk, at::get_num_threads());
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<float> gate(static_cast<size_t>(chunk * OUT * M)), up(gate.size());  // [M, a run's outputs]
-    for (auto run = claims.next(); run.first < run.second; run = claims.next()) {
-      const int64_t p0 = run.first, runs = run.second - p0, width = runs * OUT;
-      for (int half = 0; half < 2; half++) {
-        size_t s = 0;
-        for (int64_t q = 0; q < runs; q++) {
-          const int64_t p = p0 + q + half * pairs;
-          while (p >= job_start[s + 1]) s++;
-          const Segment& seg = segs[s];
-          const int64_t local = p - job_start[s];
-          fns[s](seg.h, seg.panels + local * seg.h.panel_bytes, rounded, M, nullptr,
-                 (half ? up : gate).data() + q * OUT, width, OUT);
-        }
-      }
-      silu_times_up(gate.data(), up.data(), M, runs, yp + p0 * OUT, I);
-    }
+    std::vector<float> gate, up;  // [M, a run's outputs]
+    for (auto run = claims.next(); run.first < run.second; run = claims.next())
+      glu_run(segs, jobs_of, rounded, M, run.first, run.second - run.first, I, gate, up, yp);
   });
   return y;
 }
@@ -514,6 +521,7 @@ void linear_many_glu(const std::vector<quant::Product>& products, int64_t I) {
   std::vector<Rounded> rounded;  // the products' rows, rounded once for all their panels
   rounded.reserve(products.size());
   std::vector<const Rounded*> rows_of;  // each product's
+  std::vector<PanelJobs> jobs_of;  // each product's blob's panels
   struct Job {  // a run of gate panels and the run of up panels I / 16 after them, as linear_glu takes them
     size_t product;
     int64_t first, runs;  // the run's first gate panel in the blob, and its length
@@ -524,6 +532,7 @@ void linear_many_glu(const std::vector<quant::Product>& products, int64_t I) {
     TORCH_CHECK(glu_pairs(*products[i].segs, I), "tfq q8 linear_many_glu: gate_up blobs of 2 x ", I,
                 " outputs in whole panels");
     rows_of.push_back(rounded_for(products, i, rounded));
+    jobs_of.push_back(panel_jobs(*products[i].segs));
     for (int64_t j = 0; j < I / OUT; j += RUN) jobs.push_back({i, j, std::min(RUN, I / OUT - j)});
   }
   // contiguous runs of jobs, as linear_many
@@ -532,21 +541,7 @@ void linear_many_glu(const std::vector<quant::Product>& products, int64_t I) {
     for (int64_t j = j0; j < j1; j++) {
       const Job& job = jobs[j];
       const quant::Product& p = products[job.product];
-      const std::vector<Segment>& segs = *p.segs;
-      const int64_t width = job.runs * OUT;
-      gate.resize(static_cast<size_t>(p.M * width));
-      up.resize(gate.size());
-      for (int half = 0; half < 2; half++) {
-        for (int64_t q = 0; q < job.runs; q++) {
-          int64_t local = job.first + q + half * (I / OUT);  // the panel in the blob, then in its segment
-          size_t s = 0;
-          while (local >= segs[s].h.panels) local -= segs[s++].h.panels;
-          const Segment& seg = segs[s];
-          panel_fn(seg.h)(seg.h, seg.panels + local * seg.h.panel_bytes, *rows_of[job.product], p.M, nullptr,
-                          (half ? up : gate).data() + q * OUT, width, OUT);
-        }
-      }
-      silu_times_up(gate.data(), up.data(), p.M, job.runs, p.y + job.first * OUT, I);
+      glu_run(*p.segs, jobs_of[job.product], *rows_of[job.product], p.M, job.first, job.runs, I, gate, up, p.y);
     }
   });
 }

@@ -151,16 +151,15 @@ class PrefixStore:
             self._writer.join()
 
     def _write_loop(self) -> None:
-        while True:
-            item = self._queue.get()
+        while (item := self._queue.get()) is not None:  # None: close(), and what came before it is written
+            key, rows, kind = item
             try:
-                if item is None:  # close(): what came before it is written
-                    return
-                self._write(*item)
+                self._write(key, rows, kind)
             except Exception as e:  # the thread goes on: a page not kept is computed again later
-                log.warning("prefix store: cannot write %s %s in %s (%s)", item[2], item[0].hex(), self.folder, e)
+                log.warning("prefix store: cannot write %s %s in %s (%s)", kind, key.hex(), self.folder, e)
             finally:
                 self._queue.task_done()
+        self._queue.task_done()
 
     def _write(self, key: bytes, rows: list[torch.Tensor], kind: str) -> None:
         payload = b"".join(t.view(torch.uint8).numpy().tobytes() for t in rows)
