@@ -231,7 +231,8 @@ def _socket(host: str, port: int, case: Case) -> tuple[int, bytes]:
 
 # -- the reply that keeps streaming beside the cases --------------------------------------------------------
 class Beside:
-    """Streams greedy replies one after another on its own thread, noting when each token arrives."""
+    """Streams greedy replies one after another on its own thread, noting when each is asked for and when each of
+    its tokens arrives: a stall while one reply has ended and the next waits for its first token is a gap too."""
 
     def __init__(self, base: str):
         self.base = base
@@ -253,6 +254,7 @@ class Beside:
         while not self.stop.is_set():
             reply += 1
             conn = http.client.HTTPConnection(host, int(port), timeout=120)
+            self.arrivals.append((reply, time.perf_counter()))
             conn.request("POST", "/v1/completions", body=js({"model": NAME, "prompt": "def fibonacci(n):",
                                                               "max_tokens": 200, "temperature": 0, "stream": True}),
                          headers=JSON)
