@@ -4,6 +4,8 @@ in torch (tfq.kernels.quant_q8.reference) at every row count (thread counts: tes
 on them is exact by tfq's rule (together, paged, chunked, preempted: the bits of each stream alone)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -44,6 +46,21 @@ def test_q8_layer_is_the_recipe_at_every_row_count(q8, bias):
     for m in ROWS:  # tiles of up to 8 rows (4 on AVX2) and their remainders
         assert torch.equal(f(x[:m]), full[:m]), (q8.kind, m)
     assert torch.equal(f(x.flip(0)), full.flip(0)), q8.kind
+
+
+def test_offsets_beside_a_zero_take_their_own_tile():
+    """GGUF's formats with offsets have zero 0, and their tiles leave the zero out; a blob with both (MLX's 8 bits
+    keep zero -128) takes the tiles that count it. Q4_K's blocks with zero 8 and -128: the recipe, at every row
+    count, and not the bits of zero 0 (the control: a tile that dropped the zero would give those)."""
+    base = from_blocks("Q4_K", random_blocks("Q4_K", 48, 512, seed=7), (48, 512)).with_activations("q8")
+    x = awkward_rows(max(ROWS), 512)
+    plain = QuantLinear(base, None)(x)
+    for zero in (8, -128):
+        w = dataclasses.replace(base, zero=zero)
+        full = QuantLinear(w, None)(x)
+        assert torch.equal(full, reference(x, w, None)) and not torch.equal(full, plain), zero
+        for m in ROWS:
+            assert torch.equal(QuantLinear(w, None)(x[:m]), full[:m]), (zero, m)
 
 
 def test_the_prefetch_pair_is_set_and_restored_and_the_bits_stay(q8):

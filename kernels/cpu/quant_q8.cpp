@@ -84,9 +84,11 @@ inline B bshl(B x, int s) { return {_mm512_sll_epi16(x.a, _mm_cvtsi32_si128(s))}
 inline B bshr(B x, int s) { return {_mm512_srl_epi16(x.a, _mm_cvtsi32_si128(s))}; }
 struct I { __m512i a; };
 inline I izero() { return {_mm512_setzero_si512()}; }
-// acc + sum over each lane's 4 bytes of w (unsigned) times x4's 4 bytes (signed); `wide`: w may exceed 127
+// acc + sum over each lane's 4 bytes of w (unsigned) times the 4 bytes at p (signed); `wide`: w may exceed 127
 template <bool wide>
-inline I idot(I acc, B w, int32_t x4) {
+inline I idot(I acc, B w, const int8_t* p) {
+  int32_t x4;
+  std::memcpy(&x4, p, 4);
   const __m512i x = _mm512_set1_epi32(x4);
 #if defined(__AVX512VNNI__)
   return {_mm512_dpbusd_epi32(acc.a, w.a, x)};
@@ -102,7 +104,8 @@ inline I idot(I acc, B w, int32_t x4) {
   return {_mm512_add_epi32(acc.a, _mm512_madd_epi16(_mm512_maddubs_epi16(w.a, x), ones))};
 #endif
 }
-inline V tofloat(I v, int32_t minus) { return {_mm512_cvtepi32_ps(_mm512_sub_epi32(v.a, _mm512_set1_epi32(minus)))}; }
+inline I iset(int32_t v) { return {_mm512_set1_epi32(v)}; }
+inline V tofloat(I v) { return {_mm512_cvtepi32_ps(v.a)}; }
 #elif defined(__AVX2__)
 struct B { __m256i lo, hi; };
 inline B bload(const uint8_t* p) {
@@ -135,15 +138,17 @@ inline __m256i dot_half(__m256i acc, __m256i w, __m256i x, bool wide) {
   return _mm256_add_epi32(acc, _mm256_add_epi32(p, _mm256_slli_epi32(t, 7)));
 }
 template <bool wide>
-inline I idot(I acc, B w, int32_t x4) {
+inline I idot(I acc, B w, const int8_t* p) {
+  int32_t x4;
+  std::memcpy(&x4, p, 4);
   const __m256i x = _mm256_set1_epi32(x4);
   return {dot_half(acc.lo, w.lo, x, wide), dot_half(acc.hi, w.hi, x, wide)};
 }
-inline V tofloat(I v, int32_t minus) {
+inline I iset(int32_t v) { return {_mm256_set1_epi32(v), _mm256_set1_epi32(v)}; }
+inline V tofloat(I v) {
   alignas(64) float f[16];
-  const __m256i m = _mm256_set1_epi32(minus);
-  _mm256_storeu_ps(f, _mm256_cvtepi32_ps(_mm256_sub_epi32(v.lo, m)));
-  _mm256_storeu_ps(f + 8, _mm256_cvtepi32_ps(_mm256_sub_epi32(v.hi, m)));
+  _mm256_storeu_ps(f, _mm256_cvtepi32_ps(v.lo));
+  _mm256_storeu_ps(f + 8, _mm256_cvtepi32_ps(v.hi));
   return tfq::vload(f);
 }
 #else
@@ -170,16 +175,19 @@ inline B bshr(B x, int s) {
 struct I { int32_t v[16]; };
 inline I izero() { I r; for (auto& v : r.v) v = 0; return r; }
 template <bool wide>
-inline I idot(I acc, B w, int32_t x4) {
-  int8_t x[4];
-  std::memcpy(x, &x4, 4);
+inline I idot(I acc, B w, const int8_t* x) {
   for (int l = 0; l < 16; l++)
     for (int j = 0; j < 4; j++) acc.v[l] += static_cast<int32_t>(w.b[4 * l + j]) * x[j];
   return acc;
 }
-inline V tofloat(I v, int32_t minus) {
+inline I iset(int32_t v) {
+  I r;
+  for (auto& l : r.v) l = v;
+  return r;
+}
+inline V tofloat(I v) {
   alignas(64) float f[16];
-  for (int l = 0; l < 16; l++) f[l] = static_cast<float>(v.v[l] - minus);
+  for (int l = 0; l < 16; l++) f[l] = static_cast<float>(v.v[l]);
   return tfq::vload(f);
 }
 #endif
@@ -198,11 +206,13 @@ inline V int8s(const uint8_t* p) {
 #endif
 }
 
-// The activations rounded (step 1): q [M, K] int8, d [M, K / 32] fp32, and the sums of q by 16 and by 32
+// The activations rounded (step 1): q [M, K] int8, d [M, K / 32] fp32, and the sums of q by 16 and by 32, as
+// int32 and as fp32 (exact: |sum| <= 32 * 127), the latter for a tile to multiply straight from memory
 struct Rounded {
   std::vector<int8_t> q;
   std::vector<float> d;
   std::vector<int32_t> sums16, sums32;
+  std::vector<float> fsums16, fsums32;
 };
 
 // One block of 32 (step 1): its q, the sums of its halves' q (sums[0], sums[1]), and its d as the function's value. Vectors where the build has AVX-512: the
@@ -260,13 +270,17 @@ inline float round_block(const float* xb, int8_t* qb, int32_t* sums) {
 }
 
 Rounded round_rows(const float* x, int64_t M, int64_t K) {
+  const auto n16 = static_cast<size_t>(M * K / 16), n32 = static_cast<size_t>(M * K / 32);
   Rounded r{std::vector<int8_t>(static_cast<size_t>(M * K)), std::vector<float>(static_cast<size_t>(M * K / BLOCK)),
-            std::vector<int32_t>(static_cast<size_t>(M * K / 16)), std::vector<int32_t>(static_cast<size_t>(M * K / 32))};
+            std::vector<int32_t>(n16), std::vector<int32_t>(n32), std::vector<float>(n16), std::vector<float>(n32)};
   // a few rows round on the calling thread: a parallel region costs more than they do
   at::parallel_for(0, M * K / BLOCK, M <= TILE ? M * K / BLOCK : 64, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; b++) {
       r.d[b] = round_block(x + b * BLOCK, r.q.data() + b * BLOCK, r.sums16.data() + 2 * b);
       r.sums32[b] = r.sums16[2 * b] + r.sums16[2 * b + 1];
+      r.fsums16[2 * b] = static_cast<float>(r.sums16[2 * b]);
+      r.fsums16[2 * b + 1] = static_cast<float>(r.sums16[2 * b + 1]);
+      r.fsums32[b] = static_cast<float>(r.sums32[b]);
     }
   });
   return r;
@@ -297,8 +311,9 @@ inline Scales scales_at(const Header& h, const uint8_t* panel, int64_t g) {
   return r;
 }
 
-// Rows row0 .. row0 + R - 1 of one panel (steps 2 and 3); y and bias start at the panel's first output
-template <int BITS, bool OFF, int R>
+// Rows row0 .. row0 + R - 1 of one panel (steps 2 and 3); y and bias start at the panel's first output. ZERO: the
+// blob's zero may not be 0, so each integer starts at -zero * b (the same integer as subtracting it at the end)
+template <int BITS, bool OFF, bool ZERO, int R>
 void tile(const Header& h, const uint8_t* panel, const Rounded& x, int64_t row0, const float* bias, float* y,
           int64_t N, int64_t outputs) {
   constexpr int64_t G = BITS == 6 ? 16 : 32;  // GGUF's groups: Q6_K's 16, the others' 32
@@ -308,35 +323,33 @@ void tile(const Header& h, const uint8_t* panel, const Rounded& x, int64_t row0,
   const int32_t zero = h.zero;
   const int8_t* xq[R];
   const int32_t* xs[R];
-  const float* xd[R];
+  const float *xf[R], *xd[R];
   for (int i = 0; i < R; i++) {
     xq[i] = x.q.data() + (row0 + i) * K;
     xs[i] = (G == 16 ? x.sums16.data() : x.sums32.data()) + (row0 + i) * (K / G);
+    xf[i] = (G == 16 ? x.fsums16.data() : x.fsums32.data()) + (row0 + i) * (K / G);
     xd[i] = x.d.data() + (row0 + i) * (K / BLOCK);
   }
   V acc[R];
   for (int i = 0; i < R; i++) acc[i] = tfq::vzero();
   for (int64_t g = 0; g < K / G; g++) {
     const Scales sc = scales_at<OFF>(h, panel, g);
-    TFQ_PREFETCH(sc.ints - OUT * 2 + ahead);  // the group's scales, ahead
+    const uint8_t *near = sc.ints + ahead, *far = sc.ints + ahead_l2;  // one register each, not one per chunk
+    TFQ_PREFETCH(near - OUT * 2);  // the group's scales, ahead
     const int64_t k0 = g * G;
     I dot[R];
-    for (int i = 0; i < R; i++) dot[i] = izero();
+    for (int i = 0; i < R; i++) dot[i] = ZERO ? iset(-zero * xs[i][g]) : izero();
     B plane;
     if (BITS == 5 || BITS == 6) {
-      TFQ_PREFETCH(sc.ints + 64 * chunks + ahead);
+      TFQ_PREFETCH(near + 64 * chunks);
       plane = bload(sc.ints + 64 * chunks);
     }
     for (int c = 0; c < chunks; c++) {
-      TFQ_PREFETCH(sc.ints + 64 * c + ahead);
-      TFQ_PREFETCH_L2(sc.ints + 64 * c + ahead_l2);
+      TFQ_PREFETCH(near + 64 * c);
+      TFQ_PREFETCH_L2(far + 64 * c);
       const B a = bload(sc.ints + 64 * c);
       if (BITS == 8) {
-        for (int i = 0; i < R; i++) {
-          int32_t x4;
-          std::memcpy(&x4, xq[i] + k0 + 4 * c, 4);
-          dot[i] = idot<true>(dot[i], a, x4);
-        }
+        for (int i = 0; i < R; i++) dot[i] = idot<true>(dot[i], a, xq[i] + k0 + 4 * c);
         continue;
       }
       B lo = band(a, 15), hi = band(bshr(a, 4), 15);
@@ -347,17 +360,13 @@ void tile(const Header& h, const uint8_t* panel, const Rounded& x, int64_t row0,
         hi = bor(hi, band(bshr(plane, c * H), MASK));
       }
       for (int i = 0; i < R; i++) {  // each four bytes read apart: a broadcast from memory, not through a register
-        int32_t x4lo, x4hi;
-        std::memcpy(&x4lo, xq[i] + k0 + 8 * c, 4);
-        std::memcpy(&x4hi, xq[i] + k0 + 8 * c + 4, 4);
-        dot[i] = idot<false>(dot[i], lo, x4lo);
-        dot[i] = idot<false>(dot[i], hi, x4hi);
+        dot[i] = idot<false>(dot[i], lo, xq[i] + k0 + 8 * c);
+        dot[i] = idot<false>(dot[i], hi, xq[i] + k0 + 8 * c + 4);
       }
     }
     for (int i = 0; i < R; i++) {
-      const int32_t b = xs[i][g];
-      V t = tfq::vmul(sc.s, tofloat(dot[i], zero * b));
-      if (OFF) t = tfq::vadd(t, tfq::vmul(sc.o, tfq::vbroadcast(static_cast<float>(b))));
+      V t = tfq::vmul(sc.s, tofloat(dot[i]));
+      if (OFF) t = tfq::vadd(t, tfq::vmul(sc.o, tfq::vbroadcast(xf[i][g])));
       acc[i] = tfq::vadd(acc[i], tfq::vmul(tfq::vbroadcast(xd[i][k0 / BLOCK]), t));
     }
   }
@@ -368,21 +377,21 @@ void tile(const Header& h, const uint8_t* panel, const Rounded& x, int64_t row0,
   }
 }
 
-template <int BITS, bool OFF>
+template <int BITS, bool OFF, bool ZERO>
 void panel_rows(const Header& h, const uint8_t* panel, const Rounded& x, int64_t M, const float* bias, float* y,
                 int64_t N, int64_t outputs) {
   int64_t r = 0;
-  for (; r + TILE <= M; r += TILE) tile<BITS, OFF, TILE>(h, panel, x, r, bias, y, N, outputs);
+  for (; r + TILE <= M; r += TILE) tile<BITS, OFF, ZERO, TILE>(h, panel, x, r, bias, y, N, outputs);
   switch (M - r) {  // the rest, in one narrower tile
     case 0: break;
-    case 1: tile<BITS, OFF, 1>(h, panel, x, r, bias, y, N, outputs); break;
-    case 2: tile<BITS, OFF, 2>(h, panel, x, r, bias, y, N, outputs); break;
-    case 3: tile<BITS, OFF, 3>(h, panel, x, r, bias, y, N, outputs); break;
+    case 1: tile<BITS, OFF, ZERO, 1>(h, panel, x, r, bias, y, N, outputs); break;
+    case 2: tile<BITS, OFF, ZERO, 2>(h, panel, x, r, bias, y, N, outputs); break;
+    case 3: tile<BITS, OFF, ZERO, 3>(h, panel, x, r, bias, y, N, outputs); break;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    case 4: tile<BITS, OFF, 4>(h, panel, x, r, bias, y, N, outputs); break;
-    case 5: tile<BITS, OFF, 5>(h, panel, x, r, bias, y, N, outputs); break;
-    case 6: tile<BITS, OFF, 6>(h, panel, x, r, bias, y, N, outputs); break;
-    default: tile<BITS, OFF, 7>(h, panel, x, r, bias, y, N, outputs); break;
+    case 4: tile<BITS, OFF, ZERO, 4>(h, panel, x, r, bias, y, N, outputs); break;
+    case 5: tile<BITS, OFF, ZERO, 5>(h, panel, x, r, bias, y, N, outputs); break;
+    case 6: tile<BITS, OFF, ZERO, 6>(h, panel, x, r, bias, y, N, outputs); break;
+    default: tile<BITS, OFF, ZERO, 7>(h, panel, x, r, bias, y, N, outputs); break;
 #endif
   }
 }
@@ -390,17 +399,21 @@ void panel_rows(const Header& h, const uint8_t* panel, const Rounded& x, int64_t
 using PanelFn = void (*)(const Header&, const uint8_t*, const Rounded&, int64_t, const float*, float*, int64_t,
                          int64_t);
 
-template <bool OFF>
+template <bool OFF, bool ZERO>
 PanelFn with_bits(int bits) {
   switch (bits) {
-    case 4: return &panel_rows<4, OFF>;
-    case 5: return &panel_rows<5, OFF>;
-    case 6: return &panel_rows<6, OFF>;
-    default: return &panel_rows<8, OFF>;
+    case 4: return &panel_rows<4, OFF, ZERO>;
+    case 5: return &panel_rows<5, OFF, ZERO>;
+    case 6: return &panel_rows<6, OFF, ZERO>;
+    default: return &panel_rows<8, OFF, ZERO>;
   }
 }
 
-PanelFn panel_fn(const Header& h) { return h.has_offset ? with_bits<true>(h.bits) : with_bits<false>(h.bits); }
+// The formats with offsets have zero 0 (GGUF's K and _1 formats) but MLX's 8 bits (-128); the others a zero
+PanelFn panel_fn(const Header& h) {
+  if (!h.has_offset) return with_bits<false, true>(h.bits);
+  return h.zero == 0 ? with_bits<true, false>(h.bits) : with_bits<true, true>(h.bits);
+}
 
 // Each segment's first panel among the blob's (and the panel count last), and its panel function
 using PanelJobs = std::pair<std::vector<int64_t>, std::vector<PanelFn>>;
