@@ -29,6 +29,9 @@
 #include <torch/library.h>
 
 #include <atomic>
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
 #include <cfloat>
 #include <cmath>
 #include <cstring>
@@ -52,16 +55,20 @@ constexpr int64_t OUT = 16;    // outputs a panel
 constexpr int64_t BLOCK = 32;  // inputs sharing an activation scale
 constexpr float TINY = 7.8886091e-31f;  // 2^-100: a block below it is zero
 // Bytes a tile prefetches ahead of its stream, into L1 and into L2: a hint, never the bits. How far pays depends
-// on the core: near (384, 2,048) on a 2-core Zen 4, where 1,536 into L1 halved a large matrix's rate; far (4,096,
-// 8,192) on a 2-core Xeon VM with AVX-512 and AMX, 11-26% faster in every format there. Measured on those two
-// machines only (docs/quantized.md); other Intel cores take the Xeon's pair untested. `q8_prefetch` sets a pair for
-// the process (benchmarks/linear_shapes.py --prefetch). Atomics: a benchmark may set it while a kernel runs.
+// on the core: near (384, 2,048) on a 2-core Zen 4 (AMD's family 25), where 1,536 into L1 halved a large matrix's
+// rate; far (4,096, 8,192) on a 2-core Xeon VM with AVX-512 and AMX, 11-26% faster in every format there, and on a
+// 2-core Zen 5 (family 26), 1.2 times the near pair's pace at one row and 1.4 times at four. Measured on those
+// three machines only (docs/quantized.md); other Intel cores and later AMD families take the far pair untested,
+// earlier AMD families the near one. `q8_prefetch` sets a pair for the process (benchmarks/linear_shapes.py
+// --prefetch). Atomics: a benchmark may set it while a kernel runs.
 namespace {
 std::atomic<int64_t> reach_l1{384}, reach_l2{2048};
 [[maybe_unused]] const bool reach_chosen = [] {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_cpu_init();  // needed before __builtin_cpu_is during static initialisation
-  if (__builtin_cpu_is("intel")) reach_l1 = 4096, reach_l2 = 8192;
+  unsigned a = 0, b = 0, c = 0, d = 0, family = 0;
+  if (__get_cpuid(1, &a, &b, &c, &d)) family = ((a >> 8) & 0xF) == 0xF ? 0xF + ((a >> 20) & 0xFF) : (a >> 8) & 0xF;
+  if (__builtin_cpu_is("intel") || (__builtin_cpu_is("amd") && family >= 26)) reach_l1 = 4096, reach_l2 = 8192;
 #endif
   return true;
 }();
