@@ -24,6 +24,7 @@ from test_draft import RandomDrafter
 from tfq.decode.grammar import OwnCompile
 from tfq.engine.core import Controls
 from tfq.errors import Unservable
+from tfq.serve import background
 from tfq.serve.background import serving
 
 POISON = 666  # the seed of the request a fault is put in
@@ -238,17 +239,37 @@ def gone(base: str) -> bool:
         return True
 
 
-def dead_server(served, base: str, reason: str) -> None:
+@pytest.fixture
+def exit_held(monkeypatch):
+    """The server's own exit when its engine dies, held until the test sets this event: the exit comes at once, so
+    on a loaded machine it could come before dead_server has seen the 503s a dead engine's server answers."""
+    held = threading.Event()
+    real = background.uvicorn_server
+
+    def uvicorn_server(served, graceful_s: float):
+        server = real(served, graceful_s)
+        tell = served.loop.on_dead
+        served.loop.on_dead = lambda reason: threading.Thread(target=lambda: (held.wait(120), tell(reason)),
+                                                              daemon=True).start()
+        return server
+
+    monkeypatch.setattr(background, "uvicorn_server", uvicorn_server)
+    yield held
+    held.set()
+
+
+def dead_server(served, base: str, reason: str, exit_held: threading.Event) -> None:
     """The engine is dead: /health 503 with the reason, a new request 503, then the server stops by itself."""
     status, state = health(base)
     assert status == 503 and state["status"] == "unavailable" and reason in state["reason"]
     status, body = completion(base, 3)
     assert status == 503 and "the engine has stopped" in body["error"]["message"]
+    exit_held.set()
     assert eventually(lambda: gone(base))
     assert served.loop.dead and reason in served.loop.dead
 
 
-def test_forwards_failing_in_a_row_stop_the_server(tiny):
+def test_forwards_failing_in_a_row_stop_the_server(tiny, exit_held):
     served = server(tiny)
     failing_forwards(served.loop.engine, 10)
     with serving(served) as base:
@@ -258,10 +279,10 @@ def test_forwards_failing_in_a_row_stop_the_server(tiny):
         assert eventually(lambda: served.loop.dead)  # the third failure ends the engine
         m = idle(base)
         assert m["tfq_pages_free"] == POOL and m["tfq_lanes_busy"] == 0
-        dead_server(served, base, "3 forwards failed in a row")
+        dead_server(served, base, "3 forwards failed in a row", exit_held)
 
 
-def test_a_forward_that_leaves_the_engine_unservable_stops_the_server_at_once(tiny):
+def test_a_forward_that_leaves_the_engine_unservable_stops_the_server_at_once(tiny, exit_held):
     """A fault after which no forward can run (a tensor-parallel group torn down: tfq/parallel/ranks.py raises
     Unservable) ends the engine at its first forward, not the third."""
     served = server(tiny)
@@ -275,11 +296,11 @@ def test_a_forward_that_leaves_the_engine_unservable_stops_the_server_at_once(ti
         status, body = completion(base, 1)
         assert status == 500 and "a group torn down" in body["error"]["message"]
         assert eventually(lambda: served.loop.dead)
-        dead_server(served, base, "a group torn down")
+        dead_server(served, base, "a group torn down", exit_held)
     served.loop.engine.runner.run = real
 
 
-def test_a_loop_thread_that_dies_answers_its_requests_and_stops_the_server(tiny):
+def test_a_loop_thread_that_dies_answers_its_requests_and_stops_the_server(tiny, exit_held):
     served = server(tiny)
     loop = served.loop
     real = loop._observe
@@ -296,10 +317,10 @@ def test_a_loop_thread_that_dies_answers_its_requests_and_stops_the_server(tiny)
         assert eventually(lambda: not loop._thread.is_alive())
         engine = loop.engine
         assert engine.pages.unheld == POOL and all(lane is None for lane in engine.scheduler.lanes)
-        dead_server(served, base, "the engine loop failed")
+        dead_server(served, base, "the engine loop failed", exit_held)
 
 
-def test_a_loop_thread_ended_by_a_panic_answers_and_stops_the_server(tiny):
+def test_a_loop_thread_ended_by_a_panic_answers_and_stops_the_server(tiny, exit_held):
     """A BaseException (a Rust panic) out of a step ends the engine as any fault does: /health 503, requests
     answered, the server stops."""
     served = server(tiny)
@@ -311,19 +332,19 @@ def test_a_loop_thread_ended_by_a_panic_answers_and_stops_the_server(tiny):
     with serving(served) as base:
         status, body = completion(base, 1)
         assert status == 500 and "the engine loop failed: Panic" in body["error"]["message"]
-        dead_server(served, base, "the engine loop failed: Panic")
+        dead_server(served, base, "the engine loop failed: Panic", exit_held)
 
 
-def test_health_says_503_when_the_engine_thread_is_gone(tiny):
+def test_health_says_503_when_the_engine_thread_is_gone(tiny, exit_held):
     """Whatever ends the engine's thread, /health looks at the thread itself, not only at what it was told."""
     served = server(tiny)
     served.loop._loop = lambda: None  # the thread ends at once, telling nobody
     with serving(served) as base:
         assert eventually(lambda: not served.loop._thread.is_alive())
-        dead_server(served, base, "the engine thread has ended")
+        dead_server(served, base, "the engine thread has ended", exit_held)
 
 
-def test_a_stuck_step_is_caught_by_the_watchdog(tiny):
+def test_a_stuck_step_is_caught_by_the_watchdog(tiny, exit_held):
     served = server(tiny, served={"stuck_after_s": 0.5})
     engine, release, entered = served.loop.engine, threading.Event(), threading.Event()
     real = engine.step
@@ -340,7 +361,7 @@ def test_a_stuck_step_is_caught_by_the_watchdog(tiny):
             status, body = completion(base, 1)
             assert entered.is_set()
             assert status == 500 and "one step has run for over 0.5 s" in body["error"]["message"]
-            dead_server(served, base, "one step has run for over 0.5 s")
+            dead_server(served, base, "one step has run for over 0.5 s", exit_held)
     finally:
         release.set()
 
