@@ -122,14 +122,17 @@ def build_report(bench: Bench, bandwidths: tuple[dict, dict], loads: tuple, wall
 def targets(rows: list[dict], peer: str = "hf", weights: str = "fp32") -> list[dict]:
     """The targets set for this machine, where the run measured what they need: against HF transformers
     (1.5x at one lane, 3x at eight) and against llama.cpp on the same weights (at least even, decode at
-    every lane count and prefill; on the GGUF's own blocks, decode at one lane 1.3x as the goal beyond), and
-    against ik_llama.cpp on the same file (the goal: ahead, decode and prefill at every lane count)."""
+    every lane count and prefill; on the GGUF's own blocks, decode at one lane 1.3x as the goal beyond; peak
+    memory at most the peer's plus 10%), and against ik_llama.cpp on the same file (the goal: ahead, decode and
+    prefill at every lane count; memory as llama.cpp's); a decode step of one lane no slower than one of more
+    lanes on the same weights. A target with `most` is met at or below its goal, the others at or above it."""
     by = {(r["lanes"], r["arm"]): r for r in rows}
     out = []
 
-    def add(what: str, value, goal: float) -> None:
+    def add(what: str, value, goal: float, most: bool = False) -> None:
         if value is not None:
-            out.append({"target": what, "value": value, "goal": goal, "met": value >= goal})
+            out.append({"target": what, "value": value, "goal": goal, "most": most,
+                        "met": value <= goal if most else value >= goal})
 
     def vs(lanes: int, key: str = "decode"):
         return (by[lanes, "whole"].get("vs_peer") or {}).get(key) if (lanes, "whole") in by else None
@@ -143,9 +146,17 @@ def targets(rows: list[dict], peer: str = "hf", weights: str = "fp32") -> list[d
             add(f"prefill at {lanes} lane{'s' * (lanes > 1)} vs {peer} on {on}", vs(lanes, "prefill"), 1.0)
         if weights in KEPT_GGUF and peer == "llama.cpp":
             add("decode at 1 lane vs llama.cpp on its GGUF file (goal)", vs(1), 1.3)
+        for lanes in sorted({n for n, arm in by if arm == "whole" and (n, "peer") in by}):
+            mine, theirs = by[lanes, "whole"]["peak_rss_bytes"], by[lanes, "peer"]["peak_rss_bytes"]
+            add(f"peak memory at {lanes} lane{'s' * (lanes > 1)} over {peer}'s", mine / theirs if theirs else None,
+                1.1, most=True)
     elif peer == "hf":
         add("decode at 1 lane vs the peer", vs(1), 1.5)
         add("decode at 8 lanes vs the peer", vs(8), 3.0)
+    one = by.get((1, "whole"), {}).get("step_s")
+    for lanes in sorted(n for n, arm in by if arm == "whole" and n > 1):
+        more = by[lanes, "whole"]["step_s"]
+        add(f"decode step at 1 lane over one at {lanes} lanes", one / more if one and more else None, 1.0, most=True)
     if (8, "whole") in by:
         if (1, "whole") in by and by[1, "whole"]["decode_tokens_per_s"] and by[8, "whole"]["decode_tokens_per_s"]:
             add("aggregate decode, 8 lanes / 1 lane",

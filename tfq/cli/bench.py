@@ -215,7 +215,8 @@ def _print_table(report: dict, console: Console) -> None:
         console.print(f"skipped: lanes {sk['lanes']} {sk['arm']}: {sk['why']}", highlight=False, style="dim")
     for g in report["targets"]:
         mark = "[green]met[/green]" if g["met"] else "[yellow]missed[/yellow]"
-        console.print(f"target: {g['target']}: {g['value']:.2f} (goal {g['goal']}) {mark}", highlight=False)
+        goal = f"at most {g['goal']}" if g.get("most") else g["goal"]
+        console.print(f"target: {g['target']}: {g['value']:.2f} (goal {goal}) {mark}", highlight=False)
 
 
 def _pairs(peer: dict | None) -> str:
