@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from test_one_call import SETTINGS, replies
+from tfq.engine.core import Engine, EngineSettings
+from tfq.engine.stream import Request
 from tfq.kernels import cpu_build
 
 pytestmark = pytest.mark.skipif(not cpu_build.built(), reason="tfq's CPU kernels are not built here")
@@ -34,6 +36,36 @@ def test_the_one_object_reuses_its_tensors_with_the_bits_of_the_ops(tiny_models,
             m.setattr(model, "stack", None)
             m.setattr(type(model), "runs_in_one_call", lambda self, layer: False)
             assert replies(model, SETTINGS[name]) == stacked
+
+
+def made_a_step(model, before_each: Callable[[], None], steps: int = 6) -> float:
+    """Tensors this thread's pool made (not handed out again) a decode step of one stream through the model's one
+    object, its slots first filled with tensors of other sizes held by Python (as a server's earlier requests leave
+    them)."""
+    engine = Engine(model, EngineSettings(window=64, lanes=1), eos_ids=())
+    engine.add(Request(tuple(range(3, 15)), max_tokens=steps + 4))
+    engine.step()  # the prompt, and the first draw
+    ops, g = cpu_build.ops(), torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        held = [ops.silu(torch.randn(1, 8 + n, generator=g)) for n in range(40)]
+    made = 0
+    for step in range(steps + 2):  # two steps to find the sizes the step takes again
+        made = counts()[1] if step == 2 else made
+        before_each()
+        engine.step()
+    assert len(held) == 40
+    return (counts()[1] - made) / steps
+
+
+def test_a_decode_step_makes_no_tensor_but_its_logits(tiny_models):
+    """A decode step of one stream holds several tensors of one size at once (a layer's residual, its norm, the
+    attention's output, the next sums); each is handed out again step after step, even with every slot of the pool
+    taken by tensors of other sizes: the step makes one tensor, the logits row that goes to Python. Control: the pool
+    forgotten before each step (pool_release) makes every tensor of the step, and the count says so."""
+    model = tiny_models["qwen3"].model
+    assert model.runs_as_stack()
+    assert made_a_step(model, lambda: None) <= 1
+    assert made_a_step(model, cpu_build.op("pool_release")) > 4 * len(model.layers)
 
 
 def held_outputs_intact(make: Callable[[int], torch.Tensor], calls: int = 100) -> bool:

@@ -11,6 +11,11 @@
 // A tensor handed to Python never comes back: its Python object, kept alive by the pool's reference after Python
 // drops it, still holds one; it is forgotten when its slot is wanted. Kept per thread (no lock), at most KEPT tensors
 // of at most LARGEST bytes each: a prompt's large rows go to at::empty as before.
+//
+// A tensor made goes to an open slot, else to the slot handed out longest ago: a decode step holds several tensors
+// of one size at once (a layer's residual, its norm, the attention's output, the next sums), and a new one must not
+// take the slot of one still held (it comes back when its holder lets go) while a prompt's sizes, unused since the
+// prefill, sit in others. Taking a held one's slot first missed two of every three tensors of a decode step.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -31,11 +36,12 @@ struct Entry {
   int64_t dim = -1;
   at::ScalarType dtype = at::kFloat;
   bool inference = false;  // made in inference mode: handed out only there (torch refuses its in-place ops outside)
+  int64_t used = 0;  // the pool's tick when it was last handed out
 };
 
 struct Pool {
   std::array<Entry, KEPT> entries;
-  int next = 0;  // where a new tensor replaces a free one when no slot is open: round robin
+  int64_t tick = 0;  // tensors handed out, made or again
   int64_t again = 0, made = 0;  // tensors handed out again, tensors made and kept (pool_counts)
 };
 
@@ -67,28 +73,22 @@ inline at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& options)
     return at::empty(sizes, options);
   const bool inference = c10::InferenceMode::is_enabled();
   Pool& p = mine();
-  int open = -1;  // a slot to keep a new tensor in: an empty one, else one whose tensor is held elsewhere
+  int open = 0;  // a slot to keep a new tensor in: an empty one, else the one handed out longest ago
   for (int i = 0; i < KEPT; i++) {  // the metadata is the entry's own: only a match's tensor is touched
     Entry& e = p.entries[i];
     if (!e.t.defined()) {
-      if (open < 0 || p.entries[open].t.defined()) open = i;
+      if (p.entries[open].t.defined()) open = i;
       continue;
     }
-    if (!same(e, sizes, dtype, inference)) continue;
-    if (!free_to_reuse(e.t)) {
-      if (open < 0) open = i;
-      continue;
-    }
+    if (p.entries[open].t.defined() && e.used < p.entries[open].used) open = i;
+    if (!same(e, sizes, dtype, inference) || !free_to_reuse(e.t)) continue;
     if (e.t.sizes() == sizes && e.t.is_contiguous() && e.t.storage_offset() == 0 &&
         static_cast<int64_t>(e.t.storage().nbytes()) >= bytes)
     {
       p.again++;
+      e.used = ++p.tick;
       return e.t;  // (sizes, layout and memory checked again: a holder may have resized it in place)
     }
-  }
-  if (open < 0) {  // every slot holds a free tensor of other sizes: replace them in turn
-    open = p.next;
-    p.next = (p.next + 1) % KEPT;
   }
   at::Tensor made = at::empty(sizes, options);
   Entry& e = p.entries[open];  // forgetting a tensor held elsewhere changes nothing for its holder
@@ -97,6 +97,7 @@ inline at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& options)
   for (int64_t i = 0; i < e.dim; i++) e.sizes[i] = sizes[i];
   e.dtype = dtype;
   e.inference = inference;
+  e.used = ++p.tick;
   p.made++;
   return made;
 }
