@@ -48,9 +48,11 @@ def made_a_step(model, before_each: Callable[[], None], steps: int = 6) -> float
     ops, g = cpu_build.ops(), torch.Generator().manual_seed(1)
     with torch.inference_mode():
         held = [ops.silu(torch.randn(1, 8 + n, generator=g)) for n in range(40)]
-    made = 0
-    for step in range(steps + 2):  # two steps to find the sizes the step takes again
-        made = counts()[1] if step == 2 else made
+    for _ in range(2):  # two steps to find the sizes a step takes again
+        before_each()
+        engine.step()
+    made = counts()[1]
+    for _ in range(steps):
         before_each()
         engine.step()
     assert len(held) == 40
