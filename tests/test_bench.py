@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,6 +32,13 @@ def keep_threads():
 
 def rows_by(report):
     return {(r["lanes"], r["arm"]): r for r in report["rows"]}
+
+
+def doc_row(path: Path) -> list[str]:
+    """benchmarks/bench_rows.py's row of a report, cell by cell."""
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_rows.py"), "--no-header", str(path)],
+                         capture_output=True, text=True, check=True).stdout
+    return [cell.strip() for cell in out.strip().strip("|").split("|")]
 
 
 def test_bench_beside_the_peer_writes_the_report(tiny_dirs, tmp_path, monkeypatch, capsys):
@@ -83,6 +92,14 @@ def test_bench_beside_the_peer_writes_the_report(tiny_dirs, tmp_path, monkeypatc
         assert 0 < b["rest_in_object_ms"] < b["rest_ms"]
         assert "breakdown_ms" not in rows[lanes, "partial"]
     assert "a whole decode step at 2 lanes" in out
+    # the docs' row of it: every figure present; the control, the same report without the peer's rows, has none of
+    # the peer's
+    cells = doc_row(path)
+    assert len(cells) == 11 and cells[0] == "bench" and not any("-" in cell.split() for cell in cells), cells
+    report["rows"] = [{**r, "vs_peer": None, "same_reply_as_peer": None} for r in report["rows"] if r["arm"] != "peer"]
+    (tmp_path / "alone.json").write_text(json.dumps(report))
+    alone = doc_row(tmp_path / "alone.json")
+    assert alone[2:5] == ["-", "**-**", "-"] and alone[7].endswith("/ -") and alone[10] == "-", alone
 
 
 def test_bench_without_a_peer(tiny_dirs, tmp_path, monkeypatch, capsys):

@@ -392,3 +392,39 @@ def test_the_gap_bound_catches_a_stall(tiny):
             stream.held_back = real
         assert status == 200
         assert max(beside.gaps(start, start + took)) > bound(GAP_BOUND_S, GAP_TOKENS, pace), pace
+
+
+
+def test_a_whole_response_is_built_off_the_event_loop(tiny, monkeypatch):
+    """A whole response's body is built off the event loop: held in its building until the reply beside it has had
+    20 more tokens, it lets that reply stream on. The control builds it on the loop, as before, where the building
+    sees a running loop (and does not wait: nothing would stream)."""
+    import asyncio
+
+    from fastapi.responses import JSONResponse
+
+    import tfq.serve.app as app
+
+    real, seen = app.text_choice, []
+
+    def held(*args, **kw):
+        try:
+            asyncio.get_running_loop()
+            seen.append("on the loop")
+        except RuntimeError:
+            have = len(beside.arrivals)
+            seen.append("streamed" if eventually(lambda: len(beside.arrivals) >= have + 20, 60) else "stalled")
+        return real(*args, **kw)
+
+    async def on_the_loop(build):
+        return JSONResponse(build())
+
+    monkeypatch.setattr(app, "text_choice", held)
+    for control in (False, True):
+        if control:
+            monkeypatch.setattr(app, "whole", on_the_loop)
+        with serving(server(tiny, api_keys=(KEY,))) as base, Beside(base) as beside:
+            beside.wait_tokens(3)
+            status, _ = send(base, Case("whole", 200, path="/v1/completions", body=js(TEXT)))
+        assert status == 200
+    assert seen == ["streamed", "on the loop"]
